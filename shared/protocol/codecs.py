@@ -1,0 +1,30 @@
+"""One codec per subject direction: what each subject may carry (see docs/PROTOCOL.md)."""
+
+from __future__ import annotations
+
+from shared.protocol.base import Ack, Codec, ErrorReply
+from shared.protocol.cache import CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
+from shared.protocol.registry import Heartbeat, InstanceDown
+from shared.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from shared.protocol.stream import ErrorEvent, TokenEvent
+from shared.protocol.work import CancelRequest, DecodeRequest, PrefillRequest
+
+SCHEDULE_REQUEST: Codec[ScheduleRequest] = Codec(ScheduleRequest)
+SCHEDULE_REPLY: Codec[ScheduleAccepted | ScheduleRejected | ErrorReply] = Codec(
+    ScheduleAccepted | ScheduleRejected | ErrorReply
+)
+PREFILL_REQUEST: Codec[PrefillRequest] = Codec(PrefillRequest)
+DECODE_REQUEST: Codec[DecodeRequest] = Codec(DecodeRequest)
+SUBMIT_REPLY: Codec[Ack | ErrorReply] = Codec(Ack | ErrorReply)
+CANCEL: Codec[CancelRequest] = Codec(CancelRequest)
+STREAM: Codec[TokenEvent | ErrorEvent] = Codec(TokenEvent | ErrorEvent)
+HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
+DOWN: Codec[InstanceDown] = Codec(InstanceDown)
+CACHE_PUT_START: Codec[PutStart] = Codec(PutStart)
+CACHE_PUT_PLAN: Codec[PutPlan | ErrorReply] = Codec(PutPlan | ErrorReply)
+CACHE_PUT_END: Codec[PutEnd] = Codec(PutEnd)
+CACHE_LOOKUP: Codec[Lookup] = Codec(Lookup)
+CACHE_LOOKUP_RESULT: Codec[LookupResult | ErrorReply] = Codec(LookupResult | ErrorReply)
+CACHE_RELEASE: Codec[Release] = Codec(Release)
+CACHE_ACK: Codec[CacheAck | ErrorReply] = Codec(CacheAck | ErrorReply)
+CACHE_REPORT: Codec[TransferReport] = Codec(TransferReport)

@@ -1,0 +1,178 @@
+"""Round trips of every message kind, and typed errors for everything that is not one."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared.protocol import (
+    Ack,
+    BlockLocation,
+    CancelRequest,
+    DecodeRequest,
+    ErrorCode,
+    ErrorEvent,
+    ErrorReply,
+    Heartbeat,
+    InstanceDown,
+    KVLocation,
+    Load,
+    PrefillRequest,
+    ProtocolError,
+    RejectReason,
+    Role,
+    SamplingParams,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
+    TokenEvent,
+    Usage,
+)
+from shared.protocol import codecs
+from shared.protocol.cache import (
+    BlockReplicas,
+    CacheAck,
+    Lookup,
+    LookupResult,
+    PutEnd,
+    PutPlan,
+    PutStart,
+    Release,
+    TransferReport,
+)
+
+SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop=("\n\n",), logprobs=True)
+LOC = BlockLocation(node="127.0.0.1:7000", offset=4096, size=2048, segment="seg0", key=b"\x01" * 32)
+TAIL = BlockLocation(node="127.0.0.1:7000", offset=8192, size=512)
+KV = KVLocation(block_size=4, num_tokens=6, blocks=(LOC,), partial=TAIL)
+
+CASES = [
+    (codecs.SCHEDULE_REQUEST, ScheduleRequest(
+        request_id="r-1", model="tiny", prompt_len=3, sampling=SAMPLING, deadline=1e9,
+        prompt_token_ids=(5, 6, 7), block_keys=(b"k" * 32,), tenant_salt="t1")),
+    (codecs.SCHEDULE_REPLY, ScheduleAccepted(
+        request_id="r-1", prefill_instance="p0", decode_instance="d0", predicted_ttft_ms=12.5)),
+    (codecs.SCHEDULE_REPLY, ScheduleRejected(
+        request_id="r-1", reason=RejectReason.NO_DECODE_INSTANCE, message="none", retry_after_s=2.0)),
+    (codecs.SCHEDULE_REPLY, ErrorReply(code=ErrorCode.BAD_REQUEST, message="bad", retryable=False)),
+    (codecs.PREFILL_REQUEST, PrefillRequest(
+        request_id="r-1", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, decode_instance="d0",
+        stream_subject="halfmoon.v1.stream.r-1", deadline=1e9)),
+    (codecs.DECODE_REQUEST, DecodeRequest(
+        request_id="r-1", prompt_token_ids=(1, 2, 3, 4, 5, 6), first_token_id=9, first_logprob=-0.25,
+        sampling=SAMPLING, kv=KV, stream_subject="halfmoon.v1.stream.r-1", prefill_instance="p0",
+        deadline=1e9, cached_tokens=4)),
+    (codecs.SUBMIT_REPLY, Ack(request_id="r-1", instance_id="p0")),
+    (codecs.CANCEL, CancelRequest(request_id="r-1", reason="client gone")),
+    (codecs.STREAM, TokenEvent(request_id="r-1", index=0, token_ids=(9,), logprobs=(-0.25,), instance_id="p0")),
+    (codecs.STREAM, TokenEvent(
+        request_id="r-1", index=1, token_ids=(4, 5), finish_reason="length",
+        usage=Usage(prompt_tokens=6, completion_tokens=3, cached_tokens=4))),
+    (codecs.STREAM, ErrorEvent(request_id="r-1", code=ErrorCode.INSTANCE_DOWN, message="d0 died")),
+    (codecs.HEARTBEAT, Heartbeat(
+        instance_id="d0", role=Role.DECODE, address="halfmoon.v1.decode.d0.submit",
+        load=Load(queue_len=1, running=4, free_kv_blocks=100, total_kv_blocks=128, tbt_ms=20.0),
+        timestamp=1.5, interval_s=0.5, draining=True, model="tiny")),
+    (codecs.DOWN, InstanceDown(instance_id="d0", role=Role.DECODE, reason="silent", timestamp=2.0)),
+    (codecs.CACHE_PUT_START, PutStart(writer="p0", keys=(b"a", b"b"), sizes=(10, 10))),
+    (codecs.CACHE_PUT_PLAN, PutPlan(placements=(LOC,), existing=(b"b",), expires=5.0)),
+    (codecs.CACHE_PUT_END, PutEnd(writer="p0", keys=(b"a",))),
+    (codecs.CACHE_LOOKUP, Lookup(keys=(b"a", b"b"), lease_s=3.0)),
+    (codecs.CACHE_LOOKUP_RESULT, LookupResult(
+        hits=(BlockReplicas(key=b"a", replicas=(LOC,)),), lease_id="l1", lease_expires=9.0)),
+    (codecs.CACHE_RELEASE, Release(lease_id="l1")),
+    (codecs.CACHE_ACK, CacheAck(count=1)),
+    (codecs.CACHE_REPORT, TransferReport(
+        node_id="t0", address="127.0.0.1:7000", capacity_bytes=1 << 20, used_bytes=2048,
+        added=(LOC,), removed=(b"z",), full=True)),
+]
+
+
+class TestRoundTrip:
+    @pytest.mark.parametrize(("codec", "message"), CASES, ids=lambda x: type(x).__name__)
+    def test_decode_of_encode_is_identity(self, codec, message):
+        decoded = codec.decode(codec.encode(message))
+        assert decoded == message
+        assert type(decoded) is type(message)
+
+    def test_every_codec_is_exercised(self):
+        names = {name for name in dir(codecs) if name.isupper()}
+        used = {name for name in names if any(getattr(codecs, name) is codec for codec, _ in CASES)}
+        assert used == names
+
+
+class TestTypedDecodeErrors:
+    def test_unknown_kind_on_a_subject(self):
+        data = codecs.HEARTBEAT.encode(CASES[-1][1])
+        with pytest.raises(ProtocolError) as info:
+            codecs.STREAM.decode(data)
+        assert info.value.code is ErrorCode.UNKNOWN_KIND
+        assert "transfer_report" in info.value.message
+
+    def test_future_version_is_refused_even_if_shape_matches(self):
+        raw = msgspec.msgpack.decode(codecs.CANCEL.encode(CancelRequest(request_id="r-1")))
+        raw["v"] = 2
+        with pytest.raises(ProtocolError) as info:
+            codecs.CANCEL.decode(msgspec.msgpack.encode(raw))
+        assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+    def test_future_version_with_new_shape_is_a_version_error_not_malformed(self):
+        raw = {"kind": "cancel", "v": 7, "request_ref": {"nested": True}}
+        with pytest.raises(ProtocolError) as info:
+            codecs.CANCEL.decode(msgspec.msgpack.encode(raw))
+        assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+    def test_garbage_bytes(self):
+        with pytest.raises(ProtocolError) as info:
+            codecs.SCHEDULE_REQUEST.decode(b"\xc1not msgpack")
+        assert info.value.code is ErrorCode.MALFORMED
+
+    def test_wrong_field_type_names_the_field(self):
+        raw = msgspec.msgpack.decode(codecs.CANCEL.encode(CancelRequest(request_id="r-1")))
+        raw["request_id"] = 12
+        with pytest.raises(ProtocolError) as info:
+            codecs.CANCEL.decode(msgspec.msgpack.encode(raw))
+        assert info.value.code is ErrorCode.MALFORMED
+        assert "request_id" in info.value.message
+
+    def test_invariant_violation_on_the_wire_is_malformed(self):
+        raw = msgspec.msgpack.decode(codecs.STREAM.encode(CASES[8][1]))
+        raw["logprobs"] = [-1.0, -2.0]
+        with pytest.raises(ProtocolError) as info:
+            codecs.STREAM.decode(msgspec.msgpack.encode(raw))
+        assert info.value.code is ErrorCode.MALFORMED
+        assert "logprobs" in info.value.message
+
+    def test_error_converts_to_reply(self):
+        reply = ProtocolError(ErrorCode.UNKNOWN_KIND, "x").to_reply()
+        assert codecs.SUBMIT_REPLY.decode(codecs.SUBMIT_REPLY.encode(reply)) == reply
+
+
+class TestInvariants:
+    def test_kv_location_needs_partial_block_iff_tail(self):
+        with pytest.raises(ValueError, match="partial"):
+            KVLocation(block_size=4, num_tokens=6, blocks=(LOC,))
+        with pytest.raises(ValueError, match="partial"):
+            KVLocation(block_size=4, num_tokens=4, blocks=(LOC,), partial=TAIL)
+        with pytest.raises(ValueError, match="full blocks"):
+            KVLocation(block_size=4, num_tokens=9, blocks=(LOC,), partial=TAIL)
+        assert KV.partial_tokens == 2
+
+    def test_decode_request_kv_must_cover_prompt(self):
+        with pytest.raises(ValueError, match="kv covers"):
+            DecodeRequest(request_id="r", prompt_token_ids=(1, 2), first_token_id=1, sampling=SAMPLING,
+                          kv=KV, stream_subject="s", prefill_instance="p", deadline=0.0)
+
+    def test_request_id_must_be_a_subject_token(self):
+        with pytest.raises(ValueError, match="subject token"):
+            CancelRequest(request_id="a.b")  # would route to a different subject
+        with pytest.raises(ValueError, match="subject token"):
+            ScheduleRequest(request_id="x>", model="m", prompt_len=1, sampling=SAMPLING, deadline=0.0)
+
+    def test_finish_reason_comes_with_usage(self):
+        with pytest.raises(ValueError, match="usage"):
+            TokenEvent(request_id="r", index=0, token_ids=(1,), finish_reason="stop")
+
+    def test_cached_tokens_bounded_by_prompt(self):
+        with pytest.raises(ValueError, match="cached_tokens"):
+            Usage(prompt_tokens=2, completion_tokens=1, cached_tokens=3)

@@ -1,0 +1,38 @@
+"""Subject naming: namespaced, versioned, and impossible to widen by accident."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import Subjects
+
+
+class TestSubjects:
+    def test_every_subject_is_under_namespace_and_version(self):
+        s = Subjects("team-a")
+        built = [s.schedule, s.prefill_submit("p0"), s.decode_submit("d0"), s.stream("r1"), s.heartbeat,
+                 s.down, s.cancel] + [s.cache(op) for op in ("put_start", "put_end", "lookup", "release", "report")]
+        assert all(subject.startswith("team-a.v1.") for subject in built)
+        assert len(set(built)) == len(built)
+        assert s.prefill_submit("p0") == "team-a.v1.prefill.p0.submit"
+        assert s.stream("r1") == "team-a.v1.stream.r1"
+
+    def test_two_namespaces_never_collide(self):
+        a, b = Subjects("a"), Subjects("b")
+        assert a.schedule != b.schedule and a.heartbeat != b.heartbeat
+
+    @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x>"])
+    def test_tokens_with_routing_characters_are_refused(self, bad):
+        with pytest.raises(ValueError):
+            Subjects().stream(bad)
+        with pytest.raises(ValueError):
+            Subjects().decode_submit(bad)
+
+    def test_dotted_namespace_is_allowed_but_wildcards_are_not(self):
+        assert Subjects("org.team").schedule == "org.team.v1.conductor.schedule"
+        with pytest.raises(ValueError):
+            Subjects("org.*")
+
+    def test_unknown_cache_operation(self):
+        with pytest.raises(ValueError, match="unknown cache operation"):
+            Subjects().cache("delete_everything")
