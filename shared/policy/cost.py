@@ -1,0 +1,156 @@
+"""Cost models the Conductor predicts with: prefill time, decode step time, KV transfer time.
+
+Prefill follows the paper's Equation 1: computing tokens ``p..n`` of a prompt whose first ``p``
+are cached costs ``l*(a*(n^2 - p^2)*d + b*(n - p)*d^2)`` FLOPs. With ``x = n - p`` new tokens,
+``n^2 - p^2 = x^2 + 2*x*p``, so time is a polynomial in (new, cached) with the features
+``[1, x, x^2, x*p]``; the coefficients are fitted by least squares from measurements.
+Decode is memory-bound: a step reads the weights once and every running request's KV, so its
+time is linear in (batch size, total context) with the features ``[1, b, C]``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+class CostModelError(ValueError):
+    """A cost model got unusable input (too few samples, negative sizes, non-finite values)."""
+
+
+def prefill_features(new_tokens: float, cached_tokens: float) -> tuple[float, ...]:
+    return (1.0, new_tokens, new_tokens * new_tokens, new_tokens * cached_tokens)
+
+
+def decode_features(batch_size: float, context_tokens: float) -> tuple[float, ...]:
+    return (1.0, batch_size, context_tokens)
+
+
+def _lstsq(rows: Sequence[tuple[float, ...]], targets: Sequence[float]) -> tuple[float, ...]:
+    a = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(targets, dtype=np.float64)
+    if a.ndim != 2 or len(a) < a.shape[1]:
+        raise CostModelError(f"need at least {a.shape[-1]} samples to fit, got {len(a)}")
+    if not (np.isfinite(a).all() and np.isfinite(y).all()):
+        raise CostModelError("samples must be finite")
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return tuple(float(c) for c in coef)
+
+
+class PrefillCostModel(NamedTuple):
+    """Seconds to prefill ``new`` tokens on top of ``cached`` reused ones (features ``[1, x, x^2, x*p]``)."""
+
+    coef: tuple[float, float, float, float]
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[float, float, float]]) -> PrefillCostModel:
+        """Fit from ``(new_tokens, cached_tokens, seconds)`` measurements."""
+        rows, ys = [], []
+        for new, cached, seconds in samples:
+            if new < 0 or cached < 0 or seconds < 0:
+                raise CostModelError(f"negative prefill sample {(new, cached, seconds)}")
+            rows.append(prefill_features(new, cached))
+            ys.append(seconds)
+        return cls(_lstsq(rows, ys))  # type: ignore[arg-type]
+
+    def predict(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        c0, c1, c2, c3 = self.coef
+        return max(0.0, c0 + new_tokens * (c1 + c2 * new_tokens + c3 * cached_tokens))
+
+
+class DecodeCostModel(NamedTuple):
+    """Seconds per decode iteration for a batch of ``b`` requests holding ``C`` context tokens."""
+
+    coef: tuple[float, float, float]
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[float, float, float]]) -> DecodeCostModel:
+        """Fit from ``(batch_size, context_tokens, seconds)`` measurements."""
+        rows, ys = [], []
+        for batch, context, seconds in samples:
+            if batch < 0 or context < 0 or seconds < 0:
+                raise CostModelError(f"negative decode sample {(batch, context, seconds)}")
+            rows.append(decode_features(batch, context))
+            ys.append(seconds)
+        return cls(_lstsq(rows, ys))  # type: ignore[arg-type]
+
+    def predict(self, batch_size: float, context_tokens: float) -> float:
+        if batch_size <= 0:
+            return 0.0
+        c0, c1, c2 = self.coef
+        return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
+
+    @property
+    def per_context_token(self) -> float:
+        """Growth of the step time per extra context token (the batch adds ``b`` tokens per step)."""
+        return max(0.0, self.coef[2])
+
+
+class TransferModel(NamedTuple):
+    """Time to pull KV blocks between nodes: a per-batch latency plus bytes over bandwidth."""
+
+    bytes_per_token: float
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.latency_s + tokens * self.bytes_per_token / self.bandwidth_bytes_per_s
+
+
+class CostModels(NamedTuple):
+    prefill: PrefillCostModel
+    decode: DecodeCostModel
+    transfer: TransferModel
+
+
+class OnlineFitter:
+    """Refits a model from the latest measurements a live instance reports.
+
+    ``record`` keeps the last ``window`` samples; ``predict`` uses the prior model until
+    ``min_samples`` arrived, then a least-squares fit refreshed every ``refit_every`` records.
+    A refit that fails (degenerate samples) keeps the previous model.
+    """
+
+    def __init__(
+        self,
+        fit: Callable[[Iterable[tuple[float, float, float]]], PrefillCostModel | DecodeCostModel],
+        prior: PrefillCostModel | DecodeCostModel,
+        *,
+        window: int = 512,
+        min_samples: int = 16,
+        refit_every: int = 8,
+    ) -> None:
+        if window < min_samples or min_samples < 1 or refit_every < 1:
+            raise CostModelError("need window >= min_samples >= 1 and refit_every >= 1")
+        self._fit = fit
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._min = min_samples
+        self._every = refit_every
+        self._since_fit = 0
+        self.model = prior
+
+    def record(self, a: float, b: float, seconds: float) -> None:
+        """Add one measurement: (new, cached, s) for prefill or (batch, context, s) for decode."""
+        if not all(np.isfinite((a, b, seconds))) or min(a, b, seconds) < 0:
+            raise CostModelError(f"bad sample {(a, b, seconds)}")
+        self._samples.append((a, b, seconds))
+        self._since_fit += 1
+        if len(self._samples) >= self._min and self._since_fit >= self._every:
+            self._since_fit = 0
+            try:
+                self.model = self._fit(self._samples)
+            except CostModelError:
+                pass
+
+    def predict(self, a: float, b: float) -> float:
+        return self.model.predict(a, b)
+
+    def __len__(self) -> int:
+        return len(self._samples)

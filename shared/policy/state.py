@@ -1,0 +1,116 @@
+"""Snapshots of instance state that the live conductor and the simulator both fill.
+
+Policies read these and nothing else, so the same decision code runs against a live cluster
+and against simulated nodes. Locally cached blocks are not copied into each snapshot: the
+owner passes one ``BlockIndex`` (block key -> ids of the prefill instances holding it), which
+is what the cache-manager's lookup returns and what the simulator maintains incrementally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+BlockIndex = Mapping[Hashable, Collection[str]]
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives: TTFT in seconds, TBT (mean of the slowest 10% of intervals) in seconds."""
+
+    ttft_s: float = 30.0
+    tbt_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tbt_s > 0):
+            raise ValueError(f"SLO thresholds must be positive, got ttft={self.ttft_s} tbt={self.tbt_s}")
+
+
+class ScheduleRequest(NamedTuple):
+    """What the conductor knows about a request when it routes it."""
+
+    block_keys: tuple[Hashable, ...]
+    prompt_tokens: int
+    block_size: int
+
+    def cached_tokens(self, blocks: int) -> int:
+        """Tokens covered by a matched prefix of ``blocks`` blocks; one token is always computed."""
+        return min(blocks * self.block_size, self.prompt_tokens - 1) if self.prompt_tokens > 0 else 0
+
+
+class PrefillInstanceState(NamedTuple):
+    id: str
+    queue_seconds: float
+    queue_tokens: int = 0
+    recent_ttft: tuple[float, ...] = ()
+
+
+class DecodeWork(NamedTuple):
+    """One request on (or heading to) a decode instance, with the owner's expected times."""
+
+    context_tokens: int
+    starts_at: float
+    ends_at: float
+
+
+class DecodeInstanceState(NamedTuple):
+    """``batch_size``/``context_tokens`` describe the running batch now; ``work`` lists running and
+    incoming requests with expected start/end times, for predicting the load at a later moment."""
+
+    id: str
+    batch_size: int
+    context_tokens: int
+    capacity_tokens: int
+    recent_tbt: tuple[float, ...] = ()
+    work: tuple[DecodeWork, ...] = ()
+
+    def load_at(self, t: float) -> tuple[int, int]:
+        """(batch size, context tokens) of the work expected to be running at time ``t``."""
+        batch = context = 0
+        for w in self.work:
+            if w.starts_at <= t < w.ends_at:
+                batch += 1
+                context += w.context_tokens
+        return batch, context
+
+    def earliest_end_after(self, t: float) -> float | None:
+        ends = [w.ends_at for w in self.work if w.ends_at > t]
+        return min(ends) if ends else None
+
+
+def slo_attainment(samples: Sequence[float], threshold: float) -> float:
+    """Share of recent samples within ``threshold``; 1.0 when there is no evidence of load."""
+    if not samples:
+        return 1.0
+    return sum(1 for s in samples if s <= threshold) / len(samples)
+
+
+def prefix_lengths(keys: Sequence[Hashable], index: BlockIndex, ids: Collection[str]) -> dict[str, int]:
+    """Matched prefix length in blocks for each instance id (absent ids matched nothing).
+
+    Walks the chain once, intersecting holder sets, so the cost is the total number of
+    holders met along the matched prefix rather than instances x blocks.
+    """
+    lengths: dict[str, int] = {}
+    alive = set(ids)
+    for i, key in enumerate(keys):
+        holders = index.get(key)
+        survivors = alive.intersection(holders) if holders else set()
+        if len(survivors) < len(alive):
+            for gone in alive - survivors:
+                lengths[gone] = i
+            alive = survivors
+        if not alive:
+            return lengths
+    for inst in alive:
+        lengths[inst] = len(keys)
+    return lengths
+
+
+def pool_prefix_length(keys: Sequence[Hashable], index: BlockIndex) -> int:
+    """Blocks of the longest prefix that the pool holds somewhere (any holder per block)."""
+    for i, key in enumerate(keys):
+        if not index.get(key):
+            return i
+    return len(keys)

@@ -1,0 +1,95 @@
+import pytest
+
+from shared.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
+from shared.policy.decode import SloAwareDecode
+from shared.policy.prefill import LocalCacheAwarePrefill
+from shared.policy.scheduler import KVCentricScheduler
+from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, ScheduleRequest
+
+SLO_50MS = SLO(ttft_s=30.0, tbt_s=0.050)
+
+
+def busy(id_: str, batch: int, context: int, ends_at: float = 100.0, capacity: int = 10**6, **kw) -> DecodeInstanceState:
+    work = tuple(DecodeWork(context // batch, 0.0, ends_at) for _ in range(batch)) if batch else ()
+    return DecodeInstanceState(id_, batch, context, capacity, work=work, **kw)
+
+
+class TestSloAwareDecode:
+    def test_slo_violating_instance_is_avoided(self, cost):
+        # a: 10 + 31 + 40 = 81 ms > 50 ms; b: 10 + 6 + 15 = 31 ms.
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        choice = decode.choose([busy("a", 30, 30_000), busy("b", 5, 5_000)], 10_000)
+        assert choice is not None and choice.instance_id == "b"
+        assert choice.predicted_tbt_s == pytest.approx(0.031)
+
+    def test_least_loaded_first_among_those_within_slo(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        lighter = busy("a", 2, 1_000)
+        heavier = busy("b", 10, 10_000)
+        assert decode.choose([heavier, lighter], 1_000).instance_id == "a"
+        # a recent record of violated TBT marks an instance as loaded even if its batch is small
+        flaky = lighter._replace(recent_tbt=(0.2, 0.01))
+        assert decode.choose([flaky, heavier], 1_000).instance_id == "b"
+
+    def test_capacity_is_a_hard_limit(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        assert decode.choose([busy("a", 1, 9_000, capacity=10_000)], 2_000) is None
+
+    def test_none_when_all_over_slo(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        assert decode.choose([busy("a", 40, 40_000), busy("b", 35, 30_000)], 1_000) is None
+
+
+class TestAdmission:
+    def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        pool = [busy("a", 40, 40_000, ends_at=12.0)]
+        verdict = EarlyRejection(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0)
+        assert not verdict.accepted and verdict.reason == "decode_overloaded"
+        assert verdict.retry_after_s == pytest.approx(12.0)
+        assert NoAdmission(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0).accepted
+
+    def test_prediction_accepts_when_load_drains_before_prefill_ends(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        pool = [busy("a", 40, 40_000, ends_at=12.0)]
+        verdict = PredictiveEarlyRejection(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0)
+        assert verdict.accepted and verdict.decode.instance_id == "a"
+        assert verdict.decode.predicted_tbt_s == pytest.approx(0.012)
+
+    def test_prediction_rejects_overload_arriving_by_then(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        incoming = tuple(DecodeWork(1_000, 5.0, 60.0) for _ in range(40))
+        pool = [DecodeInstanceState("a", 0, 0, 10**6, work=incoming)]
+        assert EarlyRejection(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0).accepted
+        verdict = PredictiveEarlyRejection(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0)
+        assert not verdict.accepted and verdict.reason == "decode_overloaded_predicted"
+
+    def test_factory(self, cost):
+        decode = SloAwareDecode(cost.decode)
+        assert isinstance(make_admission("predictive", decode), PredictiveEarlyRejection)
+        with pytest.raises(ValueError):
+            make_admission("maybe", decode)
+
+
+class TestScheduler:
+    REQUEST = ScheduleRequest(tuple(f"k{i}" for i in range(10)), 1000, 100)
+
+    def test_predicted_overload_rejects_before_prefill(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), EarlyRejection(decode), SLO_50MS)
+        decision = sched.schedule(self.REQUEST, [PrefillInstanceState("p", 0.0)], [busy("d", 40, 40_000)], {}, 0.0)
+        assert not decision.accepted and decision.reason == "decode_overloaded"
+        assert decision.retry_after_s >= 1.0
+
+    def test_ttft_slo_rejection_with_retry_after(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), NoAdmission(decode), SLO_50MS)
+        decision = sched.schedule(self.REQUEST, [PrefillInstanceState("p", 40.0)], [busy("d", 1, 100)], {}, 0.0)
+        assert not decision.accepted and decision.reason == "ttft_slo"
+        assert decision.retry_after_s == pytest.approx(11.0)
+
+    def test_accepts_with_both_choices(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), PredictiveEarlyRejection(decode), SLO_50MS)
+        decision = sched.schedule(self.REQUEST, [PrefillInstanceState("p", 0.0)], [busy("d", 1, 100)], {}, 0.0)
+        assert decision.accepted and decision.prefill.instance_id == "p" and decision.decode.instance_id == "d"
