@@ -1,0 +1,69 @@
+"""The engine's one configuration object."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine; validated once, here.
+
+    ``kv_cache_blocks`` fixes the paged cache size; when 0 it is derived from
+    ``kv_cache_bytes``. ``max_num_batched_tokens`` is the per-step token budget shared
+    by decode tokens and prefill chunks; ``prefill_chunk_size`` caps one sequence's
+    share of it, so long prompts are computed in chunks.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_blocks: int = 0
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    max_model_len: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a local model directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_blocks < 0 or self.kv_cache_bytes < 0 or self.max_model_len < 0:
+            raise ValueError("cache sizes and max_model_len must not be negative")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError("prefill_chunk_size must not exceed max_num_batched_tokens")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @classmethod
+    def from_env(cls, model: str, **overrides: object) -> "EngineConfig":
+        """Defaults overridden by ``HALFMOON_ENGINE_<FIELD>`` variables, then by ``overrides``."""
+        values: dict[str, object] = {}
+        for name, field in cls.__dataclass_fields__.items():
+            raw = os.environ.get(f"HALFMOON_ENGINE_{name.upper()}")
+            if raw is not None and name != "model":
+                values[name] = raw if field.type == "str" else int(raw)
+        values.update(overrides)
+        return cls(model=model, **values)  # type: ignore[arg-type]
