@@ -1,0 +1,58 @@
+"""Placement policies: which prefill and decode instance serve a request. Pure code.
+
+The cache- and SLO-aware policy (shared/policy/) will implement the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from services.conductor.registry import InstanceView
+from shared.protocol.scheduling import RejectReason, ScheduleRequest
+
+
+class Placement(NamedTuple):
+    prefill: str
+    decode: str
+    predicted_ttft_ms: float | None = None
+
+
+class Rejection(NamedTuple):
+    reason: RejectReason
+    message: str
+
+
+class PlacementPolicy(ABC):
+    """Chooses a (prefill, decode) pair for ``request`` among live, non-draining candidates.
+
+    Contract: no I/O and no clock; the same inputs give the same answer. Returns a
+    :class:`Rejection` (never raises) when no acceptable pair exists, so the caller can
+    reject early instead of wasting prefill.
+    """
+
+    @abstractmethod
+    def place(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView]
+    ) -> Placement | Rejection: ...
+
+
+def _pending(view: InstanceView) -> int:
+    return view.load.queue_len + view.load.running + view.assigned
+
+
+class LeastLoaded(PlacementPolicy):
+    """Fewest queued + running + just-assigned requests; decode ties go to more free KV blocks,
+    remaining ties to the smallest instance id."""
+
+    def place(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView]
+    ) -> Placement | Rejection:
+        if not prefill:
+            return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
+        if not decode:
+            return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
+        p = min(prefill, key=lambda v: (_pending(v), v.instance_id))
+        d = min(decode, key=lambda v: (_pending(v), -v.load.free_kv_blocks, v.instance_id))
+        return Placement(p.instance_id, d.instance_id)

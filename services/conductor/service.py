@@ -1,0 +1,98 @@
+"""The conductor: live instance set from heartbeats, and ScheduleRequest -> a prefill/decode pair."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import TracerProvider
+
+from services.conductor.placement import LeastLoaded, Placement, PlacementPolicy
+from services.conductor.registry import InstanceTable
+from shared.protocol import codecs
+from shared.protocol.base import Message
+from shared.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from shared.protocol.scheduling import RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from shared.service import Service, ServiceConfig
+
+
+@dataclass(frozen=True)
+class ConductorConfig(ServiceConfig):
+    instance_timeout_s: float = field(default=3.0, metadata={"help": "drop an instance silent this long"})
+    sweep_interval_s: float = field(default=0.25, metadata={"help": "how often to look for silent instances"})
+    retry_after_s: float = field(default=1.0, metadata={"help": "Retry-After suggested on rejection"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("instance_timeout_s", "sweep_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+
+class ConductorService(Service[ConductorConfig]):
+    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice)."""
+
+    role = Role.CONDUCTOR
+    config_class = ConductorConfig
+
+    def __init__(self, config: ConductorConfig, tracer_provider: TracerProvider | None = None,
+                 policy: PlacementPolicy | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.table = InstanceTable(config.instance_timeout_s)
+        self.policy = policy or LeastLoaded()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def load(self) -> Load:
+        return Load(running=len(self.table))
+
+    async def start(self) -> None:
+        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self._on_heartbeat)
+        await self.listen(self.subjects.down, codecs.DOWN, self._on_down)
+        await self.serve(self.subjects.schedule, codecs.SCHEDULE_REQUEST, self._on_schedule,
+                         span_name="conductor.schedule", queue="conductor")
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="conductor-sweeper")
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat, _headers: Mapping[str, str]) -> None:
+        if self.table.observe(heartbeat, time.monotonic()):
+            self.log.info("instance up", extra={"instance": heartbeat.instance_id, "role": heartbeat.role.value})
+
+    async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
+        if down.reason != "silent" and self.table.remove(down.instance_id) is not None:
+            self.log.info("instance left", extra={"instance": down.instance_id, "reason": down.reason})
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            for gone in self.table.expire(time.monotonic()):
+                self.log.warning("instance silent; dropped", extra={"instance": gone.instance_id})
+                down = InstanceDown(instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time())
+                await self.publish(self.subjects.down, down)
+
+    async def _on_schedule(self, request: ScheduleRequest) -> Message:
+        if self.draining:
+            return self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
+        if request.deadline <= time.time():
+            return self._reject(request, RejectReason.DEADLINE, "deadline passed before scheduling")
+        choice = self.policy.place(request, self.table.candidates(Role.PREFILL), self.table.candidates(Role.DECODE))
+        if not isinstance(choice, Placement):
+            return self._reject(request, choice.reason, choice.message)
+        self.table.note_assigned(choice.prefill)
+        self.table.note_assigned(choice.decode)
+        return ScheduleAccepted(request_id=request.request_id, prefill_instance=choice.prefill,
+                                decode_instance=choice.decode, predicted_ttft_ms=choice.predicted_ttft_ms)
+
+    def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str) -> ScheduleRejected:
+        self.log.info("rejected", extra={"request_id": request.request_id, "reason": reason.value})
+        return ScheduleRejected(request_id=request.request_id, reason=reason, message=message,
+                                retry_after_s=self.config.retry_after_s)

@@ -1,0 +1,186 @@
+"""The conductor against a real NATS server and real heartbeating peers."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import msgspec
+import pytest
+
+from fake_instances import reporter_host, wait_until
+from services.conductor.service import ConductorConfig, ConductorService
+from shared.protocol import (
+    CancelRequest,
+    ErrorCode,
+    InstanceDown,
+    Load,
+    RejectReason,
+    RemoteError,
+    Role,
+    SamplingParams,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
+    Subjects,
+    codecs,
+)
+from shared.service import ServiceHost, request
+
+
+def schedule_request(rid: str = "r1", deadline_in: float = 30.0) -> ScheduleRequest:
+    return ScheduleRequest(request_id=rid, model="tiny", prompt_len=5, prompt_token_ids=(1, 2, 3, 4, 5),
+                           sampling=SamplingParams(max_tokens=4), deadline=time.time() + deadline_in)
+
+
+@pytest.fixture
+async def conductor(nats_server, namespace):
+    config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, instance_id="conductor-0",
+                             heartbeat_interval_s=0.1, instance_timeout_s=0.4, sweep_interval_s=0.05)
+    svc = ConductorService(config)
+    async with ServiceHost(svc):
+        yield svc
+
+
+async def schedule(nc, namespace, req=None):
+    return await request(nc, Subjects(namespace).schedule, req or schedule_request(), codecs.SCHEDULE_REPLY, timeout=5)
+
+
+class DownCollector:
+    def __init__(self) -> None:
+        self.events: list[InstanceDown] = []
+
+    async def subscribe(self, nc, namespace):
+        async def on_msg(msg):
+            self.events.append(codecs.DOWN.decode(msg.data))
+        await nc.subscribe(Subjects(namespace).down, cb=on_msg)
+        await nc.flush()
+        return self
+
+
+class TestChoosesLeastLoaded:
+    async def test_least_loaded_prefill_and_decode(self, conductor, nats_server, namespace, nc):
+        hosts = [
+            reporter_host(nats_server.url, namespace, "p-busy", Role.PREFILL, Load(queue_len=7)),
+            reporter_host(nats_server.url, namespace, "p-idle", Role.PREFILL, Load(queue_len=0, running=1)),
+            reporter_host(nats_server.url, namespace, "d-busy", Role.DECODE, Load(running=30, free_kv_blocks=10)),
+            reporter_host(nats_server.url, namespace, "d-idle", Role.DECODE, Load(running=2, free_kv_blocks=10)),
+        ]
+        for host in hosts:
+            await host.start()
+        try:
+            await wait_until(lambda: len(conductor.table.candidates(Role.DECODE)) == 2
+                             and len(conductor.table.candidates(Role.PREFILL)) == 2, what="4 instances registered")
+            reply = await schedule(nc, namespace)
+            assert isinstance(reply, ScheduleAccepted)
+            assert (reply.prefill_instance, reply.decode_instance) == ("p-idle", "d-idle")
+            # the load flips: the conductor follows the next heartbeats
+            hosts[0].service.current_load = Load()
+            hosts[1].service.current_load = Load(queue_len=9)
+            await wait_until(lambda: conductor.table.get("p-idle").load.queue_len == 9, what="new load seen")
+            assert (await schedule(nc, namespace, schedule_request("r2"))).prefill_instance == "p-busy"
+        finally:
+            for host in hosts:
+                await host.stop()
+
+
+class TestRejectsWithoutInstances:
+    async def test_no_instances_at_all(self, conductor, nc, namespace):
+        reply = await schedule(nc, namespace)
+        assert isinstance(reply, ScheduleRejected)
+        assert reply.reason is RejectReason.NO_PREFILL_INSTANCE and reply.retry_after_s > 0
+
+    async def test_prefill_but_no_decode(self, conductor, nats_server, namespace, nc):
+        async with reporter_host(nats_server.url, namespace, "p0", Role.PREFILL):
+            await wait_until(lambda: "p0" in conductor.table, what="p0 registered")
+            reply = await schedule(nc, namespace)
+        assert isinstance(reply, ScheduleRejected) and reply.reason is RejectReason.NO_DECODE_INSTANCE
+
+    async def test_deadline_already_passed(self, conductor, nc, namespace):
+        reply = await schedule(nc, namespace, schedule_request(deadline_in=-1))
+        assert isinstance(reply, ScheduleRejected) and reply.reason is RejectReason.DEADLINE
+
+
+class TestDropsSilentInstances:
+    async def test_crashed_instance_is_dropped_and_announced(self, conductor, nats_server, namespace, nc):
+        downs = await DownCollector().subscribe(nc, namespace)
+        survivor = reporter_host(nats_server.url, namespace, "p-ok", Role.PREFILL, Load(queue_len=5))
+        victim = reporter_host(nats_server.url, namespace, "p-crash", Role.PREFILL)
+        decode = reporter_host(nats_server.url, namespace, "d0", Role.DECODE)
+        for host in (survivor, victim, decode):
+            await host.start()
+        try:
+            await wait_until(lambda: len(conductor.table) >= 3, what="registration")
+            assert (await schedule(nc, namespace)).prefill_instance == "p-crash"
+            # crash: heartbeats stop and the connection vanishes without a goodbye
+            victim._beats.cancel()
+            await victim.service.nc.close()
+            await wait_until(lambda: any(d.instance_id == "p-crash" for d in downs.events), timeout_s=5,
+                             what="InstanceDown for p-crash")
+            down = next(d for d in downs.events if d.instance_id == "p-crash")
+            assert down.reason == "silent" and down.role is Role.PREFILL
+            assert "p-crash" not in conductor.table
+            assert (await schedule(nc, namespace, schedule_request("r2"))).prefill_instance == "p-ok"
+        finally:
+            await survivor.stop()
+            await decode.stop()
+
+    async def test_graceful_shutdown_removes_at_once(self, conductor, nats_server, namespace, nc):
+        downs = await DownCollector().subscribe(nc, namespace)
+        host = reporter_host(nats_server.url, namespace, "d0", Role.DECODE, interval_s=5.0)
+        await host.start()
+        await wait_until(lambda: "d0" in conductor.table, what="d0 registered")
+        await host.stop()
+        # heartbeat interval 5 s means expiry would take 15 s: this must come from the goodbye
+        await wait_until(lambda: "d0" not in conductor.table, timeout_s=2, what="d0 removed")
+        assert [(d.instance_id, d.reason) for d in downs.events] == [("d0", "shutdown")]
+
+    async def test_draining_instance_gets_no_new_work(self, conductor, nats_server, namespace, nc):
+        async with reporter_host(nats_server.url, namespace, "p0", Role.PREFILL), \
+                reporter_host(nats_server.url, namespace, "d0", Role.DECODE) as d0:
+            await wait_until(lambda: len(conductor.table.candidates(Role.DECODE)) == 1, what="d0 registered")
+            d0.service.draining = True
+            await wait_until(lambda: not conductor.table.candidates(Role.DECODE), what="draining seen")
+            reply = await schedule(nc, namespace)
+            assert isinstance(reply, ScheduleRejected) and reply.reason is RejectReason.NO_DECODE_INSTANCE
+
+
+class TestBadScheduleMessages:
+    async def test_garbage_gets_typed_error_and_service_goes_on(self, conductor, nc, namespace):
+        subject = Subjects(namespace).schedule
+        reply = codecs.SCHEDULE_REPLY.decode((await nc.request(subject, b"\x00garbage", timeout=5)).data)
+        assert reply.code is ErrorCode.MALFORMED
+        wrong = codecs.CANCEL.encode(CancelRequest(request_id="x"))
+        reply = codecs.SCHEDULE_REPLY.decode((await nc.request(subject, wrong, timeout=5)).data)
+        assert reply.code is ErrorCode.UNKNOWN_KIND
+        raw = msgspec.msgpack.decode(codecs.SCHEDULE_REQUEST.encode(schedule_request()))
+        raw["v"] = 99
+        reply = codecs.SCHEDULE_REPLY.decode((await nc.request(subject, msgspec.msgpack.encode(raw), timeout=5)).data)
+        assert reply.code is ErrorCode.UNSUPPORTED_VERSION
+        assert isinstance(await schedule(nc, namespace), ScheduleRejected)  # still serving
+
+    async def test_no_conductor_is_a_typed_unavailable(self, nc, namespace):
+        with pytest.raises(RemoteError) as info:
+            await schedule(nc, namespace)
+        assert info.value.code is ErrorCode.UNAVAILABLE
+
+
+class TestConductorProcess:
+    async def test_sigterm_drains_says_goodbye_and_exits_zero(self, nats_server, namespace, nc, processes):
+        beats: list = []
+        downs = await DownCollector().subscribe(nc, namespace)
+
+        async def on_beat(msg):
+            beats.append(codecs.HEARTBEAT.decode(msg.data))
+        await nc.subscribe(Subjects(namespace).heartbeat, cb=on_beat)
+        await nc.flush()
+        proc = processes.start(["-m", "services.conductor", "--nats-url", nats_server.url, "--namespace", namespace,
+                                "--instance-id", "cond-1", "--heartbeat-interval-s", "0.1"])
+        await wait_until(lambda: any(b.instance_id == "cond-1" for b in beats), timeout_s=30, what="conductor heartbeat")
+        assert beats[0].role is Role.CONDUCTOR
+        assert isinstance(await schedule(nc, namespace), ScheduleRejected)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert [(d.instance_id, d.reason) for d in downs.events] == [("cond-1", "shutdown")]
+        assert any(b.draining for b in beats if b.instance_id == "cond-1")
