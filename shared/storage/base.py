@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 Buffer = bytes | bytearray | memoryview
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, fastest first; demotion goes to the next higher value."""
+
+    DRAM = 0
+    NVME = 1
+    S3 = 2
 
 
 class StorageError(Exception):
@@ -61,6 +70,10 @@ class StorageTier(ABC):
 
     @abstractmethod
     async def list(self) -> list[bytes]: ...
+
+    @abstractmethod
+    async def sizes(self) -> dict[bytes, int]:
+        """Every stored key with its size in bytes (one listing, no reads)."""
 
     @abstractmethod
     async def usage(self) -> TierUsage: ...

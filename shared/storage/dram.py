@@ -63,6 +63,13 @@ class ShmTier(StorageTier):
         except KeyError:
             raise BlockNotFound([key]) from None
 
+    def find(self, key: bytes) -> Extent | None:
+        """The extent of a visible block, or None."""
+        return self._blocks.get(key)
+
+    def is_reserved(self, key: bytes) -> bool:
+        return key in self._pending
+
     def view(self, key: bytes) -> memoryview:
         """Zero-copy view of a stored block; valid until the block is deleted or overwritten."""
         return self.writable(self.locate(key))
@@ -101,6 +108,9 @@ class ShmTier(StorageTier):
 
     async def list(self) -> list[bytes]:
         return list(self._blocks)
+
+    async def sizes(self) -> dict[bytes, int]:
+        return {k: ext.size for k, ext in self._blocks.items()}
 
     async def usage(self) -> TierUsage:
         return TierUsage(self._alloc.used, self._alloc.capacity, len(self._blocks))

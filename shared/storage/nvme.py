@@ -76,11 +76,8 @@ class DirTier(StorageTier):
     async def list(self) -> list[bytes]:
         return list(self._sizes)
 
+    async def sizes(self) -> dict[bytes, int]:
+        return dict(self._sizes)
+
     async def usage(self) -> TierUsage:
         return TierUsage(self._used, self.capacity, len(self._sizes))
-
-    def size_of(self, key: bytes) -> int:
-        try:
-            return self._sizes[key]
-        except KeyError:
-            raise BlockNotFound([key]) from None

@@ -123,24 +123,31 @@ class S3Tier(StorageTier):
             return False
         return True
 
-    def _objects(self) -> list[tuple[bytes, int]]:
-        out = []
+    def _objects(self) -> dict[bytes, int]:
+        out = {}
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.config.bucket, Prefix=self.config.prefix
         )
         for page in pages:
             for obj in page.get("Contents", []):
                 suffix = obj["Key"][len(self.config.prefix) :]
-                if len(suffix) == 64:
-                    out.append((bytes.fromhex(suffix), obj["Size"]))
+                try:
+                    key = bytes.fromhex(suffix)
+                except ValueError:
+                    continue  # not a block of ours
+                if len(key) == 32:
+                    out[key] = obj["Size"]
         return out
 
     async def list(self) -> list[bytes]:
-        return [key for key, _ in await self._call(self._objects)]
+        return list(await self.sizes())
+
+    async def sizes(self) -> dict[bytes, int]:
+        return await self._call(self._objects)
 
     async def usage(self) -> TierUsage:
-        objects = await self._call(self._objects)
-        return TierUsage(sum(size for _, size in objects), self.config.capacity, len(objects))
+        objects = await self.sizes()
+        return TierUsage(sum(objects.values()), self.config.capacity, len(objects))
 
     async def close(self) -> None:
         self._client.close()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from multiprocessing import resource_tracker
+import mmap
+import os
 from multiprocessing.shared_memory import SharedMemory
+
+SHM_DIR = "/dev/shm"
 
 
 def create_segment(name: str | None, size: int) -> SharedMemory:
@@ -13,10 +16,21 @@ def create_segment(name: str | None, size: int) -> SharedMemory:
     return SharedMemory(name=name, create=True, size=size)
 
 
-def attach_segment(name: str) -> SharedMemory:
-    """Map an existing segment; the attaching process never unlinks it."""
-    shm = SharedMemory(name=name, create=False)
-    # NOTE: Python < 3.13 registers attached segments with the resource tracker, which would
-    # unlink the owner's segment when this process exits; only the creator may unlink.
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
+class AttachedSegment:
+    """A mapping of another process's segment. It is mapped directly rather than through
+    SharedMemory, whose resource tracker (Python < 3.13) would unlink the owner's segment
+    when the attaching process exits."""
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()

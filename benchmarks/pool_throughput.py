@@ -1,0 +1,179 @@
+"""KV pool data-plane throughput: block puts/gets for 1 MiB blocks in batches.
+
+Measured in one run against same-run baselines:
+  * same-host shared memory (ShmTransport) vs a numpy memcpy of the same bytes;
+  * TCP (TcpTransport -> BlockServer in another process) vs a raw loopback socket that moves
+    the same bytes between the same two processes with blocking sendall / recv_into.
+Run: python -m benchmarks.pool_throughput [--block-mib 1] [--batch 16] [--rounds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from shared.storage.dram import ShmTier
+from shared.storage.node import NodeStore
+from shared.transfer.client import TransferClient
+from shared.transfer.server import BlockServer
+from shared.transfer.tcp import TcpTransport
+
+
+
+class Result(NamedTuple):
+    name: str
+    baseline: str
+    gbps: float
+    base_gbps: float
+    ops: float  # blocks per second
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "little")).digest()
+
+
+# ---- server process ------------------------------------------------------------------
+def _raw_server(listener: socket.socket, nbytes: int) -> None:
+    """Serves 'send me the batch' (op 0) and 'take the batch' (op 1) with plain blocking calls,
+    from and into buffers as large as a batch (as the block server uses distinct blocks)."""
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    src = memoryview(os.urandom(nbytes))
+    sink = memoryview(bytearray(nbytes))
+    head = bytearray(9)
+    while conn.recv_into(head, 9, socket.MSG_WAITALL) == 9:
+        op, n = head[0], int.from_bytes(head[1:], "little")
+        if op == 0:
+            conn.sendall(src[:n])
+            continue
+        got = 0
+        while got < n:
+            got += conn.recv_into(sink[got:n])
+        conn.sendall(b"k")
+
+
+async def serve(batch_bytes: int) -> None:
+    store = NodeStore(ShmTier(4 * batch_bytes))
+    server = BlockServer(store)
+    await server.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_server, args=(listener, batch_bytes), daemon=True).start()
+    print(server.address, listener.getsockname()[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    await server.stop()
+    await store.close()
+
+
+# ---- measurements --------------------------------------------------------------------
+class Raw:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get(self, nbytes: int) -> memoryview:
+        self.sock.sendall(b"\x00" + nbytes.to_bytes(8, "little"))
+        out = memoryview(bytearray(nbytes))
+        got = 0
+        while got < nbytes:
+            got += self.sock.recv_into(out[got:])
+        return out
+
+    def put(self, payloads: list[bytes]) -> None:
+        self.sock.sendall(b"\x01" + sum(map(len, payloads)).to_bytes(8, "little"))
+        for p in payloads:
+            self.sock.sendall(p)
+        assert self.sock.recv(1) == b"k"
+
+
+async def timed(fn: Callable[[], Awaitable[object]] | Callable[[], object], rounds: int) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        result = fn()
+        if asyncio.iscoroutine(result):
+            await result
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def run(block: int, batch: int, rounds: int) -> list[Result]:
+    nbytes = block * batch
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.pool_throughput", "--serve", str(nbytes)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        address, raw_port = proc.stdout.readline().split()
+        keys = [key(i) for i in range(batch)]
+        payloads = [os.urandom(block) for _ in range(batch)]
+        src = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+        client = TransferClient()
+        shm = await client.transport(address)
+        tcp = TcpTransport(address)
+        raw = Raw(int(raw_port))
+        await tcp.write(keys, payloads)
+        assert [bytes(v) for v in await shm.read(keys)] == payloads  # correctness before speed
+
+        def memcpy() -> None:
+            np.copyto(np.frombuffer(bytearray(nbytes), dtype=np.uint8), src)
+
+        cases = {
+            "shm get": (lambda: shm.read(keys), memcpy, "memcpy"),
+            "shm put": (lambda: shm.write(keys, payloads), memcpy, "memcpy"),
+            "tcp get": (lambda: tcp.read(keys), lambda: raw.get(nbytes), "raw socket"),
+            "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket"),
+        }
+        results = []
+        for name, (ours, base, base_name) in cases.items():
+            t_ours, t_base = [], []
+            for _ in range(rounds):  # interleaved so drift hits both sides alike
+                t_base += await timed(base, 1)
+                t_ours += await timed(ours, 1)
+            med, base_med = statistics.median(t_ours), statistics.median(t_base)
+            results.append(Result(name, base_name, nbytes / med / 1e9, nbytes / base_med / 1e9, batch / med))
+        await client.close()
+        await tcp.close()
+        raw.sock.close()
+        return results
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-mib", type=float, default=1.0)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve(args.serve))
+        return
+    block = int(args.block_mib * (1 << 20))
+    results = asyncio.run(run(block, args.batch, args.rounds))
+    table = Table(title=f"KV pool throughput: {args.batch} x {args.block_mib:g} MiB blocks per batch, median of {args.rounds}")
+    for col in ("path", "blocks/s", "GB/s", "baseline", "baseline GB/s", "ratio"):
+        table.add_column(col, justify="right" if col not in ("path", "baseline") else "left")
+    for r in results:
+        table.add_row(r.name, f"{r.ops:,.0f}", f"{r.gbps:.2f}", r.baseline, f"{r.base_gbps:.2f}", f"{r.gbps / r.base_gbps:.0%}")
+    Console().print(table)
+    print("command:", " ".join(["python -m benchmarks.pool_throughput", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Picks a transport per transfer node: shared memory when the node is on this host, else TCP."""
+
+from __future__ import annotations
+
+import logging
+
+from shared.storage.segment import AttachedSegment
+from shared.transfer.framing import Op, Request
+from shared.transfer.server import host_identity
+from shared.transfer.shm import ShmTransport
+from shared.transfer.tcp import TcpTransport
+from shared.transfer.transport import Transport, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class TransferClient:
+    """Contract: ``transport(address)`` returns the same Transport for the same node until
+    ``close``; ``same_host=False`` forces TCP (benchmarks, tests, cross-host setups)."""
+
+    def __init__(self, pool_size: int = 4, same_host: bool = True) -> None:
+        self._pool_size = pool_size
+        self._same_host = same_host
+        self._transports: dict[str, Transport] = {}
+
+    async def transport(self, address: str) -> Transport:
+        if address not in self._transports:
+            self._transports[address] = await self._open(address)
+        return self._transports[address]
+
+    async def _open(self, address: str) -> Transport:
+        tcp = TcpTransport(address, self._pool_size)
+        if not self._same_host:
+            return tcp
+        hello = await tcp.request(Request(Op.HELLO))
+        if not hello.ok:
+            raise TransferError(f"{address}: hello refused: {hello.error}")
+        if hello.host != host_identity() or not hello.segment:
+            return tcp
+        try:
+            segment = AttachedSegment(hello.segment)
+        except OSError as exc:  # same kernel, different /dev/shm (containers)
+            log.info("segment %s of %s not attachable (%s): using TCP", hello.segment, address, exc)
+            return tcp
+        return ShmTransport(tcp, segment)
+
+    async def close(self) -> None:
+        for transport in self._transports.values():
+            await transport.close()
+        self._transports.clear()

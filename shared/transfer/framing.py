@@ -1,0 +1,77 @@
+"""Wire format of the block data plane.
+
+A message is ``u32 little-endian header length | msgpack header | payload bytes``. The header
+lists the payload sizes, so the receiver can read every payload straight into a buffer it
+allocated up front (no intermediate copies). Headers are small and the same for every
+transport; only TCP sends payloads inline, the shared-memory path sends headers alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import msgspec
+
+LEN = struct.Struct("<I")
+MAX_HEADER = 16 << 20  # a header describes blocks, it never carries them
+MISSING = -1  # size of a block the node does not hold
+
+
+class Op(enum.IntEnum):
+    HELLO = 0  # -> segment name, host identity (decides the same-host fast path)
+    READ = 1  # keys -> sizes, then payloads inline
+    WRITE = 2  # keys, sizes (+ DRAM offsets, tier), payloads inline -> ack
+    LOCATE = 3  # keys -> DRAM offsets and sizes (same-host reads)
+    RESERVE = 4  # keys, sizes (+ offsets) -> DRAM offsets to write in place (same-host writes)
+    COMMIT = 5  # keys -> make in-place writes visible
+    DELETE = 6  # keys -> how many were present
+    INVENTORY = 7  # -> every stored block (key, tier, offset, size)
+
+
+class Request(msgspec.Struct, array_like=True, frozen=True):
+    op: Op
+    keys: list[bytes] = []
+    sizes: list[int] = []
+    offsets: list[int] = []  # DRAM offsets chosen by the cache-manager; empty = node chooses
+    tier: int = 0
+
+
+class Response(msgspec.Struct, array_like=True, frozen=True):
+    ok: bool
+    error: str = ""
+    sizes: list[int] = []  # per key; MISSING where absent
+    offsets: list[int] = []
+    tiers: list[int] = []
+    keys: list[bytes] = []
+    count: int = 0
+    segment: str = ""
+    host: str = ""
+
+
+class FramingError(Exception):
+    """The peer sent something that is not a valid frame."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+
+
+def encode(header: Request | Response) -> bytes:
+    body = _encoder.encode(header)
+    return LEN.pack(len(body)) + body
+
+
+def decode_request(body: bytes) -> Request:
+    try:
+        return _request_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise FramingError(f"bad request header: {exc}") from None
+
+
+def decode_response(body: bytes) -> Response:
+    try:
+        return _response_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise FramingError(f"bad response header: {exc}") from None

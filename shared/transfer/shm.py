@@ -1,0 +1,82 @@
+"""Same-host transport: bytes move through the node's shared-memory segment, never a socket.
+
+Only control messages cross the TCP connection: LOCATE before a read, RESERVE (or nothing,
+when the cache-manager already chose the offsets) and COMMIT around a write. Blocks that are
+not in DRAM (demoted to NVMe/S3) are read over TCP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.storage.base import Buffer, Tier
+from shared.storage.segment import AttachedSegment
+from shared.transfer.framing import MISSING, Op, Request
+from shared.transfer.tcp import TcpTransport
+from shared.transfer.transport import Transport, TransferError, check_batch, missing_error
+
+
+class ShmTransport(Transport):
+    def __init__(self, control: TcpTransport, segment: AttachedSegment) -> None:
+        self.control = control
+        self._shm = segment
+        self._seg = segment.buf
+
+    async def read(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> list[memoryview | None]:
+        where = await self.control.request(Request(Op.LOCATE, list(keys)))
+        if not where.ok or len(where.offsets) != len(keys):
+            raise TransferError(f"{self.control.address}: locate refused: {where.error}")
+        out = memoryview(bytearray(sum(s for s in where.sizes if s != MISSING)))
+        views: list[memoryview | None] = []
+        pos = 0
+        for offset, size in zip(where.offsets, where.sizes):
+            if size == MISSING:
+                views.append(None)
+                continue
+            out[pos : pos + size] = self._seg[offset : offset + size]
+            views.append(out[pos : pos + size])
+            pos += size
+        lower = [i for i, v in enumerate(views) if v is None]
+        if lower:  # not in DRAM: the node reads them from its lower tiers
+            fetched = await self.control.read([keys[i] for i in lower], missing_ok=True)
+            for i, view in zip(lower, fetched):
+                views[i] = view
+        if not missing_ok and None in views:
+            raise missing_error(keys, views)
+        return views
+
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        tier: Tier = Tier.DRAM,
+    ) -> None:
+        if tier is not Tier.DRAM:
+            await self.control.write(keys, payloads, offsets=offsets, tier=tier)
+            return
+        sizes = check_batch(keys, payloads, offsets)
+        if offsets is None:
+            resp = await self.control.request(Request(Op.RESERVE, list(keys), sizes))
+            if not resp.ok:
+                raise TransferError(f"{self.control.address}: reserve refused: {resp.error}")
+            targets = resp.offsets
+        else:
+            targets = list(offsets)
+        if any(o < 0 or o + s > self._shm.size for o, s in zip(targets, sizes)):
+            raise ValueError("offsets fall outside the node's DRAM segment")
+        for offset, size, payload in zip(targets, sizes, payloads):
+            self._seg[offset : offset + size] = memoryview(payload).cast("B")
+        commit = Request(Op.COMMIT, list(keys), sizes if offsets is not None else [], targets if offsets is not None else [])
+        resp = await self.control.request(commit)
+        if not resp.ok:
+            raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await self.control.delete(keys)
+
+    async def close(self) -> None:
+        await self.control.close()
+        self._seg.release()
+        self._shm.close()

@@ -1,0 +1,92 @@
+"""TCP transport: batched reads and writes over a small pool of connections to one node."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from shared.storage.base import Buffer, Tier
+from shared.transfer.channel import Channel
+from shared.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
+from shared.transfer.transport import Transport, TransferError, check_batch, missing_error
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+class TcpTransport(Transport):
+    def __init__(self, address: str, pool_size: int = 4) -> None:
+        self.address = address
+        self._host, self._port = parse_address(address)
+        self._idle: list[Channel] = []
+        self._slots = asyncio.Semaphore(pool_size)
+
+    @asynccontextmanager
+    async def _channel(self) -> AsyncIterator[Channel]:
+        async with self._slots:
+            try:
+                ch = self._idle.pop() if self._idle else await Channel.connect(self._host, self._port)
+            except OSError as exc:
+                raise TransferError(f"cannot connect to {self.address}: {exc}") from exc
+            try:
+                yield ch
+            except (OSError, FramingError, asyncio.CancelledError) as exc:
+                ch.close()  # the stream may be mid-message: never reuse it
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise TransferError(f"{self.address}: {exc}") from exc
+            except BaseException:
+                ch.close()
+                raise
+            self._idle.append(ch)
+
+    async def request(self, req: Request, payloads: Sequence[Buffer] = ()) -> Response:
+        """One control round trip (no payloads expected back)."""
+        async with self._channel() as ch:
+            await ch.send(req, payloads)
+            return decode_response(await ch.recv_header())
+
+    async def read(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> list[memoryview | None]:
+        async with self._channel() as ch:
+            await ch.send(Request(Op.READ, list(keys)))
+            resp = decode_response(await ch.recv_header())
+            if not resp.ok or len(resp.sizes) != len(keys):
+                raise TransferError(f"{self.address}: read refused: {resp.error}")
+            buf = memoryview(bytearray(sum(s for s in resp.sizes if s != MISSING)))
+            await ch.recv_into(buf)
+        views: list[memoryview | None] = []
+        pos = 0
+        for size in resp.sizes:
+            if size == MISSING:
+                views.append(None)
+                continue
+            views.append(buf[pos : pos + size])
+            pos += size
+        if not missing_ok and None in views:
+            raise missing_error(keys, views)
+        return views
+
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        tier: Tier = Tier.DRAM,
+    ) -> None:
+        sizes = check_batch(keys, payloads, offsets)
+        resp = await self.request(Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier)), payloads)
+        if not resp.ok:
+            raise TransferError(f"{self.address}: {len(resp.keys)} block(s) not stored: {resp.error}")
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return (await self.request(Request(Op.DELETE, list(keys)))).count
+
+    async def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
