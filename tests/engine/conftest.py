@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from shared.cli.model_tools import make_tiny_model
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
+
+
+def make_engine(model: Path, **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = dict(block_size=16, max_num_batched_tokens=64, prefill_chunk_size=32)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(model=str(model), **settings))  # type: ignore[arg-type]
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]

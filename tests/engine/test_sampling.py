@@ -1,0 +1,94 @@
+"""Per-request sampling: seeds, filters, stop conditions, logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shared.engine.engine import LLMEngine
+from shared.protocol.sampling import SamplingParams
+from tests.engine.conftest import make_engine, random_prompts
+
+
+def run(engine: LLMEngine, prompt: list[int], params: SamplingParams, request_id: str = "r"):
+    engine.add_request(request_id, prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> LLMEngine:
+    return make_engine(tiny_llama)
+
+
+class TestSeeds:
+    def test_same_seed_same_tokens_different_seed_differs(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [12], seed=1)
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+        first = tokens(run(engine, prompt, params))
+        again = tokens(run(engine, prompt, params))
+        other = tokens(run(engine, prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=99, ignore_eos=True)))
+        assert first == again
+        assert first != other
+
+    def test_seeded_request_is_independent_of_its_batch(self, engine: LLMEngine) -> None:
+        prompts = random_prompts(engine.vocab_size, [12, 30, 7], seed=2)
+        params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+        alone = tokens(run(engine, prompts[0], params))
+        batch = engine.generate(prompts, params)
+        assert batch[0] == alone
+
+    def test_top_k_one_is_greedy(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [9], seed=3)
+        greedy = tokens(run(engine, prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)))
+        top1 = tokens(run(engine, prompt, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5,
+                                                         ignore_eos=True)))
+        assert top1 == greedy
+
+
+class TestStopConditions:
+    def test_max_tokens_gives_length(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [5], seed=4)
+        outs = run(engine, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(tokens(outs)) == 3 and outs[-1].finish_reason == "length" and outs[-1].finished
+
+    def test_stop_token_ends_without_its_text(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [5], seed=4)
+        free = tokens(run(engine, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        outs = run(engine, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=(free[3],)))
+        assert tokens(outs) == free[: free.index(free[3]) + 1]
+        assert outs[-1].finish_reason == "stop"
+
+    def test_stop_string_truncates_text(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [6], seed=5)
+        outs = run(engine, prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        full = "".join(o.text_delta for o in outs)
+        assert full == engine.tokenizer.decode(tokens(outs), skip_special_tokens=True)
+        stop = full[len(full) // 2: len(full) // 2 + 3]
+        assert len(stop) == 3
+        stopped = run(engine, prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(stop,)))
+        assert "".join(o.text_delta for o in stopped) == full[: full.index(stop)]
+        assert stopped[-1].finish_reason == "stop"
+
+
+class TestLogprobs:
+    def test_chosen_token_logprobs_match_the_model(self, engine: LLMEngine, tiny_llama: Path) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [10], seed=6)
+        outs = run(engine, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True))
+        hf = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        sequence = prompt + tokens(outs)
+        with torch.no_grad():
+            logits = hf(torch.tensor([sequence])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(tokens(outs))[:, None])
+        got = torch.tensor([lp for o in outs for lp in o.new_logprobs])
+        assert torch.allclose(got, expected.squeeze(1), atol=1e-4)
