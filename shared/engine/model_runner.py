@@ -93,6 +93,7 @@ class ModelRunner:
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         ends = list(accumulate(c.num_tokens for c in chunks))
-        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.samples], device=self.device)
+        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.samples], device=self.device,
+                            dtype=torch.long)
         hidden = self.decoder.norm(hidden.index_select(0, last))
         return self.model.lm_head(hidden).float()
