@@ -19,9 +19,10 @@ class SloAwareDecode:
 
     Contract: an instance qualifies when the request fits its KV capacity and the predicted
     step time with the request added stays within ``headroom * slo.tbt_s``. Among qualifying
-    instances the least loaded wins: lowest recent TBT-SLO violation rate, then lowest
-    predicted TBT. ``at=None`` judges the batch running now; a time judges the work expected
-    to be running then (for prediction-based early rejection). Returns None when none qualify.
+    instances the least loaded wins: load is the recent TBT-SLO violation rate plus the
+    predicted TBT as a share of the SLO (summed, so a lagging violation signal cannot herd).
+    ``at=None`` judges the batch running now; a time judges the work expected to be running
+    then (for prediction-based early rejection). Returns None when none qualify.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0) -> None:
@@ -50,7 +51,7 @@ class SloAwareDecode:
             tbt = self.predicted_tbt(inst, context_tokens, at)
             if tbt > limit:
                 continue
-            key = (1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s), tbt, inst.id)
+            key = (1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + tbt / self.slo.tbt_s, tbt, inst.id)
             if best is None or key < best:
                 best = key
         return None if best is None else DecodeChoice(best[2], best[1])

@@ -80,22 +80,37 @@ class RandomPrefill(PrefillPolicy):
 
 
 class LeastLoadedPrefill(PrefillPolicy):
-    """Load balancing: lowest TTFT-SLO violation rate, then shortest queue; ignores caches for routing."""
+    """Load balancing, ignoring caches: the lowest load, where load is the recent TTFT-SLO
+    violation rate plus the queue wait as a share of the TTFT SLO.
+
+    Summing (rather than ranking by violations first) matters: violations are only seen
+    after a prefill ends, so ranking by them first herds every request onto whichever
+    instance has not reported a violation yet.
+    """
+
+    def load(self, s: PrefillInstanceState) -> float:
+        return (1.0 - slo_attainment(s.recent_ttft, self.slo.ttft_s)) + s.queue_seconds / self.slo.ttft_s
 
     def choose(self, request, instances, index):
         self._require(instances)
-        inst = min(instances, key=lambda s: (1.0 - slo_attainment(s.recent_ttft, self.slo.ttft_s), s.queue_seconds))
+        inst = min(instances, key=lambda s: (self.load(s), s.queue_tokens))
         prefix = prefix_lengths(request.block_keys, index, (inst.id,)).get(inst.id, 0)
         return self._local(request, inst, prefix)
 
 
 class LocalCacheAwarePrefill(PrefillPolicy):
-    """Section 4.1: lowest queue wait + prefill time given each instance's own prefix match."""
+    """Section 4.1: lowest queue wait + prefill time given each instance's own prefix match.
+
+    Ties (common while queues are empty) go to the instance with the fewest queued tokens."""
 
     def choose(self, request, instances, index):
         self._require(instances)
         lengths = prefix_lengths(request.block_keys, index, [s.id for s in instances])
-        return min((self._local(request, s, lengths.get(s.id, 0)) for s in instances), key=lambda c: c.ttft_s)
+        tokens = {s.id: s.queue_tokens for s in instances}
+        return min(
+            (self._local(request, s, lengths.get(s.id, 0)) for s in instances),
+            key=lambda c: (c.ttft_s, tokens[c.instance_id]),
+        )
 
 
 class GlobalCacheAwarePrefill(PrefillPolicy):
@@ -123,6 +138,7 @@ class GlobalCacheAwarePrefill(PrefillPolicy):
         prefill_best = self.cost.prefill.predict(request.prompt_tokens - cached_best, cached_best)
         choice: PrefillChoice | None = None
         pull_from = 0
+        best_key = (0.0, 0)
         for inst in instances:
             local = lengths.get(inst.id, 0)
             candidate = self._local(request, inst, local)
@@ -131,8 +147,9 @@ class GlobalCacheAwarePrefill(PrefillPolicy):
                 if transfer + prefill_best < candidate.prefill_s:
                     ttft = inst.queue_seconds + transfer + prefill_best
                     candidate = PrefillChoice(inst.id, ttft, inst.queue_seconds, prefill_best, transfer, best_len)
-            if choice is None or candidate.ttft_s < choice.ttft_s:
-                choice, pull_from = candidate, local
+            key = (candidate.ttft_s, inst.queue_tokens)
+            if choice is None or key < best_key:
+                choice, pull_from, best_key = candidate, local, key
         assert choice is not None
         if choice.prefix_blocks == pull_from:
             return choice

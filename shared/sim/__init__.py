@@ -1,0 +1,1 @@
+"""Trace-driven discrete-event simulator of a Halfmoon cluster running the shared policies."""
