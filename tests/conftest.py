@@ -126,6 +126,14 @@ class Processes:
             proc.wait()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-initialised tiny Llama with a locally trained byte-level BPE tokenizer and chat template."""
+    from shared.cli.model_tools import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
 @pytest.fixture
 def processes() -> Iterator[Processes]:
     procs = Processes()

@@ -1,0 +1,102 @@
+"""Real NATS peers standing in for prefill/decode: they take PrefillRequests and stream a script.
+
+They speak the real protocol (heartbeats, submit/ack, TokenEvents numbered by index,
+InstanceDown on shutdown), so the gateway under test cannot tell them from the real engine;
+only the tokens are scripted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shared.protocol import codecs
+from shared.protocol.base import Ack, ErrorCode, Message
+from shared.protocol.registry import Load, Role
+from shared.protocol.stream import ErrorEvent, TokenEvent, Usage
+from shared.protocol.work import CancelRequest, PrefillRequest
+from shared.service import Service, ServiceConfig
+
+
+@dataclass
+class Script:
+    """What the fake engine does with every request."""
+
+    output: tuple[int, ...] = ()  # tokens to emit (cut at max_tokens)
+    token_delay_s: float = 0.0
+    stall_after: int | None = None  # emit this many tokens, then go quiet forever
+    fail_after: int | None = None  # emit this many tokens, then an ErrorEvent
+    cached_tokens: int = 0
+    split_first: bool = True  # first token alone at index 0, like prefill then decode
+
+
+class ScriptedPrefill(Service[ServiceConfig]):
+    role = Role.PREFILL
+
+    def __init__(self, config: ServiceConfig, script: Script) -> None:
+        super().__init__(config)
+        self.script = script
+        self.received: list[PrefillRequest] = []
+        self.cancelled: list[str] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return self.subjects.prefill_submit(self.instance_id)
+
+    def load(self) -> Load:
+        return Load(running=len(self._tasks))
+
+    async def start(self) -> None:
+        await self.serve(self.address, codecs.PREFILL_REQUEST, self._on_submit, span_name="prefill.submit")
+        await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
+
+    async def _on_submit(self, request: PrefillRequest) -> Message:
+        self.received.append(request)
+        task = asyncio.create_task(self._run(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return Ack(request_id=request.request_id, instance_id=self.instance_id)
+
+    async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
+        self.cancelled.append(cancel.request_id)
+
+    async def _run(self, req: PrefillRequest) -> None:
+        s = self.script
+        out = s.output[: req.sampling.max_tokens]
+        finish = "length" if len(s.output) >= req.sampling.max_tokens else "stop"
+        chunks = [out[:1], *[out[i:i + 1] for i in range(1, len(out))]] if s.split_first else [out]
+        for n, chunk in enumerate(chunks):
+            if s.stall_after is not None and n >= s.stall_after:
+                return
+            if s.fail_after is not None and n >= s.fail_after:
+                await self.publish(req.stream_subject, ErrorEvent(request_id=req.request_id, code=ErrorCode.INTERNAL,
+                                                                  message="engine failed", instance_id=self.instance_id))
+                return
+            if s.token_delay_s:
+                await asyncio.sleep(s.token_delay_s)
+            last = n == len(chunks) - 1
+            usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(out),
+                          cached_tokens=min(s.cached_tokens, len(req.prompt_token_ids))) if last else None
+            await self.publish(req.stream_subject, TokenEvent(
+                request_id=req.request_id, index=sum(len(c) for c in chunks[:n]), token_ids=tuple(chunk),
+                instance_id=self.instance_id, logprobs=tuple(-0.5 for _ in chunk) if req.sampling.logprobs else None,
+                finish_reason=finish if last else None, usage=usage))
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class IdleDecode(Service[ServiceConfig]):
+    """A decode instance that registers; requests "held" by it die with it."""
+
+    role = Role.DECODE
+
+    @property
+    def address(self) -> str:
+        return self.subjects.decode_submit(self.instance_id)
+
+    async def start(self) -> None:
+        return None
