@@ -53,7 +53,8 @@ class ClusterCache:
     def store(self, node: str, keys: Sequence[Hashable], now: float) -> None:
         """Insert (or refresh) a prefix chain on ``node``, then evict down to the low watermark.
 
-        The chain is touched deepest block first so a parent is always at least as recent as
+        The chain itself is never evicted while it is being stored, so a node can exceed its
+        capacity by at most one chain until its next store. The chain is touched deepest block first so a parent is always at least as recent as
         its children: recency-ordered policies then never strand a cached child behind an
         evicted parent.
         """
@@ -75,17 +76,18 @@ class ClusterCache:
         if self.capacity is not None:
             excess = self.watermarks.excess(len(policy), self.capacity)
             if excess:
-                self._evict(node, excess, now)
+                self._evict(node, excess, now, fresh=set(keys))
 
     def touch(self, node: str, keys: Sequence[Hashable], now: float) -> None:
         policy = self._policies[node]
         for pos in range(len(keys) - 1, -1, -1):
             policy.on_access(keys[pos], now=now)
 
-    def _evict(self, node: str, n: int, now: float) -> None:
+    def _evict(self, node: str, n: int, now: float, fresh: set[Hashable]) -> None:
+        """Evict up to ``n`` blocks, never a leased one nor one of the chain being stored."""
         policy = self._policies[node]
         leases = self._leases[node]
-        for key in policy.victims(n, protected=leases.__contains__):
+        for key in policy.victims(n, protected=lambda k: k in leases or k in fresh):
             policy.on_remove(key)
             holders = self.index[key]
             holders.discard(node)

@@ -1,0 +1,89 @@
+"""Small simulator runs on a slice of the real conversation trace, checking invariants."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from shared.sim.config import SimConfig
+from shared.sim.metrics import OK, REJECTED_EARLY, REJECTED_LATE
+from shared.sim.run import max_sustainable_scale, simulate
+
+SLICE = slice(0, 3000)
+
+
+def accounted(result) -> None:
+    out = result.outcomes
+    s = result.summary
+    assert s.completed + s.rejected_early + s.rejected_late == len(out)
+    ok = out.status == OK
+    assert not np.isnan(out.ttft[ok]).any() and not np.isnan(out.tbt[ok]).any()
+    assert (out.ttft[ok] >= 0).all() and (out.tbt[ok] >= 0).all()
+    assert np.isnan(out.ttft[out.status == REJECTED_EARLY]).all()
+    assert (out.finished[ok] >= out.arrival[ok] + out.ttft[ok] - 1e-9).all()
+    assert (out.hit_blocks <= out.blocks).all()
+
+
+class TestDisaggregatedReplay:
+    def test_every_request_is_accounted_for_and_caching_hits(self, conversation, profile):
+        result = simulate(SimConfig(), profile, conversation[SLICE])
+        accounted(result)
+        assert result.summary.completed > 0.95 * len(conversation[SLICE])
+        assert 0.2 < result.summary.hit_rate < 0.6
+        assert result.replicas and result.replicas[0].peak_replicas >= 2  # hot prefix replicated
+
+    def test_no_pool_means_no_hits(self, conversation, profile):
+        result = simulate(SimConfig(pool_blocks=0), profile, conversation[SLICE])
+        accounted(result)
+        assert result.summary.hit_rate == 0.0 and result.pulled_blocks == 0
+
+    def test_global_cache_aware_beats_random_on_ttft(self, conversation, profile):
+        ttft = {
+            policy: simulate(SimConfig(prefill_policy=policy), profile, conversation[SLICE]).summary.ttft_mean
+            for policy in ("random", "global-cache-aware")
+        }
+        assert ttft["global-cache-aware"] <= ttft["random"]
+
+
+class TestCoupledReplay:
+    @pytest.mark.parametrize("variant", ["plain", "chunked"])
+    def test_no_prefix_cache_no_hits(self, conversation, profile, variant):
+        result = simulate(SimConfig(mode="coupled", coupled_variant=variant), profile, conversation[SLICE])
+        accounted(result)
+        assert result.summary.hit_rate == 0.0 and result.summary.completed == len(conversation[SLICE])
+
+    def test_prefix_variant_hits_and_stalls_decode_less_than_plain(self, conversation, profile):
+        runs = {
+            v: simulate(SimConfig(mode="coupled", coupled_variant=v, coupled_router="local-cache-aware"), profile, conversation[SLICE])
+            for v in ("plain", "prefix")
+        }
+        accounted(runs["prefix"])
+        assert runs["prefix"].summary.hit_rate > 0
+        assert runs["prefix"].summary.prefill_s_mean < runs["plain"].summary.prefill_s_mean
+
+
+class TestOverload:
+    def test_early_rejection_saves_the_prefill_that_late_rejection_wastes(self, conversation, profile):
+        cramped = dataclasses.replace(profile, decode_capacity_tokens=150_000)
+        runs = {
+            adm: simulate(SimConfig(admission=adm, prefill_nodes=4, decode_nodes=2, time_scale=2.0), cramped, conversation[:2000])
+            for adm in ("none", "early", "predictive")
+        }
+        for run in runs.values():
+            accounted(run)
+        none, early, predictive = runs["none"], runs["early"], runs["predictive"]
+        assert none.summary.rejected_late > 0 and none.wasted_prefill_s > 0
+        assert early.summary.rejected_early > none.summary.rejected_early
+        assert early.wasted_prefill_s < none.wasted_prefill_s
+        assert predictive.wasted_prefill_s < none.wasted_prefill_s
+        assert (early.outcomes.status == REJECTED_LATE).sum() < (none.outcomes.status == REJECTED_LATE).sum()
+
+    def test_sustainable_scale_search_brackets_the_target(self, conversation, profile):
+        seen: list[tuple[float, float]] = []
+        scale = max_sustainable_scale(
+            SimConfig(prefill_nodes=2, decode_nodes=2), profile, conversation[:800], 0.1,
+            low=0.25, high=8.0, steps=3, on_run=lambda s, share: seen.append((s, share)),
+        )
+        assert 0.25 <= scale < 8.0
+        assert all(share >= 0.9 for s, share in seen if s <= scale)
+        assert any(share < 0.9 for s, share in seen if s > scale)
