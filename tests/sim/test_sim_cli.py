@@ -1,0 +1,37 @@
+import argparse
+import json
+
+from shared.cli import sim as sim_cli
+
+TRACE = sim_cli.DEFAULT_TRACE  # the same ../shared kit path the replay tests use
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="halfmoon")
+    sim_cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["sim", *argv])
+
+
+class TestSimCommand:
+    def test_runs_and_writes_summary(self, tmp_path):
+        out = tmp_path / "summary.json"
+        args = parse(["--trace", str(TRACE), "--limit", "300", "--prefill-nodes", "2", "--decode-nodes", "2",
+                      "--pool-blocks", "unbounded", "--json", str(out)])
+        assert args.func(args) == 0
+        summary = json.loads(out.read_text())
+        assert summary["requests"] == 300
+        assert summary["completed"] + summary["rejected_early"] + summary["rejected_late"] == 300
+        assert summary["config"]["pool_blocks"] is None and summary["hit_rate"] > 0
+
+    def test_coupled_prefix_defaults_to_a_cache_aware_router(self):
+        args = parse(["--mode", "coupled", "--coupled-variant", "prefix", "--nodes", "4"])
+        config = sim_cli.build_config(args, dram_tokens_per_node=3_000_000)
+        assert (config.prefill_nodes, config.decode_nodes, config.coupled_router) == (4, 0, "local-cache-aware")
+        assert config.pool_blocks == 4 * (3_000_000 // 512)
+
+    def test_bad_trace_is_a_clean_error(self, tmp_path, capsys):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"timestamp": 0}\n')
+        args = parse(["--trace", str(bad)])
+        assert args.func(args) == 2
+        assert "bad.jsonl:1" in capsys.readouterr().out
