@@ -1,0 +1,77 @@
+"""Transfer node: this node's slice of the KVCache pool (DRAM segment, NVMe directory, S3 prefix)
+served to peers over TCP and, for same-host clients, straight from shared memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import TracerProvider
+
+from shared.protocol.registry import Load, Role
+from shared.service.base import Service
+from shared.service.config import ServiceConfig
+from shared.storage.dram import ShmTier
+from shared.storage.node import NodeStore
+from shared.storage.nvme import DirTier
+from shared.storage.s3 import S3Config, S3Tier
+from shared.transfer.server import BlockServer
+
+
+@dataclass(frozen=True)
+class TransferConfig(ServiceConfig):
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on for block reads/writes"})
+    advertise_host: str = field(default="", metadata={"help": "address peers use (default: --host)"})
+    port: int = field(default=0, metadata={"help": "TCP port (0: any free port)"})
+    dram_bytes: int = field(default=1 << 30, metadata={"help": "size of the shared-memory DRAM segment"})
+    nvme_dir: str = field(default="", metadata={"help": "directory of the NVMe tier (empty: no NVMe tier)"})
+    nvme_bytes: int = field(default=8 << 30, metadata={"help": "capacity of the NVMe tier"})
+    s3_endpoint: str = field(default="", metadata={"help": "S3-compatible endpoint URL (empty: no S3 tier)"})
+    s3_bucket: str = field(default="halfmoon-kv", metadata={"help": "S3 bucket of the object tier"})
+    s3_prefix: str = field(default="kv/", metadata={"help": "key prefix inside the bucket"})
+    s3_access_key: str = field(default="halfmoon", metadata={"help": "S3 access key"})
+    s3_secret_key: str = field(default="halfmoon", metadata={"help": "S3 secret key"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dram_bytes < 1 << 20:
+            raise ValueError(f"dram_bytes must be at least 1 MiB, got {self.dram_bytes}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+class TransferService(Service[TransferConfig]):
+    role = Role.TRANSFER
+    config_class = TransferConfig
+
+    def __init__(self, config: TransferConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.store: NodeStore | None = None
+        self.server: BlockServer | None = None
+
+    @property
+    def address(self) -> str:
+        if self.server is None:
+            return ""
+        port = self.server.address.rsplit(":", 1)[1]
+        return f"{self.config.advertise_host or self.config.host}:{port}"
+
+    def load(self) -> Load:
+        return Load()
+
+    async def start(self) -> None:
+        cfg = self.config
+        nvme = DirTier(cfg.nvme_dir, cfg.nvme_bytes) if cfg.nvme_dir else None
+        s3 = None
+        if cfg.s3_endpoint:
+            s3 = S3Tier(S3Config(endpoint_url=cfg.s3_endpoint, bucket=cfg.s3_bucket, prefix=cfg.s3_prefix,
+                                 access_key=cfg.s3_access_key, secret_key=cfg.s3_secret_key))
+        self.store = NodeStore(ShmTier(cfg.dram_bytes), nvme, s3)
+        self.server = BlockServer(self.store, cfg.host, cfg.port)
+        await self.server.start()
+        self.log.info("serving blocks", extra={"address": self.address})
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        if self.store is not None:
+            await self.store.close()
