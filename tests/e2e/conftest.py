@@ -1,0 +1,48 @@
+"""A real deployment per module: NATS, every service as its own process, the tiny model."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.deploy.local import LocalCluster
+
+
+def start_cluster(model: Path, run_dir: Path, **counts: int) -> LocalCluster:
+    # Heartbeats every 0.25 s, so the conductor notices a killed instance within about a second.
+    env = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
+           "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    cluster = LocalCluster(model, run_dir, counts, gateway_port=0, namespace="e2e", env=env)
+    cluster.start(timeout=240)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster_2p2d(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-2p2d"), prefill=2, decode=2)
+    yield cluster
+    cluster.stop()
+
+
+def model_name(cluster: LocalCluster) -> str:
+    return httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def reference_text(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> str:
+    """What transformers generate (greedy) continues ``prompt_ids`` with, as text."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = _hf_model(str(model_dir))
+    ids = torch.tensor([prompt_ids])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+
+
+@functools.cache
+def _hf_model(model_dir: str):  # type: ignore[no-untyped-def]
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
