@@ -174,9 +174,9 @@ class PoolIndex:
         for replica in block.replicas:
             self._st.nodes[replica.node].policies[replica.tier].on_access(key, now=now)
         if not block.in_dram():
-            self._st.want_promote.add(key)
+            self._st.want_promote[key] = None
         if block.read_rate(now, cfg.hot_window_s) > cfg.hot_reads_per_s:
-            self._st.want_hot.add(key)
+            self._st.want_hot[key] = None
 
     def release(self, lease_id: int) -> bool:
         """End a lease early; False when it is unknown or already expired."""

@@ -77,6 +77,10 @@ class NodeLedger:
         """Bytes to free to get from above the high watermark down to the low one (0 if below)."""
         return marks.excess(self.used(tier), self.capacity(tier)) if self.capacity(tier) else 0
 
+    def headroom(self, tier: Tier, marks: Watermarks) -> int:
+        """Bytes that can be added without rising above the low watermark."""
+        return int(marks.low * self.capacity(tier)) - self.used(tier)
+
     def lower_tier(self, tier: Tier, size: int) -> Tier | None:
         """The next configured, available tier below ``tier`` with room for ``size`` bytes."""
         for lower in (t for t in Tier if t > tier):

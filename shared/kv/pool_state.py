@@ -33,8 +33,9 @@ class PoolState:
     config: PoolConfig
     nodes: dict[str, NodeLedger] = field(default_factory=dict)
     blocks: dict[bytes, Block] = field(default_factory=dict)
-    want_promote: set[bytes] = field(default_factory=set)
-    want_hot: set[bytes] = field(default_factory=set)
+    # insertion-ordered (dicts as ordered sets) so replays in the simulator are deterministic
+    want_promote: dict[bytes, None] = field(default_factory=dict)
+    want_hot: dict[bytes, None] = field(default_factory=dict)
     _next_id: int = 0
 
     def new_id(self) -> int:
@@ -68,5 +69,5 @@ class PoolState:
 
     def forget(self, key: bytes) -> None:
         del self.blocks[key]
-        self.want_promote.discard(key)
-        self.want_hot.discard(key)
+        self.want_promote.pop(key, None)
+        self.want_hot.pop(key, None)

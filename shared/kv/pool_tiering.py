@@ -1,6 +1,6 @@
 """Tiering decisions of the pool index: watermark relief by demotion (DRAM -> NVMe -> S3, drop
-when no lower tier has room), promotion of blocks hit in a lower tier, and extra DRAM replicas
-for hot blocks. Orders are two-phase: the destination is reserved when the order is issued, and
+when no lower tier has room), promotion of blocks hit in a lower tier (into DRAM room below the
+low watermark), and extra DRAM replicas for hot blocks. Orders are two-phase: the destination is reserved when the order is issued, and
 ``finish`` applies the node's outcome, so a failed copy never loses the source."""
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ class Tiering:
                 continue
             src = min(block.replicas, key=lambda r: r.tier)
             ledger = st.nodes[src.node]
-            if ledger.excess(Tier.DRAM, st.config.watermarks) == 0 and (dst := ledger.reserve(Tier.DRAM, src.size)):
+            # NOTE: promotions only use room below the low watermark, so they never cause demotions.
+            if ledger.headroom(Tier.DRAM, st.config.watermarks) >= src.size and (
+                dst := ledger.reserve(Tier.DRAM, src.size)
+            ):
                 orders.append(self._issue(OrderKind.PROMOTE, key, src, dst))
         st.want_promote.clear()
         return orders

@@ -41,6 +41,8 @@ class BlockServer:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._channels: set[Channel] = set()
+        self.payload_bytes_in = 0  # bytes of blocks received over sockets (not via shared memory)
+        self.payload_bytes_out = 0
 
     @property
     def address(self) -> str:
@@ -119,6 +121,7 @@ class BlockServer:
             payloads.append(data)
             sizes.append(memoryview(data).nbytes)
         await ch.send(Response(True, sizes=sizes), payloads)
+        self.payload_bytes_out += sum(s for s in sizes if s != MISSING)
 
     async def _write(self, ch: Channel, req: Request) -> None:
         failed, errors = [], []
@@ -143,6 +146,7 @@ class BlockServer:
                     await ch.discard(size)  # refused before the bytes were read
                 failed.append(key)
                 errors.append(f"{key.hex()[:16]}: {type(exc).__name__}: {exc}")
+            self.payload_bytes_in += size
         await ch.send(Response(not failed, error="; ".join(errors[:4]), keys=failed, count=len(req.keys) - len(failed)))
 
     async def _control(self, req: Request) -> Response:

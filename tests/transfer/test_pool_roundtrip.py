@@ -1,0 +1,114 @@
+"""The pool end to end on one node: index placements, bytes over the data plane, demotion to
+NVMe and a real S3 server, promotion back on a hit, and S3 outages."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from shared.kv.hashing import BlockHasher
+from shared.kv.pool_index import PoolIndex
+from shared.kv.pool_types import NodeSpec, OrderKind, PoolConfig, Tier
+from shared.policy.eviction import Watermarks
+from shared.storage.dram import ShmTier
+from shared.storage.node import NodeStore
+from shared.storage.nvme import DirTier
+from shared.storage.s3 import S3Config, S3Tier
+from shared.transfer.client import TransferClient
+from shared.transfer.orders import execute
+from shared.transfer.server import BlockServer
+from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
+
+BLOCK = 64 << 10
+KEYS = BlockHasher(16, "roundtrip-model").keys(list(range(16 * 32)))
+
+
+class Pool:
+    """One transfer node, its index entry and a client: what the services will wire together."""
+
+    def __init__(self, store: NodeStore, server: BlockServer, index: PoolIndex, client: TransferClient) -> None:
+        self.store, self.server, self.index, self.client = store, server, index, client
+        self.payloads: dict[bytes, bytes] = {}
+
+    async def put(self, keys: list[bytes], now: float) -> None:
+        placements = self.index.put_start(keys, [BLOCK] * len(keys), now)
+        transport = await self.client.transport(self.server.address)
+        for p in placements:
+            self.payloads[p.key] = os.urandom(BLOCK)
+            (replica,) = p.replicas
+            await transport.write([p.key], [self.payloads[p.key]], offsets=[replica.offset], tier=replica.tier)
+        self.index.put_end(keys, now)
+
+    async def get(self, keys: list[bytes], now: float) -> list[bytes]:
+        result = self.index.lookup(keys, now)
+        transport = await self.client.transport(self.server.address)
+        views = await transport.read(keys[: len(result.hits)])
+        self.index.release(result.lease.lease_id)
+        return [bytes(v) for v in views]
+
+    async def run_orders(self, now: float) -> list:  # type: ignore[type-arg]
+        orders = self.index.plan(now)
+        for order in orders:
+            ok = await execute(order, self.store, self.client, lambda n: self.server.address)
+            if order.kind is not OrderKind.FREE:
+                self.index.order_done(order.order_id, ok, now)
+        return orders
+
+
+@pytest.fixture
+async def pool(tmp_path, s3_config: S3Config) -> AsyncIterator[Pool]:
+    s3 = S3Tier(s3_config)
+    await s3.ensure_bucket()
+    store = NodeStore(ShmTier(10 * BLOCK), DirTier(tmp_path / "nvme", 3 * BLOCK), s3)
+    server = BlockServer(store)
+    await server.start()
+    index = PoolIndex(PoolConfig(watermarks=Watermarks(high=0.8, low=0.5)))
+    capacity = {Tier.DRAM: 10 * BLOCK, Tier.NVME: 3 * BLOCK, Tier.S3: 1 << 30}
+    index.add_node(NodeSpec("node-a", server.address, store.dram.segment, capacity))
+    client = TransferClient()
+    yield Pool(store, server, index, client)
+    await client.close()
+    await server.stop()
+    await store.close()
+
+
+class TestTiersEndToEnd:
+    async def test_demote_to_nvme_and_s3_then_promote_on_hit(self, pool: Pool) -> None:
+        keys = KEYS[:9]
+        await pool.put(keys, now=0)
+        assert await pool.get(keys, now=1) == [pool.payloads[k] for k in keys]
+        orders = await pool.run_orders(now=2)
+        assert [o.dst.tier for o in orders] == [Tier.NVME, Tier.NVME, Tier.NVME, Tier.S3]
+        assert await pool.store.tiers[Tier.S3].contains(orders[-1].key)
+        assert not await pool.store.dram.contains(orders[-1].key)
+        assert await pool.get(keys, now=3) == [pool.payloads[k] for k in keys]  # served from every tier
+        pool.index.remove(keys[4:8])  # make DRAM room below the low watermark
+        for key in keys[4:8]:
+            await pool.store.delete(key)
+        s3_key = orders[-1].key
+        promoted = await pool.run_orders(now=4)  # the hit at now=3 asked for promotions
+        assert s3_key in {o.key for o in promoted if o.kind is OrderKind.PROMOTE}
+        assert await pool.store.dram.contains(s3_key)
+        hit = pool.index.lookup([s3_key], now=5).hits[0]
+        assert [r.tier for r in hit] == [Tier.DRAM, Tier.S3]
+        assert bytes(pool.store.dram.view(s3_key)) == pool.payloads[s3_key]
+
+
+class TestS3Outage:
+    async def test_unreachable_s3_keeps_dram_and_nvme_serving(self, tmp_path) -> None:
+        (port,) = free_ports(1)
+        dead = S3Tier(S3Config(endpoint_url=f"http://127.0.0.1:{port}", bucket="b", connect_timeout_s=0.3, max_attempts=1))
+        store = NodeStore(ShmTier(1 << 20), DirTier(tmp_path, 1 << 20), dead)
+        await store.write(KEYS[0], b"in dram")
+        await store.write(KEYS[1], b"on nvme", Tier.NVME)
+        assert bytes(await store.read(KEYS[0])) == b"in dram"
+        assert bytes(await store.read(KEYS[1])) == b"on nvme"
+        assert store.unavailable == set()
+        with pytest.raises(Exception, match="not found"):
+            await store.read(KEYS[2])  # looked in S3 too, which failed: a miss, not a crash
+        assert store.unavailable == {Tier.S3}
+        inventory = await store.inventory()
+        assert {(b.key, b.tier) for b in inventory} == {(KEYS[0], Tier.DRAM), (KEYS[1], Tier.NVME)}
+        await store.close()

@@ -1,0 +1,191 @@
+"""Data plane: batched TCP round trips, the same-host shared-memory path, typed errors,
+and a block server in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+
+import pytest
+
+from shared.storage.base import BlockNotFound, Tier
+from shared.storage.dram import ShmTier
+from shared.storage.node import NodeStore
+from shared.storage.nvme import DirTier
+from shared.transfer.client import TransferClient
+from shared.transfer.server import BlockServer
+from shared.transfer.shm import ShmTransport
+from shared.transfer.tcp import TcpTransport
+from shared.transfer.transport import TransferError
+from tests.fixtures.s3 import free_ports
+
+BLOCK = 256 << 10
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"transfer-{i}".encode()).digest()
+
+
+def blocks(n: int, start: int = 0) -> tuple[list[bytes], list[bytes]]:
+    return [key(i) for i in range(start, start + n)], [os.urandom(BLOCK) for _ in range(n)]
+
+
+@pytest.fixture
+async def server(tmp_path) -> AsyncIterator[BlockServer]:
+    store = NodeStore(ShmTier(16 << 20), DirTier(tmp_path / "nvme", 64 << 20))
+    srv = BlockServer(store)
+    await srv.start()
+    yield srv
+    await srv.stop()
+    await store.close()
+
+
+@pytest.fixture
+async def tcp(server: BlockServer) -> AsyncIterator[TcpTransport]:
+    t = TcpTransport(server.address, pool_size=2)
+    yield t
+    await t.close()
+
+
+@pytest.fixture
+async def shm(server: BlockServer) -> AsyncIterator[ShmTransport]:
+    client = TransferClient()
+    t = await client.transport(server.address)
+    assert isinstance(t, ShmTransport)  # same host: the fast path is chosen
+    yield t
+    await client.close()
+
+
+class TestTcpRoundTrip:
+    async def test_batch_write_read_delete(self, tcp: TcpTransport, server: BlockServer) -> None:
+        keys, data = blocks(8)
+        await tcp.write(keys, data)
+        assert [bytes(v) for v in await tcp.read(keys)] == data
+        assert [bytes(v) for v in await tcp.read(keys[::-1])] == data[::-1]
+        assert server.payload_bytes_in == server.payload_bytes_out // 2 == 8 * BLOCK
+        assert await tcp.delete(keys[:3] + [key(99)]) == 3
+        with pytest.raises(BlockNotFound) as err:
+            await tcp.read(keys)
+        assert err.value.keys == keys[:3]
+
+    async def test_missing_ok_returns_none_in_place(self, tcp: TcpTransport) -> None:
+        keys, data = blocks(2)
+        await tcp.write(keys[1:], data[1:])
+        first, second = await tcp.read(keys, missing_ok=True)
+        assert first is None and bytes(second) == data[1]
+
+    async def test_lower_tier_write_and_read(self, tcp: TcpTransport, server: BlockServer) -> None:
+        keys, data = blocks(2)
+        await tcp.write(keys, data, tier=Tier.NVME)
+        assert not await server.store.dram.contains(keys[0])
+        assert [bytes(v) for v in await tcp.read(keys)] == data
+
+    async def test_concurrent_batches_share_the_pool(self, tcp: TcpTransport) -> None:
+        batches = [blocks(4, start=10 * i) for i in range(5)]
+        await asyncio.gather(*(tcp.write(k, d) for k, d in batches))
+        results = await asyncio.gather(*(tcp.read(k) for k, _ in batches))
+        assert [[bytes(v) for v in r] for r in results] == [d for _, d in batches]
+
+
+class TestSharedMemoryPath:
+    async def test_bytes_bypass_the_socket(self, shm: ShmTransport, tcp: TcpTransport, server: BlockServer) -> None:
+        keys, data = blocks(6)
+        await shm.write(keys, data)
+        assert [bytes(v) for v in await shm.read(keys)] == data
+        assert server.payload_bytes_in == server.payload_bytes_out == 0
+        assert [bytes(v) for v in await tcp.read(keys)] == data  # the node serves them to others too
+
+    async def test_manager_chosen_offsets_are_used(self, shm: ShmTransport, server: BlockServer) -> None:
+        keys, data = blocks(2)
+        offsets = [4 * BLOCK, BLOCK]
+        await shm.write(keys, data, offsets=offsets)
+        assert [server.store.dram.locate(k).offset for k in keys] == offsets
+        assert [bytes(v) for v in await shm.read(keys)] == data
+
+    async def test_blocks_outside_dram_come_over_tcp(self, shm: ShmTransport, server: BlockServer) -> None:
+        keys, data = blocks(3)
+        await shm.write(keys[:2], data[:2])
+        await shm.write(keys[2:], data[2:], tier=Tier.NVME)
+        assert [bytes(v) for v in await shm.read(keys)] == data
+        assert server.payload_bytes_out == BLOCK  # only the NVMe block crossed the socket
+        with pytest.raises(BlockNotFound):
+            await shm.read([key(1234)])
+
+
+class TestErrors:
+    async def test_unreachable_node_is_transfer_error(self) -> None:
+        (port,) = free_ports(1)
+        t = TcpTransport(f"127.0.0.1:{port}")
+        with pytest.raises(TransferError):
+            await t.read([key(0)])
+
+    async def test_full_tier_rejects_only_what_does_not_fit(self, tcp: TcpTransport) -> None:
+        small, huge = os.urandom(BLOCK), os.urandom(20 << 20)  # segment is 16 MiB
+        with pytest.raises(TransferError, match="1 block"):
+            await tcp.write([key(1), key(2), key(3)], [small, huge, small])
+        assert [bytes(v) for v in await tcp.read([key(1), key(3)])] == [small, small]
+
+    async def test_bad_batch_is_refused_before_sending(self, tcp: TcpTransport) -> None:
+        with pytest.raises(ValueError):
+            await tcp.write([key(1)], [b"a", b"b"])
+        with pytest.raises(ValueError):
+            await tcp.write([b"short"], [b"a"])
+
+    async def test_garbage_frame_closes_only_that_connection(self, tcp: TcpTransport, server: BlockServer) -> None:
+        host, port = server.address.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"\x05\x00\x00\x00hello")
+        assert await asyncio.wait_for(reader.read(1), timeout=10) == b""  # the server hung up on it
+        writer.close()
+        keys, data = blocks(1)
+        await tcp.write(keys, data)
+        assert bytes((await tcp.read(keys))[0]) == data[0]
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from shared.storage.dram import ShmTier
+    from shared.storage.node import NodeStore
+    from shared.transfer.server import BlockServer
+
+    async def main():
+        store = NodeStore(ShmTier(16 << 20))
+        server = BlockServer(store)
+        await server.start()
+        print(server.address, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop()
+        await store.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+class TestAcrossProcesses:
+    async def test_tcp_and_shm_against_a_server_process(self) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            address = proc.stdout.readline().strip()
+            keys, data = blocks(4)
+            tcp = TcpTransport(address)
+            client = TransferClient()
+            shm = await client.transport(address)
+            assert isinstance(shm, ShmTransport)
+            await tcp.write(keys[:2], data[:2])
+            await shm.write(keys[2:], data[2:])
+            assert [bytes(v) for v in await shm.read(keys)] == data
+            assert [bytes(v) for v in await tcp.read(keys)] == data
+            await tcp.close()
+            await client.close()
+        finally:
+            proc.stdin.close()
+            assert proc.wait(timeout=20) == 0
