@@ -114,8 +114,9 @@ class Processes:
     def __init__(self) -> None:
         self._procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env or service_env(), **kwargs)
+    def start(self, args: list[str], extra_env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """``python *args`` from the repository root, without the caller's HALFMOON_*/OTEL_* settings."""
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=service_env(**(extra_env or {})), **kwargs)
         self._procs.append(proc)
         return proc
 
@@ -132,6 +133,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shared.cli.model_tools import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ async def connect_nats(config: ServiceConfig, name: str) -> NATS:
         log.warning("nats error", extra={"error": repr(exc)})
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected; reconnecting")
+        log.info("nats disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats reconnected")

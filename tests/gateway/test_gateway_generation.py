@@ -33,7 +33,7 @@ async def serving(conductor, cluster, output_ids):
     """One scripted prefill and one decode instance, registered with the conductor."""
     await cluster.prefill("p0", Script(output=output_ids, cached_tokens=2))
     await cluster.decode("d0")
-    await wait_for(lambda: {"p0", "d0"} <= set(conductor.table._entries), "instances registered")
+    await wait_for(lambda: all(i in conductor.table for i in ("p0", "d0")), "instances registered")
     return cluster
 
 
@@ -124,7 +124,7 @@ async def started_gateway(gateway_factory, conductor, cluster, script: Script, p
     for iid in prefills:
         await cluster.prefill(iid, script)
     await cluster.decode("d0")
-    await wait_for(lambda: len(conductor.table) >= len(prefills) + 2, "registration")
+    await wait_for(lambda: all(i in conductor.table for i in (*prefills, "d0")), "registration")
     return await gateway_factory(**overrides)
 
 

@@ -20,7 +20,7 @@ async def serving(conductor, cluster, gateway):
     output = tuple(gateway.served.tokenizer.encode(TEXT, add_special_tokens=False))
     await cluster.prefill("p0", Script(output=output, cached_tokens=1))
     await cluster.decode("d0")
-    await wait_for(lambda: len(conductor.table) >= 3, "registration")
+    await wait_for(lambda: all(i in conductor.table for i in ("p0", "d0")), "registration")
 
 
 class TestResults:
@@ -80,7 +80,7 @@ class TestCleanErrors:
     async def test_mid_stream_failure_raises(self, client, conductor, cluster, gateway):
         await cluster.prefill("p0", Script(output=(10, 11, 12, 13, 14), fail_after=2))
         await cluster.decode("d0")
-        await wait_for(lambda: len(conductor.table) >= 3, "registration")
+        await wait_for(lambda: all(i in conductor.table for i in ("p0", "d0")), "registration")
         stream = await client.completions.create(model="tiny", prompt="x", max_tokens=5, stream=True)
         with pytest.raises(openai.APIError, match="engine failed"):
             async for _ in stream:
