@@ -12,7 +12,10 @@ import asyncio
 import socket
 from collections.abc import Iterable
 
+import msgspec
+
 from shared.storage.base import Buffer
+from shared.telemetry import inject_headers
 from shared.transfer.framing import LEN, MAX_HEADER, FramingError, Request, Response, encode
 
 
@@ -40,6 +43,10 @@ class Channel:
         return cls(sock)
 
     async def send(self, header: Request | Response, payloads: Iterable[Buffer] = ()) -> None:
+        if isinstance(header, Request) and not header.traceparent:
+            traceparent = inject_headers().get("traceparent", "")
+            if traceparent:
+                header = msgspec.structs.replace(header, traceparent=traceparent)
         await self._loop.sock_sendall(self.sock, encode(header))
         for payload in payloads:
             await self._loop.sock_sendall(self.sock, payload)

@@ -35,6 +35,7 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     sizes: list[int] = []
     offsets: list[int] = []  # DRAM offsets chosen by the cache-manager; empty = node chooses
     tier: int = 0
+    traceparent: str = ""  # W3C trace context of the caller, so the node's span joins its trace
 
 
 class Response(msgspec.Struct, array_like=True, frozen=True):

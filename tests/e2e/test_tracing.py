@@ -1,0 +1,49 @@
+"""One request, one trace: spans from every request-path service, correctly parented."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from shared.deploy.local import LocalCluster
+from shared.deploy.topology import REQUEST_PATH
+from shared.telemetry.jsonl import read_spans
+from tests.e2e.conftest import model_name
+
+
+def spans_of_request(cluster: LocalCluster, request_id: str, deadline_s: float = 30.0) -> list[dict]:
+    """Poll the span file until the request's trace holds every request-path service (or fail)."""
+    end = time.monotonic() + deadline_s
+    services: set[str] = set()
+    while time.monotonic() < end:
+        spans = read_spans(cluster.trace_file) if cluster.trace_file.exists() else []
+        roots = [s for s in spans if s["attributes"].get("halfmoon.request_id") == request_id and s["service"] == "gateway"]
+        if roots:
+            trace_id = roots[0]["trace_id"]
+            ours = [s for s in spans if s["trace_id"] == trace_id]
+            services = {s["service"] for s in ours}
+            if services >= set(REQUEST_PATH):
+                return ours
+        time.sleep(0.2)
+    raise AssertionError(f"trace of {request_id} only has spans from {sorted(services)}")
+
+
+class TestOneTracePerRequest:
+    def test_spans_from_all_services_parented(self, cluster_2p2d: LocalCluster) -> None:
+        reply = httpx.post(f"{cluster_2p2d.url}/v1/completions", timeout=60,
+                           json={"model": model_name(cluster_2p2d), "prompt": "trace me " * 10, "max_tokens": 6,
+                                 "temperature": 0})
+        assert reply.status_code == 200
+        spans = spans_of_request(cluster_2p2d, reply.headers["x-request-id"])
+        by_id = {s["span_id"]: s for s in spans}
+        roots = [s for s in spans if s["parent_id"] is None]
+        assert len(roots) == 1 and roots[0]["service"] == "gateway"
+        for span in spans:
+            if span["parent_id"] is not None:
+                parent = by_id[span["parent_id"]]
+                assert parent["start_ns"] <= span["start_ns"]
+        names = {s["name"] for s in spans}
+        assert {"prefill.compute", "prefill.kv_write", "decode.kv_read", "decode.generate"} <= names
+        transfer = [s for s in spans if s["service"] == "transfer"]
+        assert {by_id[s["parent_id"]]["service"] for s in transfer} >= {"prefill", "decode"}
