@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from shared.kv.hashing import key_hex
 from shared.kv.pool_nodes import NodeLedger
 from shared.kv.pool_state import Block, PoolState
 from shared.kv.pool_tiering import Tiering
@@ -136,7 +137,7 @@ class PoolIndex:
             for replica in block.replicas:
                 self._st.nodes[replica.node].track(replica, key, now, block.position)
         if unknown:
-            raise UnknownPut(f"{len(unknown)} key(s) not pending: {', '.join(k.hex()[:16] for k in unknown[:4])}")
+            raise UnknownPut(f"{len(unknown)} key(s) not pending: {', '.join(key_hex(k) for k in unknown[:4])}")
 
     def expire(self, now: float) -> list[Order]:
         """Revoke puts past their deadline and end expired leases; returns FREE orders for the

@@ -50,7 +50,7 @@ class NodeLedger:
         if tier is Tier.DRAM:
             try:
                 ext = self.alloc.allocate(size) if offset is None else self.alloc.claim(offset, size)
-            except OutOfSpace:
+            except (OutOfSpace, ValueError):  # full, or a misaligned offset from an inventory
                 return None
             self.blocks[tier] += 1
             return Replica(self.spec.node_id, tier, ext.offset, size)

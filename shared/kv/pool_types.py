@@ -22,10 +22,6 @@ class UnknownPut(PoolError):
     """put_end for keys that were never started, or were revoked by a timeout."""
 
 
-class PoolFull(PoolError):
-    """No registered node has room for a block in any tier."""
-
-
 class NodeSpec(NamedTuple):
     """A transfer node as the cache-manager knows it."""
 

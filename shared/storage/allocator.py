@@ -110,6 +110,3 @@ class ExtentAllocator:
     def fragments(self) -> int:
         """Number of separate free extents (1 means no fragmentation)."""
         return len(self._starts)
-
-    def is_live(self, offset: int) -> bool:
-        return offset in self._live

@@ -6,6 +6,8 @@ import enum
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
+from shared.kv.hashing import key_hex
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -25,7 +27,7 @@ class BlockNotFound(StorageError, KeyError):
     """The tier (or node) does not hold these keys; callers treat it as a cache miss."""
 
     def __init__(self, keys: list[bytes]) -> None:
-        super().__init__(f"{len(keys)} block(s) not found: {', '.join(k.hex()[:16] for k in keys[:4])}")
+        super().__init__(f"{len(keys)} block(s) not found: {', '.join(key_hex(k) for k in keys[:4])}")
         self.keys = keys
 
     def __str__(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from shared.kv.hashing import key_hex
 from shared.kv.pool_types import Order, OrderKind
 from shared.storage.base import StorageError, Tier
 from shared.storage.node import NodeStore
@@ -33,5 +34,5 @@ async def execute(order: Order, store: NodeStore, client: TransferClient, addres
             await store.move(key, src.tier, dst.tier, offset, keep_src=order.kind is OrderKind.PROMOTE)
         return True
     except (StorageError, TransferError, KeyError) as exc:
-        log.warning("order %s %s %s failed: %s", order.order_id, order.kind.value, key.hex()[:16], exc)
+        log.warning("order %s %s %s failed: %s", order.order_id, order.kind.value, key_hex(key), exc)
         return False

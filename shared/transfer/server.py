@@ -13,12 +13,18 @@ import logging
 import socket
 from functools import cache
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from shared.kv.hashing import key_hex
 from shared.storage.base import BlockNotFound, StorageError, Tier
 from shared.storage.node import NodeStore
 from shared.transfer.channel import Channel, ChannelClosed
+from shared.telemetry import extract_context
 from shared.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_request
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("halfmoon.transfer")
 MAX_BLOCK = 1 << 30
 
 
@@ -81,19 +87,22 @@ class BlockServer:
 
     async def _serve(self, ch: Channel) -> None:
         self._channels.add(ch)
+        reserved: set[bytes] = set()  # in-place writes this client has not committed yet
         try:
             while True:
                 req = decode_request(await ch.recv_header())
-                await self._handle(ch, req)
+                await self._handle(ch, req, reserved)
         except ChannelClosed:
             pass
         except (FramingError, OSError) as exc:
             log.warning("closing connection after %s", exc)
         finally:
+            for key in reserved:  # the client went away mid-write: its room is free again
+                self.store.dram.abort(key)
             self._channels.discard(ch)
             ch.close()
 
-    async def _handle(self, ch: Channel, req: Request) -> None:
+    async def _handle(self, ch: Channel, req: Request, reserved: set[bytes]) -> None:
         try:
             _validate(req)
         except BadRequest as exc:
@@ -103,12 +112,17 @@ class BlockServer:
                 raise FramingError(f"unrecoverable write request: {exc}") from None
             await ch.send(Response(False, error=f"bad request: {exc}"))
             return
-        if req.op is Op.READ:
-            await self._read(ch, req)
-        elif req.op is Op.WRITE:
-            await self._write(ch, req)
-        else:
-            await ch.send(await self._control(req))
+        context = extract_context({"traceparent": req.traceparent}) if req.traceparent else None
+        with _tracer.start_as_current_span(f"transfer.{req.op.name.lower()}", context=context,
+                                           kind=SpanKind.SERVER) as span:
+            span.set_attribute("halfmoon.blocks", len(req.keys))
+            if req.op is Op.READ:
+                await self._read(ch, req)
+            elif req.op is Op.WRITE:
+                span.set_attribute("halfmoon.bytes", sum(req.sizes))
+                await self._write(ch, req)
+            else:
+                await ch.send(await self._control(req, reserved))
 
     async def _read(self, ch: Channel, req: Request) -> None:
         payloads, sizes = [], []
@@ -145,11 +159,11 @@ class BlockServer:
                 if req.tier == Tier.DRAM:
                     await ch.discard(size)  # refused before the bytes were read
                 failed.append(key)
-                errors.append(f"{key.hex()[:16]}: {type(exc).__name__}: {exc}")
+                errors.append(f"{key_hex(key)}: {type(exc).__name__}: {exc}")
             self.payload_bytes_in += size
         await ch.send(Response(not failed, error="; ".join(errors[:4]), keys=failed, count=len(req.keys) - len(failed)))
 
-    async def _control(self, req: Request) -> Response:
+    async def _control(self, req: Request, reserved: set[bytes]) -> Response:
         dram = self.store.dram
         if req.op is Op.HELLO:
             return Response(True, segment=dram.segment, host=host_identity())
@@ -170,16 +184,18 @@ class BlockServer:
                 for k in req.keys:
                     dram.abort(k)
                 return Response(False, error=f"{type(exc).__name__}: {exc}")
+            reserved.update(req.keys)
             return Response(True, offsets=[e.offset for e in exts], sizes=[e.size for e in exts])
         if req.op is Op.COMMIT:
             if req.sizes:  # written in place at offsets the cache-manager chose: claim them now
-                reserved = await self._control(Request(Op.RESERVE, req.keys, req.sizes, req.offsets))
-                if not reserved.ok:
-                    return reserved
+                claimed = await self._control(Request(Op.RESERVE, req.keys, req.sizes, req.offsets), reserved)
+                if not claimed.ok:
+                    return claimed
             missing = [k for k in req.keys if not dram.is_reserved(k)]
             for k in req.keys:
                 if k not in missing:
                     dram.commit(k)
+            reserved.difference_update(req.keys)
             return Response(not missing, error=f"{len(missing)} key(s) were not reserved", keys=missing,
                             count=len(req.keys) - len(missing))  # fmt: skip
         if req.op is Op.DELETE:

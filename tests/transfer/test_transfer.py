@@ -18,6 +18,7 @@ from shared.storage.dram import ShmTier
 from shared.storage.node import NodeStore
 from shared.storage.nvme import DirTier
 from shared.transfer.client import TransferClient
+from shared.transfer.framing import Op, Request
 from shared.transfer.server import BlockServer
 from shared.transfer.shm import ShmTransport
 from shared.transfer.tcp import TcpTransport
@@ -189,3 +190,20 @@ class TestAcrossProcesses:
         finally:
             proc.stdin.close()
             assert proc.wait(timeout=20) == 0
+
+
+class TestAbandonedReservation:
+    async def test_reservation_is_released_when_the_client_disconnects(self, server: BlockServer) -> None:
+        client = TcpTransport(server.address)
+        resp = await client.request(Request(Op.RESERVE, [key(1)], [12 << 20]))
+        assert resp.ok and server.store.dram.is_reserved(key(1))
+        assert (await server.store.dram.usage()).used >= 12 << 20
+        await client.close()  # disconnect without COMMIT
+        probe = TcpTransport(server.address)
+        deadline = asyncio.get_running_loop().time() + 10
+        while server.store.dram.is_reserved(key(1)):  # the server notices the hang-up
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0)  # yield to the server task; no timed wait
+        keys, data = [key(2)], [os.urandom(12 << 20)]
+        await probe.write(keys, data)  # the room is free again
+        await probe.close()
