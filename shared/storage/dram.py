@@ -17,7 +17,7 @@ class ShmTier(StorageTier):
     def __init__(self, capacity: int, name: str | None = None, alignment: int = 64) -> None:
         self._alloc = ExtentAllocator(capacity, alignment)
         self._shm = create_segment(name, self._alloc.capacity)
-        self._buf = self._shm.buf
+        self._buf = self._shm.buf  # NOTE: never released separately; SharedMemory.close() does
         self._blocks: dict[bytes, Extent] = {}  # visible blocks
         self._pending: dict[bytes, Extent] = {}  # reserved, being written in place
 
@@ -116,8 +116,9 @@ class ShmTier(StorageTier):
         return TierUsage(self._alloc.used, self._alloc.capacity, len(self._blocks))
 
     async def close(self) -> None:
+        """Unlink the segment (first, so its name never outlives the tier), then unmap it;
+        unmapping raises BufferError while a view handed out by ``view``/``writable`` is alive."""
         self._blocks.clear()
         self._pending.clear()
-        self._buf.release()
-        self._shm.close()
         self._shm.unlink()
+        self._shm.close()

@@ -19,6 +19,8 @@ from shared.storage.s3 import S3Config, S3Tier
 from shared.transfer.client import TransferClient
 from shared.transfer.orders import execute
 from shared.transfer.server import BlockServer
+from shared.transfer.tcp import TcpTransport
+from shared.transfer.transport import TransferError
 from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
 
 BLOCK = 64 << 10
@@ -112,3 +114,45 @@ class TestS3Outage:
         inventory = await store.inventory()
         assert {(b.key, b.tier) for b in inventory} == {(KEYS[0], Tier.DRAM), (KEYS[1], Tier.NVME)}
         await store.close()
+
+
+class TestTwoNodes:
+    async def test_hot_block_replicates_and_a_dead_node_only_loses_cache(self) -> None:
+        stores = [NodeStore(ShmTier(10 * BLOCK)) for _ in range(2)]
+        servers = [BlockServer(s) for s in stores]
+        for srv in servers:
+            await srv.start()
+        index = PoolIndex(PoolConfig(hot_reads_per_s=50, hot_window_s=1.0, max_hot_replicas=2))
+        for name, store, srv in zip("ab", stores, servers):
+            index.add_node(NodeSpec(name, srv.address, store.dram.segment, {Tier.DRAM: 10 * BLOCK}))
+        address = {name: srv.address for name, srv in zip("ab", servers)}
+        client = TransferClient()
+        payload = os.urandom(BLOCK)
+        (placement,) = index.put_start(KEYS[:1], [BLOCK], now=0)
+        (replica,) = placement.replicas
+        transport = await client.transport(address[replica.node])
+        await transport.write(KEYS[:1], [payload], offsets=[replica.offset])
+        index.put_end(KEYS[:1], now=0)
+        for i in range(100):  # 100 reads per second
+            index.release(index.lookup(KEYS[:1], now=1 + i / 100).lease.lease_id)
+        (order,) = index.plan(now=2)
+        assert order.kind is OrderKind.REPLICATE and order.dst.node != replica.node
+        target = stores["ab".index(order.dst.node)]
+        assert await execute(order, target, client, address.__getitem__)
+        index.order_done(order.order_id, True, now=2)
+        assert bytes(target.dram.view(KEYS[0])) == payload
+        assert {r.node for r in index.lookup(KEYS[:1], now=3).hits[0]} == {"a", "b"}
+
+        dead = "ab".index(replica.node)  # the original holder goes away
+        await servers[dead].stop()
+        with pytest.raises(TransferError):
+            await TcpTransport(address[replica.node]).read(KEYS[:1])
+        assert index.remove_node(replica.node, now=4) == []
+        (hit,) = index.lookup(KEYS[:1], now=4).hits
+        assert [r.node for r in hit] == [order.dst.node]
+        survivor = await client.transport(address[order.dst.node])
+        assert [bytes(v) for v in await survivor.read(KEYS[:1])] == [payload]
+        await client.close()
+        await servers[1 - dead].stop()
+        for store in stores:
+            await store.close()
