@@ -99,7 +99,7 @@ class Tiering:
         if not ok or block is None or dst_ledger is None:
             if dst_ledger is not None:
                 dst_ledger.release(order.dst)
-            return [Order(order.order_id, OrderKind.FREE, order.key, order.dst, None)] if ok and dst_ledger else []
+            return [Order(st.new_id(), OrderKind.FREE, order.key, order.dst, None)] if ok and dst_ledger else []
         st.add_replica(order.key, block, order.dst, now)
         if order.kind is OrderKind.DEMOTE and order.src in block.replicas:
             st.drop_replica(order.key, block, order.src)

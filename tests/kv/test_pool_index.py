@@ -224,3 +224,15 @@ class TestRebuild:
         fresh = new.put_start(KEYS[20:25], [MB] * 5, now=4)
         assert not taken & {p.replicas[0].offset for p in fresh if p.replicas and p.replicas[0].tier is Tier.DRAM}
         assert new.rebuild("a", inventory[:1], now=5) == inventory[:1]  # duplicates refused
+
+
+class TestOrdersRacingRemoval:
+    def test_copy_finished_after_remove_is_freed(self) -> None:
+        idx = index(node("a", nvme=100))
+        store(idx, KEYS[:9])
+        orders = idx.plan(now=1)
+        idx.remove([orders[0].key])
+        (leftover,) = idx.order_done(orders[0].order_id, True, now=2)
+        assert leftover.kind is OrderKind.FREE and leftover.src == orders[0].dst
+        assert idx.stats().tiers[1].used == 3 * MB  # the other three demotions still reserved
+        assert idx.order_done(orders[0].order_id, True, now=2) == []  # idempotent
