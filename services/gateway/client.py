@@ -135,12 +135,16 @@ class Generation:
             try:
                 await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
                                   codecs.SUBMIT_REPLY, dl.submit_timeout_s)
-            except RemoteError as exc:
+            except (RemoteError, ProtocolError) as exc:
                 self._unwatch(placement.prefill_instance)
                 self._unwatch(placement.decode_instance)
-                if not exc.reply.retryable:
-                    raise GenerationError(exc.code, f"prefill refused the request: {exc.reply.message}") from exc
-                last = exc  # draining or just gone: the conductor will know soon, ask again
+                # NOTE: only retry when the instance surely did not take it (draining, gone); after a
+                # timeout it may be working, and a second placement would stream twice.
+                if isinstance(exc, ProtocolError) or exc.code is not ErrorCode.UNAVAILABLE:
+                    await svc.publish(svc.subjects.cancel, CancelRequest(request_id=self.request_id,
+                                                                         reason="submit failed"))
+                    raise GenerationError(exc.code, f"prefill did not take the request: {exc}") from exc
+                last = exc
                 continue
             self.placement = placement
             return
@@ -156,6 +160,8 @@ class Generation:
             reply = await svc.request(svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, dl.schedule_timeout_s)
         except RemoteError as exc:
             raise GenerationError(exc.code, f"conductor: {exc.reply.message}") from exc
+        except ProtocolError as exc:
+            raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
         if isinstance(reply, ScheduleRejected):
             raise GenerationError(ErrorCode.OVERLOADED, f"request rejected ({reply.reason.value}): {reply.message}",
                                   retry_after_s=reply.retry_after_s)
@@ -176,6 +182,10 @@ class Generation:
             event = ErrorEvent(request_id=self.request_id, code=exc.code, message=f"bad stream event: {exc.message}")
         self._queue.put_nowait(event)
 
+    def _from_placement(self, instance_id: str) -> bool:
+        p = self.placement
+        return not instance_id or p is None or instance_id in (p.prefill_instance, p.decode_instance)
+
     def fail(self, code: ErrorCode, message: str) -> None:
         self._queue.put_nowait(ErrorEvent(request_id=self.request_id, code=code, message=message))
 
@@ -191,6 +201,8 @@ class Generation:
                 raise GenerationError(ErrorCode.TIMEOUT, f"no {phase} within {timeout}s") from None
             if isinstance(event, ErrorEvent):
                 raise GenerationError(event.code, event.message)
+            if event.index < expected or not self._from_placement(event.instance_id):
+                continue  # a duplicate, or a stray from an instance that does not hold this request
             early[event.index] = event
             while expected in early:
                 ready = early.pop(expected)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.protocol import codecs
-from shared.protocol.base import Ack, ErrorCode, Message
+from shared.protocol.base import Ack, ErrorCode, ErrorReply, Message
 from shared.protocol.registry import Load, Role
 from shared.protocol.stream import ErrorEvent, TokenEvent, Usage
 from shared.protocol.work import CancelRequest, PrefillRequest
@@ -29,6 +29,7 @@ class Script:
     fail_after: int | None = None  # emit this many tokens, then an ErrorEvent
     cached_tokens: int = 0
     split_first: bool = True  # first token alone at index 0, like prefill then decode
+    refuse: bool = False  # answer every submit "unavailable", like a draining instance
 
 
 class ScriptedPrefill(Service[ServiceConfig]):
@@ -39,7 +40,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
         self.script = script
         self.received: list[PrefillRequest] = []
         self.cancelled: list[str] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     @property
     def address(self) -> str:
@@ -54,13 +55,17 @@ class ScriptedPrefill(Service[ServiceConfig]):
 
     async def _on_submit(self, request: PrefillRequest) -> Message:
         self.received.append(request)
+        if self.script.refuse:
+            return ErrorReply(code=ErrorCode.UNAVAILABLE, message="draining", retryable=True)
         task = asyncio.create_task(self._run(request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[request.request_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(request.request_id, None))
         return Ack(request_id=request.request_id, instance_id=self.instance_id)
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         self.cancelled.append(cancel.request_id)
+        if (task := self._tasks.get(cancel.request_id)) is not None:
+            task.cancel()
 
     async def _run(self, req: PrefillRequest) -> None:
         s = self.script
@@ -86,7 +91,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
 
     async def drain(self) -> None:
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
 
 class IdleDecode(Service[ServiceConfig]):

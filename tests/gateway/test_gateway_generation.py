@@ -205,6 +205,19 @@ class TestInstanceDown:
                 assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == TEXT
 
 
+class TestSubmitRetry:
+    async def test_unavailable_prefill_makes_the_gateway_ask_again(self, gateway_factory, conductor, cluster,
+                                                                   output_ids):
+        refusing = await cluster.prefill("p0", Script(output=output_ids, refuse=True))
+        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids), prefills=("p1",))
+        await wait_for(lambda: "p0" in conductor.table, "p0 registered")
+        async with httpx_client(gw) as http:
+            response = await http.post("/v1/chat/completions", json=chat_request())
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == TEXT
+        assert len(refusing.service.received) == 1  # tried first (tie on load, smaller id), then p1 served it
+        assert len(cluster.hosts[1].service.received) == 1
+
+
 class TestFlood:
     async def test_bad_requests_do_not_disturb_good_ones(self, http, serving):
         bad_bodies = [b"{not json", b'{"model": "tiny"}', b'{"model": "nope", "prompt": "x"}',
