@@ -26,6 +26,7 @@ from services.gateway.model import Detokenizer, ServedModel
 from services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.protocol.stream import TokenEvent, Usage
+from shared.telemetry import extract_context
 
 log = logging.getLogger("halfmoon.gateway")
 
@@ -113,8 +114,9 @@ class GatewayApi:
 
     async def _serve(self, request: Request, kind: Kind, endpoint: str) -> Response:
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        span = self.tracer.start_span(f"gateway {endpoint}", kind=SpanKind.SERVER,
-                                      attributes={"halfmoon.request_id": request_id})
+        # a client that sends traceparent gets the whole serving path inside its own trace
+        span = self.tracer.start_span(f"gateway {endpoint}", context=extract_context(request.headers),
+                                      kind=SpanKind.SERVER, attributes={"halfmoon.request_id": request_id})
         try:
             with trace.use_span(span, end_on_exit=False):
                 response = await self._generate(request, kind, request_id, span)

@@ -70,17 +70,25 @@ class TestOneTraceAcrossServices:
             await wait_for(lambda: all(i in conductor.table for i in ("p0", "d0")), "registration")
             async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
                 response = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
-            assert response.status_code == 200
+                assert response.status_code == 200
+                client_parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+                response = await http.post("/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 3},
+                                           headers={"traceparent": client_parent})
+                assert response.status_code == 200
         finally:
             for host in reversed(hosts):
                 await host.stop()
             for provider in providers.values():
                 provider.shutdown()
         spans = read_spans(trace_file)
-        root = next(s for s in spans if s["name"] == "gateway /v1/completions")
-        assert root["service"] == "gateway" and root["parent_id"] is None
-        schedule = next(s for s in spans if s["name"] == "conductor.schedule")
-        submit = next(s for s in spans if s["name"] == "prefill.submit")
+        roots = [s for s in spans if s["name"] == "gateway /v1/completions"]
+        assert len(roots) == 2
+        root = next(s for s in roots if s["parent_id"] is None)
+        assert root["service"] == "gateway"
+        continued = next(s for s in roots if s["parent_id"] is not None)
+        assert (continued["trace_id"], continued["parent_id"]) == ("ab" * 16, "cd" * 8)
+        schedule = next(s for s in spans if s["name"] == "conductor.schedule" and s["trace_id"] == root["trace_id"])
+        submit = next(s for s in spans if s["name"] == "prefill.submit" and s["trace_id"] == root["trace_id"])
         for child, service in ((schedule, "conductor"), (submit, "prefill")):
             assert child["service"] == service
             assert child["trace_id"] == root["trace_id"] and child["parent_id"] == root["span_id"]
