@@ -28,9 +28,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from shared.storage.allocator import Extent
 from shared.storage.dram import ShmTier
 from shared.storage.node import NodeStore
 from shared.transfer.client import TransferClient
+from shared.transfer.framing import Op, Request
 from shared.transfer.server import BlockServer
 from shared.transfer.tcp import TcpTransport
 
@@ -130,13 +132,18 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
         raw = Raw(int(raw_port))
         await tcp.write(keys, payloads)
         assert [bytes(v) for v in await shm.read(keys)] == payloads  # correctness before speed
+        where = await tcp.request(Request(Op.LOCATE, keys))
+        extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]  # as a lookup reports them
+        put_offsets = [nbytes + i * block for i in range(batch)]  # as put_start would choose them
 
         def memcpy() -> None:
             np.copyto(np.frombuffer(bytearray(nbytes), dtype=np.uint8), src)
 
-        cases = {
-            "shm get": (lambda: shm.read(keys), memcpy, "memcpy"),
-            "shm put": (lambda: shm.write(keys, payloads), memcpy, "memcpy"),
+        cases = {  # gets before puts: the puts move the blocks away from ``extents``
+            "shm get (lookup offsets)": (lambda: shm.read(keys, extents=extents), memcpy, "memcpy"),
+            "shm get (LOCATE)": (lambda: shm.read(keys), memcpy, "memcpy"),
+            "shm put (put_start offsets)": (lambda: shm.write(keys, payloads, offsets=put_offsets), memcpy, "memcpy"),
+            "shm put (RESERVE)": (lambda: shm.write(keys, payloads), memcpy, "memcpy"),
             "tcp get": (lambda: tcp.read(keys), lambda: raw.get(nbytes), "raw socket"),
             "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket"),
         }
@@ -177,7 +184,7 @@ def main() -> None:
     for r in results:
         ratio = f"{r.gbps / r.base_gbps:.0%}"
         table.add_row(r.name, f"{r.ops:,.0f}", f"{r.gbps:.2f}", r.baseline, f"{r.base_gbps:.2f}", ratio, f"{r.median_ratio:.0%}")
-    Console().print(table)
+    Console(width=140).print(table)
     print("command:", " ".join(["python -m benchmarks.pool_throughput", *sys.argv[1:]]))
 
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import Counter
 from functools import cache
 
 from opentelemetry import trace
@@ -49,6 +50,7 @@ class BlockServer:
         self._channels: set[Channel] = set()
         self.payload_bytes_in = 0  # bytes of blocks received over sockets (not via shared memory)
         self.payload_bytes_out = 0
+        self.requests: Counter[Op] = Counter()
 
     @property
     def address(self) -> str:
@@ -103,6 +105,7 @@ class BlockServer:
             ch.close()
 
     async def _handle(self, ch: Channel, req: Request, reserved: set[bytes]) -> None:
+        self.requests[req.op] += 1
         try:
             _validate(req)
         except BadRequest as exc:

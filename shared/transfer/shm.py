@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shared.storage.allocator import Extent
 from shared.storage.base import Buffer, Tier
 from shared.storage.segment import AttachedSegment
 from shared.transfer.framing import MISSING, Op, Request
@@ -22,14 +23,20 @@ class ShmTransport(Transport):
         self._shm = segment
         self._seg = segment.buf
 
-    async def read(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> list[memoryview | None]:
-        where = await self.control.request(Request(Op.LOCATE, list(keys)))
-        if not where.ok or len(where.offsets) != len(keys):
-            raise TransferError(f"{self.control.address}: locate refused: {where.error}")
-        out = memoryview(bytearray(sum(s for s in where.sizes if s != MISSING)))
+    async def read(
+        self, keys: Sequence[bytes], *, missing_ok: bool = False, extents: Sequence[Extent] | None = None
+    ) -> list[memoryview | None]:
+        if extents is None:
+            where = await self.control.request(Request(Op.LOCATE, list(keys)))
+            if not where.ok or len(where.offsets) != len(keys):
+                raise TransferError(f"{self.control.address}: locate refused: {where.error}")
+            extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]
+        elif len(extents) != len(keys) or any(o < 0 or o + s > self._shm.size for o, s in extents):
+            raise ValueError("one extent per key, inside the node's DRAM segment")
+        out = memoryview(bytearray(sum(s for _, s in extents if s != MISSING)))
         views: list[memoryview | None] = []
         pos = 0
-        for offset, size in zip(where.offsets, where.sizes):
+        for offset, size in extents:
             if size == MISSING:
                 views.append(None)
                 continue

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+from shared.storage.allocator import Extent
 from shared.storage.base import Buffer, Tier
 from shared.transfer.channel import Channel
 from shared.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
@@ -51,7 +52,9 @@ class TcpTransport(Transport):
             await ch.send(req, payloads)
             return decode_response(await ch.recv_header())
 
-    async def read(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> list[memoryview | None]:
+    async def read(
+        self, keys: Sequence[bytes], *, missing_ok: bool = False, extents: Sequence[Extent] | None = None
+    ) -> list[memoryview | None]:
         async with self._channel() as ch:
             await ch.send(Request(Op.READ, list(keys)))
             resp = decode_response(await ch.recv_header())

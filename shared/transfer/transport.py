@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from shared.storage.allocator import Extent
 from shared.storage.base import BlockNotFound, Buffer, Tier
 
 __all__ = ["BlockNotFound", "Transport", "TransferError"]
@@ -25,10 +26,14 @@ class Transport(ABC):
     ``BlockNotFound`` (naming every missing key) otherwise. ``write`` stores every block or
     raises ``TransferError`` naming the keys that failed (the others are stored). ``offsets``
     are DRAM segment offsets chosen by the cache-manager; without them the node chooses.
-    Connection failures raise ``TransferError``."""
+    Connection failures raise ``TransferError``. ``extents`` are the DRAM (offset, size) of
+    each key from a lookup's replicas (the lease keeps them valid); transports that address the
+    segment directly (shared memory, RDMA) then skip asking the node, others ignore them."""
 
     @abstractmethod
-    async def read(self, keys: Sequence[bytes], *, missing_ok: bool = False) -> list[memoryview | None]: ...
+    async def read(
+        self, keys: Sequence[bytes], *, missing_ok: bool = False, extents: Sequence[Extent] | None = None
+    ) -> list[memoryview | None]: ...
 
     @abstractmethod
     async def write(

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from shared.storage.allocator import Extent
 from shared.storage.base import BlockNotFound, Tier
 from shared.storage.dram import ShmTier
 from shared.storage.node import NodeStore
@@ -106,7 +107,12 @@ class TestSharedMemoryPath:
         offsets = [4 * BLOCK, BLOCK]
         await shm.write(keys, data, offsets=offsets)
         assert [server.store.dram.locate(k).offset for k in keys] == offsets
+        assert server.requests == {Op.HELLO: 1, Op.COMMIT: 1}  # no RESERVE: the offsets were known
+        extents = [Extent(o, BLOCK) for o in offsets]  # what a lookup's DRAM replicas say
+        assert [bytes(v) for v in await shm.read(keys, extents=extents)] == data
+        assert Op.LOCATE not in server.requests  # read without asking the node
         assert [bytes(v) for v in await shm.read(keys)] == data
+        assert server.requests[Op.LOCATE] == 1
 
     async def test_blocks_outside_dram_come_over_tcp(self, shm: ShmTransport, server: BlockServer) -> None:
         keys, data = blocks(3)
