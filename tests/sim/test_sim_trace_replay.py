@@ -87,3 +87,12 @@ class TestOverload:
         assert 0.25 <= scale < 8.0
         assert all(share >= 0.9 for s, share in seen if s <= scale)
         assert any(share < 0.9 for s, share in seen if s > scale)
+
+
+class TestCacheOnlyReplay:
+    def test_unbounded_cache_reaches_the_traces_published_reuse(self, conversation):
+        from shared.sim.replay import cache_hit_rate
+
+        # the trace's README: 182,790 distinct blocks among 288,500 references (36.6% reuse)
+        assert cache_hit_rate(conversation, None, "lru") == pytest.approx(1 - 182_790 / 288_500, abs=0.005)
+        assert cache_hit_rate(conversation[:3000], 500, "lru") < cache_hit_rate(conversation[:3000], None, "lru")

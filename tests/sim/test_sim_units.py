@@ -123,3 +123,15 @@ class TestConfig:
         for kwargs in ({"mode": "hybrid"}, {"prefill_policy": "x"}, {"time_scale": 0}, {"eviction": "fifo"}):
             with pytest.raises(SimConfigError):
                 SimConfig(**kwargs)
+
+
+class TestRecentSamples:
+    def test_old_samples_expire(self):
+        from shared.sim.engine import RecentSamples
+
+        recent = RecentSamples(window_s=10.0)
+        recent.add(0.0, 1.0)
+        recent.add(5.0, 2.0)
+        assert recent.values(9.0) == (1.0, 2.0)
+        assert recent.values(12.0) == (2.0,)
+        assert recent.values(100.0) == ()
