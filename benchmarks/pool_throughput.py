@@ -155,7 +155,8 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
                 t_ours += await timed(ours, 1)
             best, base_best = min(t_ours), min(t_base)
             median_ratio = statistics.median(t_base) / statistics.median(t_ours)
-            results.append(Result(name, base_name, nbytes / best / 1e9, nbytes / base_best / 1e9, batch / best, median_ratio))
+            gbps, base_gbps = nbytes / best / 1e9, nbytes / base_best / 1e9
+            results.append(Result(name, base_name, gbps, base_gbps, batch / best, median_ratio))
         await client.close()
         await tcp.close()
         raw.sock.close()
@@ -183,7 +184,8 @@ def main() -> None:
         table.add_column(col, justify="left" if col in ("path", "baseline") else "right")
     for r in results:
         ratio = f"{r.gbps / r.base_gbps:.0%}"
-        table.add_row(r.name, f"{r.ops:,.0f}", f"{r.gbps:.2f}", r.baseline, f"{r.base_gbps:.2f}", ratio, f"{r.median_ratio:.0%}")
+        cells = (f"{r.ops:,.0f}", f"{r.gbps:.2f}", r.baseline, f"{r.base_gbps:.2f}", ratio, f"{r.median_ratio:.0%}")
+        table.add_row(r.name, *cells)
     Console(width=140).print(table)
     print("command:", " ".join(["python -m benchmarks.pool_throughput", *sys.argv[1:]]))
 

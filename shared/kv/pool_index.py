@@ -92,7 +92,9 @@ class PoolIndex:
         return refused
 
     # ---- put ---------------------------------------------------------------------------
-    def put_start(self, keys: Sequence[bytes], sizes: Sequence[int], now: float, first_position: int = 0) -> list[Placement]:
+    def put_start(
+        self, keys: Sequence[bytes], sizes: Sequence[int], now: float, first_position: int = 0
+    ) -> list[Placement]:
         """Reserve ``config.replicas`` locations for each new key on distinct nodes, in the fastest
         tier with room; fewer (or none: the block is not cached) when space is short."""
         if len(keys) != len(sizes):

@@ -1,7 +1,8 @@
 """Tiering decisions of the pool index: watermark relief by demotion (DRAM -> NVMe -> S3, drop
 when no lower tier has room), promotion of blocks hit in a lower tier (into DRAM room below the
-low watermark), and extra DRAM replicas for hot blocks. Orders are two-phase: the destination is reserved when the order is issued, and
-``finish`` applies the node's outcome, so a failed copy never loses the source."""
+low watermark), and extra DRAM replicas for hot blocks. Orders are two-phase: the destination
+is reserved when the order is issued, and ``finish`` applies the node's outcome, so a failed
+copy never loses the source."""
 
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ class S3Tier(StorageTier):
 
     async def get(self, key: bytes) -> bytes:
         name, out = self._name(key), io.BytesIO()
-        await self._call(lambda: self._client.download_fileobj(self.config.bucket, name, out, Config=self._transfer), key)
+        bucket = self.config.bucket
+        await self._call(lambda: self._client.download_fileobj(bucket, name, out, Config=self._transfer), key)
         return out.getvalue()
 
     async def delete(self, key: bytes) -> bool:

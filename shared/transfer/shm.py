@@ -75,7 +75,9 @@ class ShmTransport(Transport):
             raise ValueError("offsets fall outside the node's DRAM segment")
         for offset, size, payload in zip(targets, sizes, payloads):
             self._seg[offset : offset + size] = memoryview(payload).cast("B")
-        commit = Request(Op.COMMIT, list(keys), sizes if offsets is not None else [], targets if offsets is not None else [])
+        # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
+        claim = offsets is not None
+        commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [])
         resp = await self.control.request(commit)
         if not resp.ok:
             raise TransferError(f"{self.control.address}: commit refused: {resp.error}")

@@ -101,7 +101,8 @@ class TestTiersEndToEnd:
 class TestS3Outage:
     async def test_unreachable_s3_keeps_dram_and_nvme_serving(self, tmp_path) -> None:
         (port,) = free_ports(1)
-        dead = S3Tier(S3Config(endpoint_url=f"http://127.0.0.1:{port}", bucket="b", connect_timeout_s=0.3, max_attempts=1))
+        config = S3Config(endpoint_url=f"http://127.0.0.1:{port}", bucket="b", connect_timeout_s=0.3, max_attempts=1)
+        dead = S3Tier(config)
         store = NodeStore(ShmTier(1 << 20), DirTier(tmp_path, 1 << 20), dead)
         await store.write(KEYS[0], b"in dram")
         await store.write(KEYS[1], b"on nvme", Tier.NVME)
