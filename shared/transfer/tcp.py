@@ -21,8 +21,14 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class TcpTransport(Transport):
-    def __init__(self, address: str, pool_size: int = 4) -> None:
+    """``timeout_s`` bounds each whole request (connect, send, reply); a node that does not
+    answer in time is a ``TransferError`` like one that cannot be reached."""
+
+    def __init__(self, address: str, pool_size: int = 4, timeout_s: float = 30.0) -> None:
+        if pool_size < 1 or timeout_s <= 0:
+            raise ValueError("pool_size must be >= 1 and timeout_s > 0")
         self.address = address
+        self.timeout_s = timeout_s
         self._host, self._port = parse_address(address)
         self._idle: list[Channel] = []
         self._slots = asyncio.Semaphore(pool_size)
@@ -31,19 +37,15 @@ class TcpTransport(Transport):
     async def _channel(self) -> AsyncIterator[Channel]:
         async with self._slots:
             try:
-                ch = self._idle.pop() if self._idle else await Channel.connect(self._host, self._port)
-            except OSError as exc:
-                raise TransferError(f"cannot connect to {self.address}: {exc}") from exc
-            try:
-                yield ch
-            except (OSError, FramingError, asyncio.CancelledError) as exc:
-                ch.close()  # the stream may be mid-message: never reuse it
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                raise TransferError(f"{self.address}: {exc}") from exc
-            except BaseException:
-                ch.close()
-                raise
+                async with asyncio.timeout(self.timeout_s):
+                    ch = self._idle.pop() if self._idle else await Channel.connect(self._host, self._port)
+                    try:
+                        yield ch
+                    except BaseException:
+                        ch.close()  # the stream may be mid-message: never reuse it
+                        raise
+            except (OSError, FramingError) as exc:  # TimeoutError is an OSError
+                raise TransferError(f"{self.address}: {type(exc).__name__}: {exc}") from exc
             self._idle.append(ch)
 
     async def request(self, req: Request, payloads: Sequence[Buffer] = ()) -> Response:

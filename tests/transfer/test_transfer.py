@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,13 @@ class TestErrors:
         t = TcpTransport(f"127.0.0.1:{port}")
         with pytest.raises(TransferError):
             await t.read([key(0)])
+
+    async def test_silent_node_times_out_as_transfer_error(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts connections, never answers
+            t = TcpTransport(f"127.0.0.1:{mute.getsockname()[1]}", timeout_s=0.3)
+            with pytest.raises(TransferError, match="TimeoutError"):
+                await t.read([key(0)])
+            await t.close()
 
     async def test_full_tier_rejects_only_what_does_not_fit(self, tcp: TcpTransport) -> None:
         small, huge = os.urandom(BLOCK), os.urandom(20 << 20)  # segment is 16 MiB
