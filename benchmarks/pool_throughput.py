@@ -89,13 +89,11 @@ class Raw:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def get(self, nbytes: int) -> memoryview:
-        self.sock.sendall(b"\x00" + nbytes.to_bytes(8, "little"))
-        out = memoryview(bytearray(nbytes))
+    def get(self, out: memoryview) -> None:
+        self.sock.sendall(b"\x00" + out.nbytes.to_bytes(8, "little"))
         got = 0
-        while got < nbytes:
+        while got < out.nbytes:
             got += self.sock.recv_into(out[got:])
-        return out
 
     def put(self, payloads: list[bytes]) -> None:
         self.sock.sendall(b"\x01" + sum(map(len, payloads)).to_bytes(8, "little"))
@@ -136,15 +134,18 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
         extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]  # as a lookup reports them
         put_offsets = [nbytes + i * block for i in range(batch)]  # as put_start would choose them
 
+        dest = memoryview(bytearray(nbytes))  # every path reads into the same warm buffer
+        dest_array = np.frombuffer(dest, dtype=np.uint8)
+
         def memcpy() -> None:
-            np.copyto(np.frombuffer(bytearray(nbytes), dtype=np.uint8), src)
+            np.copyto(dest_array, src)
 
         cases = {  # gets before puts: the puts move the blocks away from ``extents``
-            "shm get (lookup offsets)": (lambda: shm.read(keys, extents=extents), memcpy, "memcpy"),
-            "shm get (LOCATE)": (lambda: shm.read(keys), memcpy, "memcpy"),
+            "shm get (lookup offsets)": (lambda: shm.read(keys, extents=extents, into=dest), memcpy, "memcpy"),
+            "shm get (LOCATE)": (lambda: shm.read(keys, into=dest), memcpy, "memcpy"),
             "shm put (put_start offsets)": (lambda: shm.write(keys, payloads, offsets=put_offsets), memcpy, "memcpy"),
             "shm put (RESERVE)": (lambda: shm.write(keys, payloads), memcpy, "memcpy"),
-            "tcp get": (lambda: tcp.read(keys), lambda: raw.get(nbytes), "raw socket"),
+            "tcp get": (lambda: tcp.read(keys, into=dest), lambda: raw.get(dest), "raw socket"),
             "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket"),
         }
         results = []

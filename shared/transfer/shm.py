@@ -14,7 +14,7 @@ from shared.storage.base import Buffer, Tier
 from shared.storage.segment import AttachedSegment
 from shared.transfer.framing import MISSING, Op, Request
 from shared.transfer.tcp import TcpTransport
-from shared.transfer.transport import Transport, TransferError, check_batch, missing_error
+from shared.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
 
 
 class ShmTransport(Transport):
@@ -24,7 +24,12 @@ class ShmTransport(Transport):
         self._seg = segment.buf
 
     async def read(
-        self, keys: Sequence[bytes], *, missing_ok: bool = False, extents: Sequence[Extent] | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        missing_ok: bool = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
     ) -> list[memoryview | None]:
         if extents is None:
             where = await self.control.request(Request(Op.LOCATE, list(keys)))
@@ -33,21 +38,24 @@ class ShmTransport(Transport):
             extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]
         elif len(extents) != len(keys) or any(o < 0 or o + s > self._shm.size for o, s in extents):
             raise ValueError("one extent per key, inside the node's DRAM segment")
-        out = memoryview(bytearray(sum(s for _, s in extents if s != MISSING)))
+        # the segment (or, for blocks not in DRAM, a TCP read by the node from its lower tiers)
+        sources: list[memoryview | None] = [
+            self._seg[offset : offset + size] if size != MISSING else None for offset, size in extents
+        ]
+        lower = [i for i, src in enumerate(sources) if src is None]
+        if lower:
+            for i, view in zip(lower, await self.control.read([keys[i] for i in lower], missing_ok=True)):
+                sources[i] = view
+        out = destination(into, sum(src.nbytes for src in sources if src is not None))
         views: list[memoryview | None] = []
         pos = 0
-        for offset, size in extents:
-            if size == MISSING:
+        for src in sources:
+            if src is None:
                 views.append(None)
                 continue
-            out[pos : pos + size] = self._seg[offset : offset + size]
-            views.append(out[pos : pos + size])
-            pos += size
-        lower = [i for i, v in enumerate(views) if v is None]
-        if lower:  # not in DRAM: the node reads them from its lower tiers
-            fetched = await self.control.read([keys[i] for i in lower], missing_ok=True)
-            for i, view in zip(lower, fetched):
-                views[i] = view
+            out[pos : pos + src.nbytes] = src
+            views.append(out[pos : pos + src.nbytes])
+            pos += src.nbytes
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views

@@ -10,7 +10,7 @@ from shared.storage.allocator import Extent
 from shared.storage.base import Buffer, Tier
 from shared.transfer.channel import Channel
 from shared.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from shared.transfer.transport import Transport, TransferError, check_batch, missing_error
+from shared.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -55,14 +55,19 @@ class TcpTransport(Transport):
             return decode_response(await ch.recv_header())
 
     async def read(
-        self, keys: Sequence[bytes], *, missing_ok: bool = False, extents: Sequence[Extent] | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        missing_ok: bool = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
     ) -> list[memoryview | None]:
         async with self._channel() as ch:
             await ch.send(Request(Op.READ, list(keys)))
             resp = decode_response(await ch.recv_header())
             if not resp.ok or len(resp.sizes) != len(keys):
                 raise TransferError(f"{self.address}: read refused: {resp.error}")
-            buf = memoryview(bytearray(sum(s for s in resp.sizes if s != MISSING)))
+            buf = destination(into, sum(s for s in resp.sizes if s != MISSING))
             await ch.recv_into(buf)
         views: list[memoryview | None] = []
         pos = 0

@@ -26,13 +26,20 @@ class Transport(ABC):
     ``BlockNotFound`` (naming every missing key) otherwise. ``write`` stores every block or
     raises ``TransferError`` naming the keys that failed (the others are stored). ``offsets``
     are DRAM segment offsets chosen by the cache-manager; without them the node chooses.
-    Connection failures raise ``TransferError``. ``extents`` are the DRAM (offset, size) of
+    Connection failures raise ``TransferError``. ``into`` is a writable buffer to receive the
+    blocks back to back (e.g. KV cache pages); the views are then slices of it, and a buffer
+    too small for the blocks is a ``ValueError``. ``extents`` are the DRAM (offset, size) of
     each key from a lookup's replicas (the lease keeps them valid); transports that address the
     segment directly (shared memory, RDMA) then skip asking the node, others ignore them."""
 
     @abstractmethod
     async def read(
-        self, keys: Sequence[bytes], *, missing_ok: bool = False, extents: Sequence[Extent] | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        missing_ok: bool = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
     ) -> list[memoryview | None]: ...
 
     @abstractmethod
@@ -51,6 +58,16 @@ class Transport(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+def destination(into: memoryview | None, nbytes: int) -> memoryview:
+    """Where a read lands: the caller's buffer, or a fresh one."""
+    if into is None:
+        return memoryview(bytearray(nbytes))
+    into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+    if into.readonly or into.nbytes < nbytes:
+        raise ValueError(f"read destination must be writable and hold {nbytes} bytes, got {into.nbytes}")
+    return into[:nbytes]
 
 
 def missing_error(keys: Sequence[bytes], views: list[memoryview | None]) -> BlockNotFound:

@@ -24,7 +24,7 @@ from shared.transfer.framing import Op, Request
 from shared.transfer.server import BlockServer
 from shared.transfer.shm import ShmTransport
 from shared.transfer.tcp import TcpTransport
-from shared.transfer.transport import TransferError
+from shared.transfer.transport import Transport, TransferError
 from tests.fixtures.s3 import free_ports
 
 BLOCK = 256 << 10
@@ -93,6 +93,32 @@ class TestTcpRoundTrip:
         await asyncio.gather(*(tcp.write(k, d) for k, d in batches))
         results = await asyncio.gather(*(tcp.read(k) for k, _ in batches))
         assert [[bytes(v) for v in r] for r in results] == [d for _, d in batches]
+
+
+@pytest.fixture(params=["tcp", "shm"])
+async def any_transport(request: pytest.FixtureRequest, server: BlockServer) -> AsyncIterator[Transport]:
+    client = TransferClient(same_host=request.param == "shm")
+    t = await client.transport(server.address)
+    assert isinstance(t, ShmTransport if request.param == "shm" else TcpTransport)
+    yield t
+    await client.close()
+
+
+class TestReadInto:
+    async def test_blocks_land_in_the_callers_buffer_in_key_order(
+        self, any_transport: Transport, tcp: TcpTransport
+    ) -> None:
+        transport = any_transport
+        keys, data = blocks(3)
+        await tcp.write(keys[:1] + keys[2:], data[:1] + data[2:])
+        await tcp.write(keys[1:2], data[1:2], tier=Tier.NVME)  # the shm path gets it over TCP
+        dest = memoryview(bytearray(3 * BLOCK + 10))
+        views = await transport.read(keys, into=dest)
+        assert bytes(dest[: 3 * BLOCK]) == b"".join(data)
+        assert all(v.obj is dest.obj for v in views)
+        with pytest.raises(ValueError):
+            await transport.read(keys, into=memoryview(bytearray(BLOCK)))
+        assert [bytes(v) for v in await transport.read(keys)] == data  # the transport still works
 
 
 class TestSharedMemoryPath:
