@@ -41,7 +41,8 @@ class Replica(NamedTuple):
 
 
 class Placement(NamedTuple):
-    """Answer of put_start for one key: where to write it, or ``exists`` when already cached."""
+    """Answer of put_start for one key: where to write it. ``exists``: already cached or being
+    written by another writer, skip it; no replicas and not ``exists``: no room, do not cache it."""
 
     key: bytes
     replicas: tuple[Replica, ...]
