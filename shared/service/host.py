@@ -21,7 +21,7 @@ log = logging.getLogger("halfmoon.service")
 
 
 async def connect_nats(config: ServiceConfig, name: str) -> NATS:
-    """Connect with unlimited reconnects; retry the first connect for ``connect_timeout_s``."""
+    """Connect with unlimited reconnects; give up if the first connect takes ``connect_timeout_s``."""
     servers = [s.strip() for s in config.nats_url.split(",") if s.strip()]
 
     async def on_error(exc: Exception) -> None:
@@ -33,17 +33,14 @@ async def connect_nats(config: ServiceConfig, name: str) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats reconnected")
 
-    deadline = time.monotonic() + config.connect_timeout_s
-    while True:
-        try:
-            return await nats.connect(
-                servers=servers, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5, error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-            )
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
-            if time.monotonic() >= deadline:
-                raise ConnectionError(f"cannot reach NATS at {config.nats_url} for {config.connect_timeout_s}s: {exc}") from exc
-            await asyncio.sleep(0.25)
+    # NOTE: with unlimited reconnects nats-py retries the first connect forever too; bound it here
+    try:
+        return await asyncio.wait_for(nats.connect(
+            servers=servers, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25, error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+        ), config.connect_timeout_s)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        raise ConnectionError(f"cannot reach NATS at {config.nats_url} within {config.connect_timeout_s}s: {exc!r}") from exc
 
 
 class ServiceHost:

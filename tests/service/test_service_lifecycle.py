@@ -1,0 +1,147 @@
+"""The service base on a real NATS server: rpc error typing, bounded drain, JSON logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import pytest
+
+from shared.protocol import Ack, CancelRequest, ErrorCode, InstanceDown, Load, RemoteError, Role, codecs
+from shared.protocol.base import ErrorReply, Message
+from shared.service import Service, ServiceConfig, ServiceHost, request
+from shared.service.logs import JsonFormatter
+
+
+class Echo(Service[ServiceConfig]):
+    """Acks CancelRequests on ``{ns}.v1.test``; request ids starting with "boom" make the handler crash,
+    "slow" ones never get an answer in time, "no" ones a typed refusal."""
+
+    role = Role.DECODE
+
+    def __init__(self, config: ServiceConfig, drain_forever: bool = False) -> None:
+        super().__init__(config)
+        self.drain_forever = drain_forever
+        self.drained = asyncio.Event()
+
+    def load(self) -> Load:
+        return Load(queue_len=3)
+
+    async def start(self) -> None:
+        await self.serve(f"{self.subjects.root}.test", codecs.CANCEL, self._handle, span_name="echo")
+
+    async def _handle(self, req: CancelRequest) -> Message:
+        if req.request_id.startswith("boom"):
+            raise KeyError("bug")
+        if req.request_id.startswith("slow"):
+            await asyncio.sleep(1)
+        if req.request_id.startswith("no"):
+            raise RemoteError(ErrorReply(code=ErrorCode.BAD_REQUEST, message="refused"))
+        return Ack(request_id=req.request_id, instance_id=self.instance_id)
+
+    async def drain(self) -> None:
+        if self.drain_forever:
+            await asyncio.Event().wait()
+        self.drained.set()
+
+
+@pytest.fixture
+def config(nats_server, namespace) -> ServiceConfig:
+    return ServiceConfig(nats_url=nats_server.url, namespace=namespace, instance_id="echo-1",
+                         heartbeat_interval_s=0.05, drain_timeout_s=0.3)
+
+
+async def ask(nc, namespace, rid: str, timeout: float = 5.0):
+    return await request(nc, f"{namespace}.v1.test", CancelRequest(request_id=rid), codecs.SUBMIT_REPLY, timeout)
+
+
+class TestRpcErrors:
+    async def test_replies_and_typed_failures(self, config, nc, namespace):
+        async with ServiceHost(Echo(config)):
+            assert await ask(nc, namespace, "ok-1") == Ack(request_id="ok-1", instance_id="echo-1")
+            with pytest.raises(RemoteError) as info:
+                await ask(nc, namespace, "boom-1")
+            assert info.value.code is ErrorCode.INTERNAL and "KeyError" in info.value.reply.message
+            with pytest.raises(RemoteError) as info:
+                await ask(nc, namespace, "no-1")
+            assert info.value.code is ErrorCode.BAD_REQUEST and info.value.reply.message == "refused"
+            reply = codecs.SUBMIT_REPLY.decode((await nc.request(f"{namespace}.v1.test", b"junk", timeout=5)).data)
+            assert reply.code is ErrorCode.MALFORMED
+            with pytest.raises(RemoteError) as info:
+                await ask(nc, namespace, "slow-1", timeout=0.2)
+            assert info.value.code is ErrorCode.TIMEOUT and info.value.reply.retryable
+
+    async def test_requests_carry_trace_context(self, config, nc, namespace):
+        from shared.telemetry import setup_tracing
+
+        seen: list[dict] = []
+
+        async def capture(msg):
+            seen.append(dict(msg.headers or {}))
+            await msg.respond(codecs.SUBMIT_REPLY.encode(Ack(request_id="r", instance_id="x")))
+
+        await nc.subscribe(f"{namespace}.v1.test", cb=capture)
+        provider = setup_tracing("t", "t-1", env={})
+        with provider.get_tracer("t").start_as_current_span("caller") as span:
+            await ask(nc, namespace, "r")
+        assert seen[0]["traceparent"].split("-")[1] == f"{span.get_span_context().trace_id:032x}"
+        provider.shutdown()
+
+
+class TestLifecycle:
+    async def test_heartbeats_carry_load_then_drain_and_goodbye(self, config, nc, namespace):
+        beats, downs = [], []
+
+        async def on_beat(msg):
+            beats.append(codecs.HEARTBEAT.decode(msg.data))
+
+        async def on_down(msg):
+            downs.append(codecs.DOWN.decode(msg.data))
+
+        await nc.subscribe(f"{namespace}.v1.registry.heartbeat", cb=on_beat)
+        await nc.subscribe(f"{namespace}.v1.registry.down", cb=on_down)
+        await nc.flush()
+        svc = Echo(config)
+        host = ServiceHost(svc)
+        await host.start()
+        deadline = time.monotonic() + 5
+        while len(beats) < 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert beats[0].load == Load(queue_len=3) and beats[0].address == "" and not beats[0].draining
+        await host.stop()
+        assert svc.drained.is_set()
+        await nc.flush()
+        deadline = time.monotonic() + 5
+        while not downs:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert beats[-1].draining
+        assert downs == [InstanceDown(instance_id="echo-1", role=Role.DECODE, reason="shutdown",
+                                      timestamp=downs[0].timestamp)]
+
+    async def test_a_drain_that_hangs_is_cut_at_the_timeout(self, config):
+        host = ServiceHost(Echo(config, drain_forever=True))
+        await host.start()
+        started = time.monotonic()
+        await host.stop()
+        assert 0.3 <= time.monotonic() - started < 3
+
+    async def test_unreachable_nats_fails_after_connect_timeout(self, namespace, unused_port):
+        config = ServiceConfig(nats_url=f"nats://127.0.0.1:{unused_port}", namespace=namespace,
+                               connect_timeout_s=0.5)
+        with pytest.raises(ConnectionError, match="cannot reach NATS"):
+            await ServiceHost(Echo(config)).start()
+
+
+class TestJsonLogs:
+    def test_one_object_per_line_with_extras(self):
+        record = logging.makeLogRecord({"name": "halfmoon.x", "levelno": logging.INFO, "levelname": "INFO",
+                                        "msg": "placed %s", "args": ("r1",), "instance": "p0"})
+        line = JsonFormatter("conductor", "c-1").format(record)
+        entry = json.loads(line)
+        assert entry["msg"] == "placed r1" and entry["service"] == "conductor"
+        assert entry["instance"] == "p0"  # extras win over the static tag of the same name
+        assert entry["level"] == "INFO" and entry["ts"].endswith("Z") and "\n" not in line
