@@ -22,14 +22,26 @@ class AttachedSegment:
     when the attaching process exits."""
 
     def __init__(self, name: str) -> None:
-        fd = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDWR)
+        self._path = os.path.join(SHM_DIR, name.lstrip("/"))
+        fd = os.open(self._path, os.O_RDWR)
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.size = st.st_size
+            self._identity = (st.st_dev, st.st_ino)
             self._mmap = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
         self.name = name
         self.buf = memoryview(self._mmap)
+
+    def is_current(self) -> bool:
+        """Whether the name still refers to the mapped segment (False once the owner unlinked
+        it, e.g. the node restarted): the mapping would then read and write orphaned memory."""
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
 
     def close(self) -> None:
         self.buf.release()

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 class TransferClient:
     """Contract: ``transport(address)`` returns the same Transport for the same node until
-    ``close``; ``same_host=False`` forces TCP (benchmarks, tests, cross-host setups)."""
+    ``close``, except that a same-host transport whose node replaced its segment (restart) is
+    reopened; ``same_host=False`` forces TCP (benchmarks, tests, cross-host setups)."""
 
     def __init__(self, pool_size: int = 4, same_host: bool = True) -> None:
         self._pool_size = pool_size
@@ -24,9 +25,13 @@ class TransferClient:
         self._transports: dict[str, Transport] = {}
 
     async def transport(self, address: str) -> Transport:
-        if address not in self._transports:
-            self._transports[address] = await self._open(address)
-        return self._transports[address]
+        cached = self._transports.get(address)
+        if isinstance(cached, ShmTransport) and not cached.current:  # the node restarted
+            await cached.close()
+            cached = None
+        if cached is None:
+            cached = self._transports[address] = await self._open(address)
+        return cached
 
     async def _open(self, address: str) -> Transport:
         tcp = TcpTransport(address, self._pool_size)

@@ -23,6 +23,15 @@ class ShmTransport(Transport):
         self._shm = segment
         self._seg = segment.buf
 
+    @property
+    def current(self) -> bool:
+        """False once the node's segment was replaced (node restart): reopen the transport."""
+        return self._shm.is_current()
+
+    def _check_segment(self) -> None:
+        if not self._shm.is_current():
+            raise TransferError(f"{self.control.address}: segment {self._shm.name} is gone (node restarted?)")
+
     async def read(
         self,
         keys: Sequence[bytes],
@@ -31,6 +40,7 @@ class ShmTransport(Transport):
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
     ) -> list[memoryview | None]:
+        self._check_segment()
         if extents is None:
             where = await self.control.request(Request(Op.LOCATE, list(keys)))
             if not where.ok or len(where.offsets) != len(keys):
@@ -72,6 +82,7 @@ class ShmTransport(Transport):
             await self.control.write(keys, payloads, offsets=offsets, tier=tier)
             return
         sizes = check_batch(keys, payloads, offsets)
+        self._check_segment()
         if offsets is None:
             resp = await self.control.request(Request(Op.RESERVE, list(keys), sizes))
             if not resp.ok:

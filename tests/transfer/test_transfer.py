@@ -151,6 +151,31 @@ class TestSharedMemoryPath:
             await shm.read([key(1234)])
 
 
+class TestNodeRestart:
+    async def test_same_host_client_detects_a_replaced_segment(self) -> None:
+        first = NodeStore(ShmTier(4 << 20))
+        srv = BlockServer(first)
+        await srv.start()
+        host, port = srv.address.split(":")
+        client = TransferClient()
+        old = await client.transport(srv.address)
+        await srv.stop()
+        await first.close()  # unlinks the segment the client still maps
+        second = NodeStore(ShmTier(4 << 20))
+        restarted = BlockServer(second, host, int(port))
+        await restarted.start()
+        keys, data = blocks(1)
+        with pytest.raises(TransferError, match="gone"):
+            await old.write(keys, data)  # would have written into orphaned memory
+        new = await client.transport(restarted.address)
+        assert new is not old and isinstance(new, ShmTransport)
+        await new.write(keys, data)
+        assert bytes(second.dram.view(keys[0])) == data[0]
+        await client.close()
+        await restarted.stop()
+        await second.close()
+
+
 class TestErrors:
     async def test_unreachable_node_is_transfer_error(self) -> None:
         (port,) = free_ports(1)
