@@ -55,6 +55,8 @@ def measure(decisions: int = 2000) -> dict[str, tuple[float, float]]:
     out = {}
     for name in PREFILL_POLICIES:
         sched = KVCentricScheduler(make_prefill_policy(name, cost, slo), PredictiveEarlyRejection(SloAwareDecode(cost.decode, slo)), slo)
+        for req in requests:  # warm-up: first-call and allocator effects stay out of the samples
+            sched.schedule(req, prefill, decode, index, 0.0)
         samples = np.empty(decisions)
         for i in range(decisions):
             req = requests[i % len(requests)]
