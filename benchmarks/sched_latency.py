@@ -18,7 +18,7 @@ from shared.policy.admission import PredictiveEarlyRejection
 from shared.policy.decode import SloAwareDecode
 from shared.policy.prefill import PREFILL_POLICIES, make_prefill_policy
 from shared.policy.scheduler import KVCentricScheduler
-from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, ScheduleRequest
+from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
 from shared.sim.profile import load_profile
 
 PREFILL, DECODE, BLOCKS, BLOCK_SIZE = 64, 64, 128, 512
@@ -43,7 +43,7 @@ def build_cluster(seed: int = 0):
         chain = rng.choice(chains)
         shared = rng.randint(0, BLOCKS)
         keys = chain[:shared] + tuple(f"new{rng.random()}" for _ in range(BLOCKS - shared))
-        requests.append(ScheduleRequest(keys, BLOCKS * BLOCK_SIZE, BLOCK_SIZE))
+        requests.append(RouteRequest(keys, BLOCKS * BLOCK_SIZE, BLOCK_SIZE))
     return index, prefill, decode, requests
 
 

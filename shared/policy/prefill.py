@@ -12,7 +12,7 @@ from shared.policy.state import (
     SLO,
     BlockIndex,
     PrefillInstanceState,
-    ScheduleRequest,
+    RouteRequest,
     pool_prefix_length,
     prefix_lengths,
     slo_attainment,
@@ -53,10 +53,10 @@ class PrefillPolicy(ABC):
 
     @abstractmethod
     def choose(
-        self, request: ScheduleRequest, instances: Sequence[PrefillInstanceState], index: BlockIndex
+        self, request: RouteRequest, instances: Sequence[PrefillInstanceState], index: BlockIndex
     ) -> PrefillChoice: ...
 
-    def _local(self, request: ScheduleRequest, inst: PrefillInstanceState, prefix: int) -> PrefillChoice:
+    def _local(self, request: RouteRequest, inst: PrefillInstanceState, prefix: int) -> PrefillChoice:
         cached = request.cached_tokens(prefix)
         prefill = self.cost.prefill.predict(request.prompt_tokens - cached, cached)
         return PrefillChoice(inst.id, inst.queue_seconds + prefill, inst.queue_seconds, prefill, 0.0, prefix)

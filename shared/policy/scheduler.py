@@ -8,7 +8,7 @@ from typing import NamedTuple
 from shared.policy.admission import MIN_RETRY_AFTER_S, AdmissionPolicy
 from shared.policy.decode import DecodeChoice
 from shared.policy.prefill import PrefillChoice, PrefillPolicy
-from shared.policy.state import SLO, BlockIndex, DecodeInstanceState, PrefillInstanceState, ScheduleRequest
+from shared.policy.state import SLO, BlockIndex, DecodeInstanceState, PrefillInstanceState, RouteRequest
 
 
 class ScheduleDecision(NamedTuple):
@@ -35,7 +35,7 @@ class KVCentricScheduler:
 
     def schedule(
         self,
-        request: ScheduleRequest,
+        request: RouteRequest,
         prefill_states: Sequence[PrefillInstanceState],
         decode_states: Sequence[DecodeInstanceState],
         index: BlockIndex,

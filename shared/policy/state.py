@@ -27,7 +27,7 @@ class SLO:
             raise ValueError(f"SLO thresholds must be positive, got ttft={self.ttft_s} tbt={self.tbt_s}")
 
 
-class ScheduleRequest(NamedTuple):
+class RouteRequest(NamedTuple):
     """What the conductor knows about a request when it routes it."""
 
     block_keys: tuple[Hashable, ...]

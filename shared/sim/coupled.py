@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from shared.policy.prefill import make_prefill_policy
-from shared.policy.state import PrefillInstanceState, ScheduleRequest
+from shared.policy.state import PrefillInstanceState, RouteRequest
 from shared.sim.batch import DecodeBatch
 from shared.sim.cache import ClusterCache
 from shared.sim.config import SimConfig
@@ -70,7 +70,7 @@ class CoupledSim(SimBase):
             for n in self.nodes
         ]
         index = self.cache.index if self.cache is not None else self._empty_index
-        choice = self.router.choose(ScheduleRequest(req.hash_ids, req.input_length, self.cfg.block_size), states, index)
+        choice = self.router.choose(RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size), states, index)
         node = self.nodes[int(choice.instance_id[1:])]
         node.pending_s += choice.prefill_s
         self._predicted[rid] = choice.prefill_s
@@ -98,7 +98,7 @@ class CoupledSim(SimBase):
         self.out.hit_blocks[rid] = blocks
         if blocks:
             self.cache.touch(node.id, req.hash_ids[:blocks], self.now)
-        return ScheduleRequest(req.hash_ids, req.input_length, self.cfg.block_size).cached_tokens(blocks)
+        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size).cached_tokens(blocks)
 
     def _fits(self, node: _Node, extra_context: int, rid: int) -> bool:
         batch = node.batch

@@ -9,7 +9,7 @@ from shared.policy.admission import make_admission
 from shared.policy.decode import SloAwareDecode
 from shared.policy.prefill import make_prefill_policy
 from shared.policy.scheduler import KVCentricScheduler
-from shared.policy.state import DecodeInstanceState, DecodeWork, PrefillInstanceState, ScheduleRequest
+from shared.policy.state import DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
 from shared.sim.batch import DecodeBatch
 from shared.sim.cache import ClusterCache
 from shared.sim.config import SimConfig
@@ -92,7 +92,7 @@ class DisaggregatedSim(SimBase):
 
     def _arrive(self, rid: int) -> None:
         req, now = self.trace[rid], self.now
-        sched_req = ScheduleRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+        sched_req = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
         pstates = [
             PrefillInstanceState(n.id, max(0.0, n.busy_until - now), n.queue_tokens, n.recent_ttft.values(now))
             for n in self.prefill

@@ -4,7 +4,7 @@ from shared.policy.admission import EarlyRejection, NoAdmission, PredictiveEarly
 from shared.policy.decode import SloAwareDecode
 from shared.policy.prefill import LocalCacheAwarePrefill
 from shared.policy.scheduler import KVCentricScheduler
-from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, ScheduleRequest
+from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
 
 SLO_50MS = SLO(ttft_s=30.0, tbt_s=0.050)
 
@@ -72,7 +72,7 @@ class TestAdmission:
 
 
 class TestScheduler:
-    REQUEST = ScheduleRequest(tuple(f"k{i}" for i in range(10)), 1000, 100)
+    REQUEST = RouteRequest(tuple(f"k{i}" for i in range(10)), 1000, 100)
 
     def test_predicted_overload_rejects_before_prefill(self, cost):
         decode = SloAwareDecode(cost.decode, SLO_50MS)

@@ -10,10 +10,10 @@ from shared.policy.prefill import (
     RandomPrefill,
     make_prefill_policy,
 )
-from shared.policy.state import SLO, PrefillInstanceState, ScheduleRequest, pool_prefix_length, prefix_lengths
+from shared.policy.state import SLO, PrefillInstanceState, RouteRequest, pool_prefix_length, prefix_lengths
 
 KEYS = tuple(f"k{i}" for i in range(10))
-REQUEST = ScheduleRequest(block_keys=KEYS, prompt_tokens=1000, block_size=100)
+REQUEST = RouteRequest(block_keys=KEYS, prompt_tokens=1000, block_size=100)
 
 
 def holder_index(holder: str, blocks: int = 10) -> dict[str, set[str]]:
