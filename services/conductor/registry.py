@@ -60,7 +60,8 @@ class InstanceTable:
     def expire(self, now: float) -> list[InstanceView]:
         """Remove and return every instance silent past its deadline."""
         silent = [
-            iid for iid, e in self._entries.items()
+            iid
+            for iid, e in self._entries.items()
             if now - e.last_seen > max(self.timeout_s, 3 * e.heartbeat.interval_s)
         ]
         return [self._entries.pop(iid).view() for iid in silent]
@@ -68,7 +69,8 @@ class InstanceTable:
     def candidates(self, role: Role) -> list[InstanceView]:
         """Live instances of ``role`` that take new work, in id order."""
         return [
-            e.view() for iid, e in sorted(self._entries.items())
+            e.view()
+            for iid, e in sorted(self._entries.items())
             if e.heartbeat.role is role and not e.heartbeat.draining
         ]
 

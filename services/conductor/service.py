@@ -40,8 +40,12 @@ class ConductorService(Service[ConductorConfig]):
     role = Role.CONDUCTOR
     config_class = ConductorConfig
 
-    def __init__(self, config: ConductorConfig, tracer_provider: TracerProvider | None = None,
-                 policy: PlacementPolicy | None = None) -> None:
+    def __init__(
+        self,
+        config: ConductorConfig,
+        tracer_provider: TracerProvider | None = None,
+        policy: PlacementPolicy | None = None,
+    ) -> None:
         super().__init__(config, tracer_provider)
         self.table = InstanceTable(config.instance_timeout_s)
         self.policy = policy or LeastLoaded()
@@ -53,8 +57,13 @@ class ConductorService(Service[ConductorConfig]):
     async def start(self) -> None:
         await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self._on_heartbeat)
         await self.listen(self.subjects.down, codecs.DOWN, self._on_down)
-        await self.serve(self.subjects.schedule, codecs.SCHEDULE_REQUEST, self._on_schedule,
-                         span_name="conductor.schedule", queue="conductor")
+        await self.serve(
+            self.subjects.schedule,
+            codecs.SCHEDULE_REQUEST,
+            self._on_schedule,
+            span_name="conductor.schedule",
+            queue="conductor",
+        )
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="conductor-sweeper")
 
     async def close(self) -> None:
@@ -76,7 +85,9 @@ class ConductorService(Service[ConductorConfig]):
             await asyncio.sleep(self.config.sweep_interval_s)
             for gone in self.table.expire(time.monotonic()):
                 self.log.warning("instance silent; dropped", extra={"instance": gone.instance_id})
-                down = InstanceDown(instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time())
+                down = InstanceDown(
+                    instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time()
+                )
                 await self.publish(self.subjects.down, down)
 
     async def _on_schedule(self, request: ScheduleRequest) -> Message:
@@ -89,10 +100,15 @@ class ConductorService(Service[ConductorConfig]):
             return self._reject(request, choice.reason, choice.message)
         self.table.note_assigned(choice.prefill)
         self.table.note_assigned(choice.decode)
-        return ScheduleAccepted(request_id=request.request_id, prefill_instance=choice.prefill,
-                                decode_instance=choice.decode, predicted_ttft_ms=choice.predicted_ttft_ms)
+        return ScheduleAccepted(
+            request_id=request.request_id,
+            prefill_instance=choice.prefill,
+            decode_instance=choice.decode,
+            predicted_ttft_ms=choice.predicted_ttft_ms,
+        )
 
     def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str) -> ScheduleRejected:
         self.log.info("rejected", extra={"request_id": request.request_id, "reason": reason.value})
-        return ScheduleRejected(request_id=request.request_id, reason=reason, message=message,
-                                retry_after_s=self.config.retry_after_s)
+        return ScheduleRejected(
+            request_id=request.request_id, reason=reason, message=message, retry_after_s=self.config.retry_after_s
+        )

@@ -70,8 +70,15 @@ def _sse(body: dict[str, Any]) -> bytes:
 class GatewayApi:
     """Validation, tokenisation and response shaping; generation itself is the client's."""
 
-    def __init__(self, model: ServedModel, client: ServingClient, limits: ApiLimits, metrics: GatewayMetrics,
-                 tracer: trace.Tracer, accepting: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        model: ServedModel,
+        client: ServingClient,
+        limits: ApiLimits,
+        metrics: GatewayMetrics,
+        tracer: trace.Tracer,
+        accepting: Callable[[], bool],
+    ) -> None:
         self.model, self.client, self.limits = model, client, limits
         self.metrics, self.tracer, self.accepting = metrics, tracer, accepting
 
@@ -95,8 +102,13 @@ class GatewayApi:
         return ApiError(500, "internal error", code="internal").response(f"req-{uuid.uuid4().hex}")
 
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "halfmoon",
-                "max_model_len": self.model.context_len}
+        card = {
+            "id": self.model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "halfmoon",
+            "max_model_len": self.model.context_len,
+        }
         return {"object": "list", "data": [card]}
 
     async def health(self) -> JSONResponse:
@@ -115,8 +127,12 @@ class GatewayApi:
     async def _serve(self, request: Request, kind: Kind, endpoint: str) -> Response:
         request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         # a client that sends traceparent gets the whole serving path inside its own trace
-        span = self.tracer.start_span(f"gateway {endpoint}", context=extract_context(request.headers),
-                                      kind=SpanKind.SERVER, attributes={"halfmoon.request_id": request_id})
+        span = self.tracer.start_span(
+            f"gateway {endpoint}",
+            context=extract_context(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"halfmoon.request_id": request_id},
+        )
         try:
             with trace.use_span(span, end_on_exit=False):
                 response = await self._generate(request, kind, request_id, span)
@@ -154,8 +170,12 @@ class GatewayApi:
             raise invalid(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
         parsed.check()
         if parsed.model != self.model.name:
-            raise ApiError(404, f"The model '{parsed.model}' does not exist; this server serves '{self.model.name}'.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{parsed.model}' does not exist; this server serves '{self.model.name}'.",
+                param="model",
+                code="model_not_found",
+            )
         return parsed
 
     async def _prompt_ids(self, parsed: CompletionRequest | ChatCompletionRequest) -> list[int]:
@@ -175,7 +195,9 @@ class GatewayApi:
         if isinstance(parsed, ChatCompletionRequest):
             budget = self.model.output_budget(len(prompt_ids), parsed.token_limit, None, "messages")
         else:
-            budget = self.model.output_budget(len(prompt_ids), parsed.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+            budget = self.model.output_budget(
+                len(prompt_ids), parsed.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt"
+            )
         try:
             sampling = parsed.sampling(budget, parsed.wants_logprobs)
         except ValueError as exc:
@@ -201,8 +223,9 @@ class GatewayApi:
         headers = {"x-request-id": request_id}
         if parsed.stream:
             body = self._stream(shape, output, first, events, parsed.include_usage, closer)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers,
-                                     background=BackgroundTask(closer.close))
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers=headers, background=BackgroundTask(closer.close)
+            )
         try:
             output.add(first)
             async for event in self._timed(events):
@@ -228,8 +251,15 @@ class GatewayApi:
         self.metrics.cached_tokens.inc(usage.cached_tokens)
         self.metrics.completion_tokens.inc(usage.completion_tokens)
 
-    async def _stream(self, shape: ResponseShape, output: _Output, first: TokenEvent,
-                      events: AsyncIterator[TokenEvent], include_usage: bool, closer: _Closer) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        shape: ResponseShape,
+        output: _Output,
+        first: TokenEvent,
+        events: AsyncIterator[TokenEvent],
+        include_usage: bool,
+        closer: _Closer,
+    ) -> AsyncIterator[bytes]:
         try:
             if shape.kind == "chat":
                 yield _sse(shape.chunk("", None, None, first=True))

@@ -59,8 +59,9 @@ class ServingClient:
     def in_flight(self) -> int:
         return len({g for gens in self._watchers.values() for g in gens})
 
-    def generation(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                   tenant_salt: str | None = None) -> Generation:
+    def generation(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, tenant_salt: str | None = None
+    ) -> Generation:
         return Generation(self, request_id, tuple(prompt_ids), sampling, tenant_salt)
 
     def watch(self, instance_id: str, gen: Generation) -> None:
@@ -75,14 +76,22 @@ class ServingClient:
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
         for gen in list(self._watchers.get(down.instance_id, ())):
-            gen.fail(ErrorCode.INSTANCE_DOWN, f"{down.role.value} instance {down.instance_id} went down ({down.reason})")
+            gen.fail(
+                ErrorCode.INSTANCE_DOWN, f"{down.role.value} instance {down.instance_id} went down ({down.reason})"
+            )
 
 
 class Generation:
     """One request on the serving path; use as ``async with`` and iterate ``events()``."""
 
-    def __init__(self, client: ServingClient, request_id: str, prompt_ids: tuple[int, ...],
-                 sampling: SamplingParams, tenant_salt: str | None) -> None:
+    def __init__(
+        self,
+        client: ServingClient,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        tenant_salt: str | None,
+    ) -> None:
         self.client = client
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -111,8 +120,9 @@ class Generation:
             self._unwatch(iid)
         await self._unsubscribe()
         if not self.finished and self.placement is not None:
-            await self.client.service.publish(self.client.service.subjects.cancel,
-                                              CancelRequest(request_id=self.request_id, reason="abandoned"))
+            await self.client.service.publish(
+                self.client.service.subjects.cancel, CancelRequest(request_id=self.request_id, reason="abandoned")
+            )
 
     async def _unsubscribe(self) -> None:
         if self._sub is not None:
@@ -120,29 +130,38 @@ class Generation:
             await sub.unsubscribe()
 
     async def _place_and_submit(self, stream_subject: str) -> None:
-        client, svc, dl = self.client, self.client.service, self.client.deadlines
+        svc, dl = self.client.service, self.client.deadlines
         deadline = time.time() + dl.ttft_timeout_s
         last: RemoteError | None = None
         for _ in range(dl.submit_attempts):
             placement = await self._schedule(deadline)
             prefill = PrefillRequest(
-                request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
-                decode_instance=placement.decode_instance, stream_subject=stream_subject, deadline=deadline,
+                request_id=self.request_id,
+                prompt_token_ids=self.prompt_ids,
+                sampling=self.sampling,
+                decode_instance=placement.decode_instance,
+                stream_subject=stream_subject,
+                deadline=deadline,
                 tenant_salt=self.tenant_salt,
             )
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)
             try:
-                await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
-                                  codecs.SUBMIT_REPLY, dl.submit_timeout_s)
+                await svc.request(
+                    svc.subjects.prefill_submit(placement.prefill_instance),
+                    prefill,
+                    codecs.SUBMIT_REPLY,
+                    dl.submit_timeout_s,
+                )
             except (RemoteError, ProtocolError) as exc:
                 self._unwatch(placement.prefill_instance)
                 self._unwatch(placement.decode_instance)
                 # NOTE: only retry when the instance surely did not take it (draining, gone); after a
                 # timeout it may be working, and a second placement would stream twice.
                 if isinstance(exc, ProtocolError) or exc.code is not ErrorCode.UNAVAILABLE:
-                    await svc.publish(svc.subjects.cancel, CancelRequest(request_id=self.request_id,
-                                                                         reason="submit failed"))
+                    await svc.publish(
+                        svc.subjects.cancel, CancelRequest(request_id=self.request_id, reason="submit failed")
+                    )
                     raise GenerationError(exc.code, f"prefill did not take the request: {exc}") from exc
                 last = exc
                 continue
@@ -153,9 +172,15 @@ class Generation:
 
     async def _schedule(self, deadline: float) -> ScheduleAccepted:
         svc, dl = self.client.service, self.client.deadlines
-        request = ScheduleRequest(request_id=self.request_id, model=self.client.model, prompt_len=len(self.prompt_ids),
-                                  prompt_token_ids=self.prompt_ids, sampling=self.sampling, deadline=deadline,
-                                  tenant_salt=self.tenant_salt)
+        request = ScheduleRequest(
+            request_id=self.request_id,
+            model=self.client.model,
+            prompt_len=len(self.prompt_ids),
+            prompt_token_ids=self.prompt_ids,
+            sampling=self.sampling,
+            deadline=deadline,
+            tenant_salt=self.tenant_salt,
+        )
         try:
             reply = await svc.request(svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, dl.schedule_timeout_s)
         except RemoteError as exc:
@@ -163,8 +188,11 @@ class Generation:
         except ProtocolError as exc:
             raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
         if isinstance(reply, ScheduleRejected):
-            raise GenerationError(ErrorCode.OVERLOADED, f"request rejected ({reply.reason.value}): {reply.message}",
-                                  retry_after_s=reply.retry_after_s)
+            raise GenerationError(
+                ErrorCode.OVERLOADED,
+                f"request rejected ({reply.reason.value}): {reply.message}",
+                retry_after_s=reply.retry_after_s,
+            )
         return reply
 
     def _watch(self, instance_id: str) -> None:

@@ -14,8 +14,16 @@ from shared.protocol.base import ErrorCode
 class ApiError(Exception):
     """Any failure the client should see; raised anywhere in a request, rendered once."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -13,18 +13,26 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("halfmoon_gateway_requests", "HTTP requests answered", ["endpoint", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "halfmoon_gateway_requests", "HTTP requests answered", ["endpoint", "status"], registry=self.registry
+        )
         self.in_flight = Gauge("halfmoon_gateway_in_flight", "generations in progress", registry=self.registry)
-        self.ttft = Histogram("halfmoon_gateway_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS,
-                              registry=self.registry)
-        self.itl = Histogram("halfmoon_gateway_inter_token_seconds", "time between token events",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "halfmoon_gateway_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.itl = Histogram(
+            "halfmoon_gateway_inter_token_seconds",
+            "time between token events",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter("halfmoon_gateway_prompt_tokens", "prompt tokens served", registry=self.registry)
-        self.cached_tokens = Counter("halfmoon_gateway_cached_prompt_tokens", "prompt tokens reused from cache",
-                                     registry=self.registry)
-        self.completion_tokens = Counter("halfmoon_gateway_completion_tokens", "tokens generated",
-                                         registry=self.registry)
+        self.cached_tokens = Counter(
+            "halfmoon_gateway_cached_prompt_tokens", "prompt tokens reused from cache", registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            "halfmoon_gateway_completion_tokens", "tokens generated", registry=self.registry
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

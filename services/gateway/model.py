@@ -41,8 +41,12 @@ class ServedModel:
 
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         if self.tokenizer.chat_template is None:
-            raise ApiError(400, f"model {self.name!r} has no chat template; use /v1/completions.",
-                           param="messages", code="no_chat_template")
+            raise ApiError(
+                400,
+                f"model {self.name!r} has no chat template; use /v1/completions.",
+                param="messages",
+                code="no_chat_template",
+            )
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
@@ -65,7 +69,8 @@ class ServedModel:
             raise invalid(
                 f"This model's maximum context length is {self.context_len} tokens. However, you requested "
                 f"{prompt_len} prompt tokens{asked}. Please reduce the length of the prompt or max_tokens.",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
         if requested is not None:
             return requested
@@ -97,7 +102,7 @@ class Detokenizer:
         full = self._decode(self._prefix, len(self._ids))
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
             return ""
-        delta = full[len(prefix_text):]
+        delta = full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
         return delta
 
@@ -106,4 +111,4 @@ class Detokenizer:
         prefix_text = self._decode(self._prefix, self._read)
         full = self._decode(self._prefix, len(self._ids))
         self._prefix = self._read = len(self._ids)
-        return full[len(prefix_text):]
+        return full[len(prefix_text) :]

@@ -38,8 +38,13 @@ class LogprobAccumulator:
         values = self.values if values is None else values
         if self.kind == "completion":
             return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": None}
-        return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, v in zip(tokens, values, strict=True)], "refusal": None}
+        return {
+            "content": [
+                {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, v in zip(tokens, values, strict=True)
+            ],
+            "refusal": None,
+        }
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,7 @@ class ResponseShape:
         return "text_completion" if self.kind == "completion" else "chat.completion"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def _choice(self, text: str | None, finish: str | None, logprobs: dict | None, first: bool, final: bool) -> dict:
         if self.kind == "completion":

@@ -65,8 +65,10 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
         if self.n != 1:
             raise invalid("Only n=1 is supported.", param="n")
         if self.presence_penalty or self.frequency_penalty:
-            raise invalid("presence_penalty and frequency_penalty are not supported; send 0.",
-                          param="presence_penalty" if self.presence_penalty else "frequency_penalty")
+            raise invalid(
+                "presence_penalty and frequency_penalty are not supported; send 0.",
+                param="presence_penalty" if self.presence_penalty else "frequency_penalty",
+            )
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true.", param="stream_options")
         stops = self.stop_strings()
@@ -84,9 +86,15 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
 
     def sampling(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=self.stop_strings(), stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
         )
 
 
@@ -104,8 +112,9 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
         if isinstance(self.prompt, list):
             kinds = {type(item) for item in self.prompt}
             if len(kinds) > 1:
-                raise invalid("prompt must be a string, a list of token ids, or a one-element list of either.",
-                              param="prompt")
+                raise invalid(
+                    "prompt must be a string, a list of token ids, or a one-element list of either.", param="prompt"
+                )
             if kinds and kinds != {int} and len(self.prompt) != 1:
                 raise invalid("Batched prompts are not supported; send one prompt per request.", param="prompt")
 
@@ -131,11 +140,14 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
         if not self.messages:
             raise invalid("'messages' must contain at least one message.", param="messages", code="empty_array")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise invalid(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}.",
-                          param="max_completion_tokens")
+            raise invalid(
+                f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}.",
+                param="max_completion_tokens",
+            )
         if self.top_logprobs:
-            raise invalid("top_logprobs > 0 is not supported; logprobs=true gives the sampled tokens' ones.",
-                          param="top_logprobs")
+            raise invalid(
+                "top_logprobs > 0 is not supported; logprobs=true gives the sampled tokens' ones.", param="top_logprobs"
+            )
 
     @property
     def token_limit(self) -> int | None:

@@ -86,14 +86,25 @@ class GatewayService(Service[GatewayConfig]):
         deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s)
         self.client = ServingClient(self, self.served.name, deadlines)
         await self.client.start()
-        api = GatewayApi(self.served, self.client, ApiLimits(cfg.max_body_bytes), self.metrics, self.tracer,
-                         accepting=lambda: not self.draining)
+        api = GatewayApi(
+            self.served,
+            self.client,
+            ApiLimits(cfg.max_body_bytes),
+            self.metrics,
+            self.tracer,
+            accepting=lambda: not self.draining,
+        )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.host, cfg.port))
         self._port = sock.getsockname()[1]
-        uv_config = uvicorn.Config(api.build(), log_config=None, access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=cfg.drain_timeout_s)
+        uv_config = uvicorn.Config(
+            api.build(),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=cfg.drain_timeout_s,
+        )
         self._server = _Server(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="uvicorn")
         self._task.add_done_callback(lambda _t: self.stop_requested.set())

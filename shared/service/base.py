@@ -88,18 +88,27 @@ class Service(ABC, Generic[C]):
 
     # helpers for subclasses
 
-    async def serve(self, subject: str, codec: Codec[Req], handler: rpc.RequestHandler[Req], *,
-                    span_name: str, queue: str = "") -> Subscription:
-        return await rpc.serve_requests(self.nc, subject, codec, handler, tracer=self.tracer,
-                                        span_name=span_name, log=self.log, queue=queue)
+    async def serve(
+        self, subject: str, codec: Codec[Req], handler: rpc.RequestHandler[Req], *, span_name: str, queue: str = ""
+    ) -> Subscription:
+        return await rpc.serve_requests(
+            self.nc, subject, codec, handler, tracer=self.tracer, span_name=span_name, log=self.log, queue=queue
+        )
 
-    async def listen(self, subject: str, codec: Codec[Req], handler: rpc.EventHandler[Req], *,
-                     queue: str = "") -> Subscription:
+    async def listen(
+        self, subject: str, codec: Codec[Req], handler: rpc.EventHandler[Req], *, queue: str = ""
+    ) -> Subscription:
         return await rpc.subscribe_events(self.nc, subject, codec, handler, log=self.log, queue=queue)
 
     async def publish(self, subject: str, message: Message, headers: Mapping[str, str] | None = None) -> None:
         await rpc.publish(self.nc, subject, message, headers)
 
-    async def request(self, subject: str, message: Message, reply_codec: Codec[Rep], timeout: float,
-                      headers: Mapping[str, str] | None = None) -> Rep:
+    async def request(
+        self,
+        subject: str,
+        message: Message,
+        reply_codec: Codec[Rep],
+        timeout: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> Rep:
         return await rpc.request(self.nc, subject, message, reply_codec, timeout, headers)

@@ -118,7 +118,9 @@ def load_config(
         if raw is None:
             continue
         try:
-            values[f.name] = raw if isinstance(raw, bool) else _parse(raw, hints[f.name], "--" + f.name.replace("_", "-"))
+            values[f.name] = (
+                raw if isinstance(raw, bool) else _parse(raw, hints[f.name], "--" + f.name.replace("_", "-"))
+            )
         except ValueError as exc:
             parser.error(str(exc))
     try:

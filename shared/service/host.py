@@ -35,12 +35,24 @@ async def connect_nats(config: ServiceConfig, name: str) -> NATS:
 
     # NOTE: with unlimited reconnects nats-py retries the first connect forever too; bound it here
     try:
-        return await asyncio.wait_for(nats.connect(
-            servers=servers, name=name, connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25, error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-        ), config.connect_timeout_s)
+        return await asyncio.wait_for(
+            nats.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            ),
+            config.connect_timeout_s,
+        )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise ConnectionError(f"cannot reach NATS at {config.nats_url} within {config.connect_timeout_s}s: {exc!r}") from exc
+        raise ConnectionError(
+            f"cannot reach NATS at {config.nats_url} within {config.connect_timeout_s}s: {exc!r}"
+        ) from exc
 
 
 class ServiceHost:
@@ -55,6 +67,7 @@ class ServiceHost:
         self._nc = await connect_nats(self.service.config, self.service.instance_id)
         self.service.attach(self._nc)
         await self.service.start()
+        await self._nc.flush()  # subscriptions are live on the server before start() returns
         await self.beat()  # register now, not one interval later
         self._beats = asyncio.create_task(self._beat_forever(), name=f"heartbeat-{self.service.instance_id}")
         log.info("service started", extra={"role": self.service.role.value, "address": self.service.address})
@@ -62,8 +75,14 @@ class ServiceHost:
     def heartbeat(self) -> Heartbeat:
         svc = self.service
         return Heartbeat(
-            instance_id=svc.instance_id, role=svc.role, address=svc.address, load=svc.load(),
-            timestamp=time.time(), interval_s=svc.config.heartbeat_interval_s, draining=svc.draining, model=svc.model,
+            instance_id=svc.instance_id,
+            role=svc.role,
+            address=svc.address,
+            load=svc.load(),
+            timestamp=time.time(),
+            interval_s=svc.config.heartbeat_interval_s,
+            draining=svc.draining,
+            model=svc.model,
         )
 
     async def beat(self) -> None:

@@ -37,7 +37,9 @@ def setup_logging(service: str, instance_id: str, level: str = "INFO", fmt: str 
     if fmt == "json":
         handler.setFormatter(JsonFormatter(service, instance_id))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {service}/{instance_id} %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s {service}/{instance_id} %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -32,7 +32,11 @@ async def publish(nc: NATS, subject: str, message: Message, headers: Mapping[str
 
 
 async def request(
-    nc: NATS, subject: str, message: Message, reply_codec: Codec[Rep], timeout: float,
+    nc: NATS,
+    subject: str,
+    message: Message,
+    reply_codec: Codec[Rep],
+    timeout: float,
     headers: Mapping[str, str] | None = None,
 ) -> Rep:
     """Send ``message`` and return the decoded reply.
@@ -42,11 +46,17 @@ async def request(
     :class:`ProtocolError` when the reply is not one of ``reply_codec``'s kinds.
     """
     try:
-        msg = await nc.request(subject, Codec.encode(message), timeout=timeout, headers=inject_headers(dict(headers or {})))
+        msg = await nc.request(
+            subject, Codec.encode(message), timeout=timeout, headers=inject_headers(dict(headers or {}))
+        )
     except nats.errors.NoRespondersError:
-        raise RemoteError(ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"no responders on {subject}", retryable=True)) from None
+        raise RemoteError(
+            ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"no responders on {subject}", retryable=True)
+        ) from None
     except nats.errors.TimeoutError:
-        raise RemoteError(ErrorReply(code=ErrorCode.TIMEOUT, message=f"no reply on {subject} within {timeout}s", retryable=True)) from None
+        raise RemoteError(
+            ErrorReply(code=ErrorCode.TIMEOUT, message=f"no reply on {subject} within {timeout}s", retryable=True)
+        ) from None
     reply = reply_codec.decode(msg.data)
     if isinstance(reply, ErrorReply):
         raise RemoteError(reply)
@@ -54,8 +64,15 @@ async def request(
 
 
 async def serve_requests(
-    nc: NATS, subject: str, codec: Codec[Req], handler: RequestHandler[Req], *,
-    tracer: trace.Tracer, span_name: str, log: logging.Logger, queue: str = "",
+    nc: NATS,
+    subject: str,
+    codec: Codec[Req],
+    handler: RequestHandler[Req],
+    *,
+    tracer: trace.Tracer,
+    span_name: str,
+    log: logging.Logger,
+    queue: str = "",
 ) -> Subscription:
     """Answer requests on ``subject`` with ``handler``'s reply.
 
@@ -66,7 +83,9 @@ async def serve_requests(
     """
 
     async def on_message(msg: Msg) -> None:
-        with tracer.start_as_current_span(span_name, context=extract_context(msg.headers), kind=SpanKind.SERVER) as span:
+        with tracer.start_as_current_span(
+            span_name, context=extract_context(msg.headers), kind=SpanKind.SERVER
+        ) as span:
             reply = await _handle(codec, handler, msg.data, log, subject)
             if isinstance(reply, ErrorReply):
                 span.set_status(Status(StatusCode.ERROR, reply.message))
@@ -77,7 +96,9 @@ async def serve_requests(
     return await nc.subscribe(subject, queue=queue, cb=on_message)
 
 
-async def _handle(codec: Codec[Req], handler: RequestHandler[Req], data: bytes, log: logging.Logger, subject: str) -> Message:
+async def _handle(
+    codec: Codec[Req], handler: RequestHandler[Req], data: bytes, log: logging.Logger, subject: str
+) -> Message:
     try:
         return await handler(codec.decode(data))
     except ProtocolError as exc:
@@ -99,7 +120,9 @@ async def subscribe_events(
         try:
             event = codec.decode(msg.data)
         except ProtocolError as exc:
-            log.warning("dropped message", extra={"subject": msg.subject, "code": exc.code.value, "reason": exc.message})
+            log.warning(
+                "dropped message", extra={"subject": msg.subject, "code": exc.code.value, "reason": exc.message}
+            )
             return
         try:
             await handler(event, msg.headers or {})

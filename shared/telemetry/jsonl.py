@@ -57,7 +57,7 @@ class JsonlSpanExporter(SpanExporter):
             fcntl.flock(fd, fcntl.LOCK_EX)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError:
             return SpanExportResult.FAILURE
         finally:

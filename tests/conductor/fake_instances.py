@@ -31,8 +31,9 @@ class LoadReporter(Service[ServiceConfig]):
         return None
 
 
-def reporter_host(url: str, namespace: str, instance_id: str, role: Role, load: Load = Load(),
-                  interval_s: float = 0.05) -> ServiceHost:
+def reporter_host(
+    url: str, namespace: str, instance_id: str, role: Role, load: Load = Load(), interval_s: float = 0.05
+) -> ServiceHost:
     config = ServiceConfig(nats_url=url, namespace=namespace, instance_id=instance_id, heartbeat_interval_s=interval_s)
     svc = LoadReporter(config, role)
     svc.current_load = load

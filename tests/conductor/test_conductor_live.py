@@ -8,8 +8,8 @@ import time
 
 import msgspec
 import pytest
-
 from fake_instances import reporter_host, wait_until
+
 from services.conductor.service import ConductorConfig, ConductorService
 from shared.protocol import (
     CancelRequest,
@@ -30,14 +30,26 @@ from shared.service import ServiceHost, request
 
 
 def schedule_request(rid: str = "r1", deadline_in: float = 30.0) -> ScheduleRequest:
-    return ScheduleRequest(request_id=rid, model="tiny", prompt_len=5, prompt_token_ids=(1, 2, 3, 4, 5),
-                           sampling=SamplingParams(max_tokens=4), deadline=time.time() + deadline_in)
+    return ScheduleRequest(
+        request_id=rid,
+        model="tiny",
+        prompt_len=5,
+        prompt_token_ids=(1, 2, 3, 4, 5),
+        sampling=SamplingParams(max_tokens=4),
+        deadline=time.time() + deadline_in,
+    )
 
 
 @pytest.fixture
 async def conductor(nats_server, namespace):
-    config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, instance_id="conductor-0",
-                             heartbeat_interval_s=0.1, instance_timeout_s=0.4, sweep_interval_s=0.05)
+    config = ConductorConfig(
+        nats_url=nats_server.url,
+        namespace=namespace,
+        instance_id="conductor-0",
+        heartbeat_interval_s=0.1,
+        instance_timeout_s=0.4,
+        sweep_interval_s=0.05,
+    )
     svc = ConductorService(config)
     async with ServiceHost(svc):
         yield svc
@@ -54,6 +66,7 @@ class DownCollector:
     async def subscribe(self, nc, namespace):
         async def on_msg(msg):
             self.events.append(codecs.DOWN.decode(msg.data))
+
         await nc.subscribe(Subjects(namespace).down, cb=on_msg)
         await nc.flush()
         return self
@@ -70,8 +83,13 @@ class TestChoosesLeastLoaded:
         for host in hosts:
             await host.start()
         try:
-            await wait_until(lambda: len(conductor.table.candidates(Role.DECODE)) == 2
-                             and len(conductor.table.candidates(Role.PREFILL)) == 2, what="4 instances registered")
+            await wait_until(
+                lambda: (
+                    len(conductor.table.candidates(Role.DECODE)) == 2
+                    and len(conductor.table.candidates(Role.PREFILL)) == 2
+                ),
+                what="4 instances registered",
+            )
             reply = await schedule(nc, namespace)
             assert isinstance(reply, ScheduleAccepted)
             assert (reply.prefill_instance, reply.decode_instance) == ("p-idle", "d-idle")
@@ -116,8 +134,11 @@ class TestDropsSilentInstances:
             # crash: heartbeats stop and the connection vanishes without a goodbye
             victim._beats.cancel()
             await victim.service.nc.close()
-            await wait_until(lambda: any(d.instance_id == "p-crash" for d in downs.events), timeout_s=5,
-                             what="InstanceDown for p-crash")
+            await wait_until(
+                lambda: any(d.instance_id == "p-crash" for d in downs.events),
+                timeout_s=5,
+                what="InstanceDown for p-crash",
+            )
             down = next(d for d in downs.events if d.instance_id == "p-crash")
             assert down.reason == "silent" and down.role is Role.PREFILL
             assert "p-crash" not in conductor.table
@@ -137,8 +158,10 @@ class TestDropsSilentInstances:
         assert [(d.instance_id, d.reason) for d in downs.events] == [("d0", "shutdown")]
 
     async def test_draining_instance_gets_no_new_work(self, conductor, nats_server, namespace, nc):
-        async with reporter_host(nats_server.url, namespace, "p0", Role.PREFILL), \
-                reporter_host(nats_server.url, namespace, "d0", Role.DECODE) as d0:
+        async with (
+            reporter_host(nats_server.url, namespace, "p0", Role.PREFILL),
+            reporter_host(nats_server.url, namespace, "d0", Role.DECODE) as d0,
+        ):
             await wait_until(lambda: len(conductor.table.candidates(Role.DECODE)) == 1, what="d0 registered")
             d0.service.draining = True
             await wait_until(lambda: not conductor.table.candidates(Role.DECODE), what="draining seen")
@@ -173,11 +196,26 @@ class TestConductorProcess:
 
         async def on_beat(msg):
             beats.append(codecs.HEARTBEAT.decode(msg.data))
+
         await nc.subscribe(Subjects(namespace).heartbeat, cb=on_beat)
         await nc.flush()
-        proc = processes.start(["-m", "services.conductor", "--nats-url", nats_server.url, "--namespace", namespace,
-                                "--instance-id", "cond-1", "--heartbeat-interval-s", "0.1"])
-        await wait_until(lambda: any(b.instance_id == "cond-1" for b in beats), timeout_s=30, what="conductor heartbeat")
+        proc = processes.start(
+            [
+                "-m",
+                "services.conductor",
+                "--nats-url",
+                nats_server.url,
+                "--namespace",
+                namespace,
+                "--instance-id",
+                "cond-1",
+                "--heartbeat-interval-s",
+                "0.1",
+            ]
+        )
+        await wait_until(
+            lambda: any(b.instance_id == "cond-1" for b in beats), timeout_s=30, what="conductor heartbeat"
+        )
         assert beats[0].role is Role.CONDUCTOR
         assert isinstance(await schedule(nc, namespace), ScheduleRejected)
         proc.send_signal(signal.SIGTERM)

@@ -12,8 +12,15 @@ REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=4, sampling=Samp
 
 
 def hb(iid: str, role: Role = Role.PREFILL, interval: float = 0.1, draining: bool = False, **load) -> Heartbeat:
-    return Heartbeat(instance_id=iid, role=role, address=iid, load=Load(**load), timestamp=0.0,
-                     interval_s=interval, draining=draining)
+    return Heartbeat(
+        instance_id=iid,
+        role=role,
+        address=iid,
+        load=Load(**load),
+        timestamp=0.0,
+        interval_s=interval,
+        draining=draining,
+    )
 
 
 class TestInstanceTable:
@@ -60,13 +67,18 @@ class TestLeastLoaded:
         return table, table.candidates(Role.PREFILL), table.candidates(Role.DECODE)
 
     def test_picks_fewest_pending_on_each_side(self):
-        _, p, d = self.views(hb("p0", queue_len=3), hb("p1", running=1),
-                             hb("d0", role=Role.DECODE, running=9), hb("d1", role=Role.DECODE, running=2))
+        _, p, d = self.views(
+            hb("p0", queue_len=3),
+            hb("p1", running=1),
+            hb("d0", role=Role.DECODE, running=9),
+            hb("d1", role=Role.DECODE, running=2),
+        )
         assert LeastLoaded().place(REQUEST, p, d) == Placement("p1", "d1")
 
     def test_decode_tie_goes_to_more_free_kv(self):
-        _, p, d = self.views(hb("p0"), hb("d0", role=Role.DECODE, free_kv_blocks=5),
-                             hb("d1", role=Role.DECODE, free_kv_blocks=50))
+        _, p, d = self.views(
+            hb("p0"), hb("d0", role=Role.DECODE, free_kv_blocks=5), hb("d1", role=Role.DECODE, free_kv_blocks=50)
+        )
         assert LeastLoaded().place(REQUEST, p, d).decode == "d1"
 
     def test_assignments_since_heartbeat_spread_a_burst(self):
@@ -78,11 +90,14 @@ class TestLeastLoaded:
             chosen.append(choice.prefill)
         assert sorted(chosen) == ["p0", "p0", "p1", "p1"]
 
-    @pytest.mark.parametrize(("beats", "reason"), [
-        ((), RejectReason.NO_PREFILL_INSTANCE),
-        ((hb("d0", role=Role.DECODE),), RejectReason.NO_PREFILL_INSTANCE),
-        ((hb("p0"),), RejectReason.NO_DECODE_INSTANCE),
-    ])
+    @pytest.mark.parametrize(
+        ("beats", "reason"),
+        [
+            ((), RejectReason.NO_PREFILL_INSTANCE),
+            ((hb("d0", role=Role.DECODE),), RejectReason.NO_PREFILL_INSTANCE),
+            ((hb("p0"),), RejectReason.NO_DECODE_INSTANCE),
+        ],
+    )
     def test_rejects_when_a_role_is_missing(self, beats, reason):
         _, p, d = self.views(*beats)
         result = LeastLoaded().place(REQUEST, p, d)

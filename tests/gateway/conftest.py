@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-
 from fake_engine import IdleDecode, Script, ScriptedPrefill
+
 from services.conductor.service import ConductorConfig, ConductorService
 from services.gateway.service import GatewayConfig, GatewayService
 from shared.service import ServiceConfig, ServiceHost
@@ -15,8 +15,14 @@ from shared.service import ServiceConfig, ServiceHost
 
 @pytest.fixture
 async def conductor(nats_server, namespace) -> AsyncIterator[ConductorService]:
-    config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, heartbeat_interval_s=0.1,
-                             instance_timeout_s=0.5, sweep_interval_s=0.05, retry_after_s=2.0)
+    config = ConductorConfig(
+        nats_url=nats_server.url,
+        namespace=namespace,
+        heartbeat_interval_s=0.1,
+        instance_timeout_s=0.5,
+        sweep_interval_s=0.05,
+        retry_after_s=2.0,
+    )
     async with ServiceHost(ConductorService(config)) as host:
         yield host.service
 
@@ -29,8 +35,9 @@ class Cluster:
         self.hosts: list[ServiceHost] = []
 
     def _config(self, instance_id: str) -> ServiceConfig:
-        return ServiceConfig(nats_url=self.url, namespace=self.namespace, instance_id=instance_id,
-                             heartbeat_interval_s=0.05)
+        return ServiceConfig(
+            nats_url=self.url, namespace=self.namespace, instance_id=instance_id, heartbeat_interval_s=0.05
+        )
 
     async def prefill(self, instance_id: str, script: Script) -> ServiceHost:
         return await self._start(ScriptedPrefill(self._config(instance_id), script))
@@ -67,9 +74,19 @@ async def gateway_factory(nats_server, namespace, tiny_model_dir):
     hosts: list[ServiceHost] = []
 
     async def make(**overrides) -> GatewayService:
-        settings = dict(nats_url=nats_server.url, namespace=namespace, model_dir=str(tiny_model_dir),
-                        model_name="tiny", port=0, heartbeat_interval_s=0.1, ttft_timeout_s=10.0, itl_timeout_s=10.0,
-                        max_model_len=256, max_body_bytes=16384, drain_timeout_s=5.0)
+        settings = dict(
+            nats_url=nats_server.url,
+            namespace=namespace,
+            model_dir=str(tiny_model_dir),
+            model_name="tiny",
+            port=0,
+            heartbeat_interval_s=0.1,
+            ttft_timeout_s=10.0,
+            itl_timeout_s=10.0,
+            max_model_len=256,
+            max_body_bytes=16384,
+            drain_timeout_s=5.0,
+        )
         settings.update(overrides)
         host = ServiceHost(GatewayService(GatewayConfig(**settings)))
         await host.start()

@@ -71,23 +71,45 @@ class ScriptedPrefill(Service[ServiceConfig]):
         s = self.script
         out = s.output[: req.sampling.max_tokens]
         finish = "length" if len(s.output) >= req.sampling.max_tokens else "stop"
-        chunks = [out[:1], *[out[i:i + 1] for i in range(1, len(out))]] if s.split_first else [out]
+        chunks = [out[:1], *[out[i : i + 1] for i in range(1, len(out))]] if s.split_first else [out]
         for n, chunk in enumerate(chunks):
             if s.stall_after is not None and n >= s.stall_after:
                 return
             if s.fail_after is not None and n >= s.fail_after:
-                await self.publish(req.stream_subject, ErrorEvent(request_id=req.request_id, code=ErrorCode.INTERNAL,
-                                                                  message="engine failed", instance_id=self.instance_id))
+                await self.publish(
+                    req.stream_subject,
+                    ErrorEvent(
+                        request_id=req.request_id,
+                        code=ErrorCode.INTERNAL,
+                        message="engine failed",
+                        instance_id=self.instance_id,
+                    ),
+                )
                 return
             if s.token_delay_s:
                 await asyncio.sleep(s.token_delay_s)
             last = n == len(chunks) - 1
-            usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(out),
-                          cached_tokens=min(s.cached_tokens, len(req.prompt_token_ids))) if last else None
-            await self.publish(req.stream_subject, TokenEvent(
-                request_id=req.request_id, index=sum(len(c) for c in chunks[:n]), token_ids=tuple(chunk),
-                instance_id=self.instance_id, logprobs=tuple(-0.5 for _ in chunk) if req.sampling.logprobs else None,
-                finish_reason=finish if last else None, usage=usage))
+            usage = (
+                Usage(
+                    prompt_tokens=len(req.prompt_token_ids),
+                    completion_tokens=len(out),
+                    cached_tokens=min(s.cached_tokens, len(req.prompt_token_ids)),
+                )
+                if last
+                else None
+            )
+            await self.publish(
+                req.stream_subject,
+                TokenEvent(
+                    request_id=req.request_id,
+                    index=sum(len(c) for c in chunks[:n]),
+                    token_ids=tuple(chunk),
+                    instance_id=self.instance_id,
+                    logprobs=tuple(-0.5 for _ in chunk) if req.sampling.logprobs else None,
+                    finish_reason=finish if last else None,
+                    usage=usage,
+                ),
+            )
 
     async def drain(self) -> None:
         if self._tasks:

@@ -23,7 +23,7 @@ class TestDetokenizer:
     def test_deltas_concatenate_to_the_text(self, tokenizer, text, step):
         ids = tokenizer.encode(text, add_special_tokens=False)
         detok = Detokenizer(tokenizer)
-        deltas = [detok.push(ids[i:i + step]) for i in range(0, len(ids), step)] + [detok.flush()]
+        deltas = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)] + [detok.flush()]
         assert "".join(deltas) == text
         assert all("\ufffd" not in d for d in deltas)
 

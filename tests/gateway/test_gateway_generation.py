@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from fake_engine import Script
 
 TEXT = "Hello moon — héllo 世界 🌙 done"
@@ -18,7 +17,7 @@ def sse_events(raw: str) -> list:
     events = []
     for block in raw.split("\n\n"):
         if block.startswith("data: "):
-            payload = block[len("data: "):]
+            payload = block[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -65,8 +64,13 @@ class TestCompletions:
         assert body["usage"]["prompt_tokens"] == 3
 
     async def test_streamed_chunks_concatenate_to_full_text_without_broken_characters(self, http, serving):
-        request = {"model": "tiny", "prompt": "hi", "max_tokens": 64, "stream": True,
-                   "stream_options": {"include_usage": True}}
+        request = {
+            "model": "tiny",
+            "prompt": "hi",
+            "max_tokens": 64,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with http.stream("POST", "/v1/completions", json=request) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
@@ -81,24 +85,43 @@ class TestCompletions:
         assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
 
     async def test_logprobs_per_token(self, http, serving, output_ids):
-        body = (await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
-                                                         "logprobs": 0})).json()
+        body = (
+            await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, "logprobs": 0})
+        ).json()
         lp = body["choices"][0]["logprobs"]
         assert lp["token_logprobs"] == [-0.5] * 4 and len(lp["tokens"]) == 4
 
     async def test_sampling_parameters_reach_prefill(self, http, serving):
-        await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5, "temperature": 0,
-                                                 "top_p": 0.5, "seed": 7, "stop": ["\n", "END"]})
+        await http.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "x",
+                "max_tokens": 5,
+                "temperature": 0,
+                "top_p": 0.5,
+                "seed": 7,
+                "stop": ["\n", "END"],
+            },
+        )
         sampling = serving.hosts[0].service.received[-1].sampling
         assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed, sampling.stop) == (
-            5, 0.0, 0.5, 7, ("\n", "END"))
+            5,
+            0.0,
+            0.5,
+            7,
+            ("\n", "END"),
+        )
 
 
 class TestChat:
     async def test_chat_applies_the_template(self, http, serving, gateway):
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-        body = (await http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
-                                                              "max_completion_tokens": 64})).json()
+        body = (
+            await http.post(
+                "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_completion_tokens": 64}
+            )
+        ).json()
         assert body["object"] == "chat.completion"
         assert body["choices"][0]["message"] == {"role": "assistant", "content": TEXT, "refusal": None}
         sent = serving.hosts[0].service.received[-1].prompt_token_ids
@@ -129,13 +152,19 @@ async def started_gateway(gateway_factory, conductor, cluster, script: Script, p
 
 
 def chat_request(stream: bool = False, max_tokens: int = 64) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": stream}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
 
 
 class TestDeadlines:
     async def test_no_first_token_is_504_in_time(self, gateway_factory, conductor, cluster, output_ids):
-        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0),
-                                   ttft_timeout_s=0.5)
+        gw = await started_gateway(
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0), ttft_timeout_s=0.5
+        )
         async with httpx_client(gw) as http:
             started = time.monotonic()
             for stream in (False, True):
@@ -149,8 +178,9 @@ class TestDeadlines:
         await wait_for(lambda: len(prefill.cancelled) == 2, "cancellations")
 
     async def test_stalled_stream_ends_with_an_error_event(self, gateway_factory, conductor, cluster, output_ids):
-        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=3),
-                                   itl_timeout_s=0.5)
+        gw = await started_gateway(
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=3), itl_timeout_s=0.5
+        )
         async with httpx_client(gw) as http:
             async with http.stream("POST", "/v1/chat/completions", json=chat_request(stream=True)) as response:
                 assert response.status_code == 200
@@ -169,12 +199,15 @@ class TestDeadlines:
 
 class TestInstanceDown:
     async def test_decode_crash_fails_the_request_long_before_the_token_deadline(
-            self, gateway_factory, conductor, cluster, output_ids):
-        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=2),
-                                   itl_timeout_s=60.0)
+        self, gateway_factory, conductor, cluster, output_ids
+    ):
+        gw = await started_gateway(
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=2), itl_timeout_s=60.0
+        )
         async with httpx_client(gw) as http:
-            request = asyncio.create_task(http.post("/v1/completions", json={"model": "tiny", "prompt": "x",
-                                                                             "max_tokens": 20, "stream": True}))
+            request = asyncio.create_task(
+                http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True})
+            )
             prefill = cluster.hosts[0].service
             await wait_for(lambda: prefill.received, "request reached prefill")
             started = time.monotonic()
@@ -185,8 +218,9 @@ class TestInstanceDown:
             assert events[-1]["error"]["code"] == "instance_down" and "d0" in events[-1]["error"]["message"]
 
     async def test_prefill_crash_before_first_token_is_503(self, gateway_factory, conductor, cluster, output_ids):
-        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0),
-                                   ttft_timeout_s=60.0)
+        gw = await started_gateway(
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0), ttft_timeout_s=60.0
+        )
         async with httpx_client(gw) as http:
             request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_request()))
             await wait_for(lambda: cluster.hosts[0].service.received, "request reached prefill")
@@ -195,8 +229,9 @@ class TestInstanceDown:
         assert response.status_code == 503 and response.json()["error"]["code"] == "instance_down"
 
     async def test_next_requests_go_to_the_survivor(self, gateway_factory, conductor, cluster, output_ids):
-        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids),
-                                   prefills=("p0", "p1"))
+        gw = await started_gateway(
+            gateway_factory, conductor, cluster, Script(output=output_ids), prefills=("p0", "p1")
+        )
         await cluster.crash(cluster.hosts[0])
         await wait_for(lambda: "p0" not in conductor.table, "p0 dropped")
         async with httpx_client(gw) as http:
@@ -206,8 +241,9 @@ class TestInstanceDown:
 
 
 class TestSubmitRetry:
-    async def test_unavailable_prefill_makes_the_gateway_ask_again(self, gateway_factory, conductor, cluster,
-                                                                   output_ids):
+    async def test_unavailable_prefill_makes_the_gateway_ask_again(
+        self, gateway_factory, conductor, cluster, output_ids
+    ):
         refusing = await cluster.prefill("p0", Script(output=output_ids, refuse=True))
         gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids), prefills=("p1",))
         await wait_for(lambda: "p0" in conductor.table, "p0 registered")
@@ -220,8 +256,13 @@ class TestSubmitRetry:
 
 class TestFlood:
     async def test_bad_requests_do_not_disturb_good_ones(self, http, serving):
-        bad_bodies = [b"{not json", b'{"model": "tiny"}', b'{"model": "nope", "prompt": "x"}',
-                      b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', b"x" * 20000]
+        bad_bodies = [
+            b"{not json",
+            b'{"model": "tiny"}',
+            b'{"model": "nope", "prompt": "x"}',
+            b'{"model": "tiny", "prompt": "x", "max_tokens": 0}',
+            b"x" * 20000,
+        ]
 
         async def bad(i: int) -> int:
             return (await http.post("/v1/completions", content=bad_bodies[i % len(bad_bodies)])).status_code
@@ -254,8 +295,9 @@ class TestClientDisconnect:
     async def test_vanished_client_cancels_the_request(self, gateway_factory, conductor, cluster, output_ids):
         gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, token_delay_s=0.2))
         async with httpx_client(gw) as http:
-            async with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64,
-                                                                     "stream": True}) as response:
+            async with http.stream(
+                "POST", "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64, "stream": True}
+            ) as response:
                 request_id = response.headers["x-request-id"]
                 async for _ in response.aiter_bytes():
                     break  # first chunk, then hang up

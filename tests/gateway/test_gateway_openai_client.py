@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from fake_engine import Script
 from test_gateway_generation import TEXT, wait_for
 
@@ -27,8 +26,9 @@ class TestResults:
     async def test_completions_stream_equals_non_stream(self, client, serving):
         full = await client.completions.create(model="tiny", prompt="hello", max_tokens=64, temperature=0)
         assert full.choices[0].text == TEXT and full.usage.prompt_tokens_details.cached_tokens == 1
-        stream = await client.completions.create(model="tiny", prompt="hello", max_tokens=64, stream=True,
-                                                 stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model="tiny", prompt="hello", max_tokens=64, stream=True, stream_options={"include_usage": True}
+        )
         parts, usage = [], None
         async for chunk in stream:
             parts.extend(c.text for c in chunk.choices)
@@ -38,8 +38,9 @@ class TestResults:
 
     async def test_chat_stream_equals_non_stream(self, client, serving):
         messages = [{"role": "user", "content": "hi"}]
-        full = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, seed=1,
-                                                    stop=["never"], logprobs=True)
+        full = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=64, seed=1, stop=["never"], logprobs=True
+        )
         assert full.choices[0].message.content == TEXT and full.choices[0].finish_reason == "stop"
         assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens
         stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, stream=True)
@@ -53,7 +54,9 @@ class TestResults:
 class TestCleanErrors:
     async def test_bad_request(self, client):
         with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=0)
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=0
+            )
         assert info.value.status_code == 400 and info.value.param == "max_tokens"
         assert "max_tokens must be at least 1" in info.value.message
 

@@ -8,13 +8,13 @@ import subprocess
 import time
 
 import httpx
-
 from fake_engine import IdleDecode, Script, ScriptedPrefill
+from test_gateway_generation import wait_for
+
 from services.conductor.service import ConductorConfig, ConductorService
 from services.gateway.service import GatewayConfig, GatewayService
 from shared.service import ServiceConfig, ServiceHost
 from shared.telemetry import read_spans, setup_tracing
-from test_gateway_generation import wait_for
 
 
 async def wait_until_up(http: httpx.AsyncClient, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -30,11 +30,23 @@ async def wait_until_up(http: httpx.AsyncClient, proc: subprocess.Popen, timeout
 
 
 class TestGatewayProcess:
-    async def test_serves_from_flags_and_env_then_stops_on_sigterm(self, nats_server, namespace, tiny_model_dir,
-                                                                   processes, unused_port):
+    async def test_serves_from_flags_and_env_then_stops_on_sigterm(
+        self, nats_server, namespace, tiny_model_dir, processes, unused_port
+    ):
         env = {"HALFMOON_NAMESPACE": namespace, "HALFMOON_MODEL_NAME": "tiny-env"}
-        proc = processes.start(["-m", "services.gateway", "--nats-url", nats_server.url, "--port", str(unused_port),
-                                "--model-dir", str(tiny_model_dir)], extra_env=env)
+        proc = processes.start(
+            [
+                "-m",
+                "services.gateway",
+                "--nats-url",
+                nats_server.url,
+                "--port",
+                str(unused_port),
+                "--model-dir",
+                str(tiny_model_dir),
+            ],
+            extra_env=env,
+        )
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{unused_port}", timeout=10) as http:
             await wait_until_up(http, proc)
             assert (await http.get("/health")).json() == {"status": "ok"}
@@ -51,19 +63,24 @@ class TestGatewayProcess:
 
 
 class TestOneTraceAcrossServices:
-    async def test_gateway_conductor_prefill_spans_share_a_trace(self, nats_server, namespace, tiny_model_dir,
-                                                                  tmp_path):
+    async def test_gateway_conductor_prefill_spans_share_a_trace(
+        self, nats_server, namespace, tiny_model_dir, tmp_path
+    ):
         trace_file = str(tmp_path / "trace.jsonl")
-        providers = {name: setup_tracing(name, f"{name}-0", trace_file=trace_file, env={})
-                     for name in ("gateway", "conductor", "prefill")}
+        providers = {
+            name: setup_tracing(name, f"{name}-0", trace_file=trace_file, env={})
+            for name in ("gateway", "conductor", "prefill")
+        }
         common = dict(nats_url=nats_server.url, namespace=namespace, heartbeat_interval_s=0.05)
         conductor = ConductorService(ConductorConfig(**common, instance_timeout_s=1.0), providers["conductor"])
         prefill = ScriptedPrefill(ServiceConfig(**common, instance_id="p0"), Script(output=(10, 11, 12)))
         prefill.tracer = providers["prefill"].get_tracer("prefill")
-        gateway = GatewayService(GatewayConfig(**common, model_dir=str(tiny_model_dir), model_name="tiny", port=0),
-                                 providers["gateway"])
-        hosts = [ServiceHost(s) for s in (conductor, prefill, IdleDecode(ServiceConfig(**common, instance_id="d0")),
-                                          gateway)]
+        gateway = GatewayService(
+            GatewayConfig(**common, model_dir=str(tiny_model_dir), model_name="tiny", port=0), providers["gateway"]
+        )
+        hosts = [
+            ServiceHost(s) for s in (conductor, prefill, IdleDecode(ServiceConfig(**common, instance_id="d0")), gateway)
+        ]
         for host in hosts:
             await host.start()
         try:
@@ -72,8 +89,11 @@ class TestOneTraceAcrossServices:
                 response = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
                 assert response.status_code == 200
                 client_parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
-                response = await http.post("/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 3},
-                                           headers={"traceparent": client_parent})
+                response = await http.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": "y", "max_tokens": 3},
+                    headers={"traceparent": client_parent},
+                )
                 assert response.status_code == 200
         finally:
             for host in reversed(hosts):

@@ -31,8 +31,12 @@ def completion(**fields) -> dict:
 
 class TestMalformedBodies:
     async def test_malformed_json(self, http):
-        error = error_of(await http.post(CHAT, content=b'{"model": "tiny", "messages": [', headers={
-            "content-type": "application/json"}), 400)
+        error = error_of(
+            await http.post(
+                CHAT, content=b'{"model": "tiny", "messages": [', headers={"content-type": "application/json"}
+            ),
+            400,
+        )
         assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
 
     async def test_body_that_is_not_an_object(self, http):
@@ -72,42 +76,52 @@ class TestMessages:
 
 
 class TestWrongTypes:
-    @pytest.mark.parametrize(("path", "body", "param"), [
-        (CHAT, chat(max_tokens="5"), "max_tokens"),
-        (CHAT, chat(temperature="hot"), "temperature"),
-        (CHAT, chat(stream="yes"), "stream"),
-        (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
-        (CHAT, chat(messages={"role": "user"}), "messages"),
-        (CHAT, chat(stop=3), "stop"),
-        (CHAT, chat(seed=1.5), "seed"),
-        (CHAT, chat(model=7), "model"),
-        (COMPLETIONS, completion(prompt={"text": "hi"}), "prompt"),
-        (COMPLETIONS, completion(max_tokens=True), "max_tokens"),
-        (COMPLETIONS, completion(stream_options={"include_usage": "y"}, stream=True), "stream_options.include_usage"),
-    ])
+    @pytest.mark.parametrize(
+        ("path", "body", "param"),
+        [
+            (CHAT, chat(max_tokens="5"), "max_tokens"),
+            (CHAT, chat(temperature="hot"), "temperature"),
+            (CHAT, chat(stream="yes"), "stream"),
+            (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+            (CHAT, chat(messages={"role": "user"}), "messages"),
+            (CHAT, chat(stop=3), "stop"),
+            (CHAT, chat(seed=1.5), "seed"),
+            (CHAT, chat(model=7), "model"),
+            (COMPLETIONS, completion(prompt={"text": "hi"}), "prompt"),
+            (COMPLETIONS, completion(max_tokens=True), "max_tokens"),
+            (
+                COMPLETIONS,
+                completion(stream_options={"include_usage": "y"}, stream=True),
+                "stream_options.include_usage",
+            ),
+        ],
+    )
     async def test_wrong_type_names_the_parameter(self, http, path, body, param):
         error = error_of(await http.post(path, json=body), 400)
         assert error["param"] == param and error["code"] == "invalid_type"
 
 
 class TestOutOfRange:
-    @pytest.mark.parametrize(("path", "body", "param"), [
-        (CHAT, chat(max_tokens=0), "max_tokens"),
-        (CHAT, chat(max_tokens=-3), "max_tokens"),
-        (CHAT, chat(max_completion_tokens=0), "max_completion_tokens"),
-        (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
-        (CHAT, chat(temperature=2.5), "temperature"),
-        (CHAT, chat(top_p=0), "top_p"),
-        (CHAT, chat(n=2), "n"),
-        (CHAT, chat(stop=["ok", ""]), "stop"),
-        (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
-        (CHAT, chat(top_logprobs=3, logprobs=True), "top_logprobs"),
-        (COMPLETIONS, completion(logprobs=5), "logprobs"),
-        (COMPLETIONS, completion(prompt=["a", "b"]), "prompt"),
-        (COMPLETIONS, completion(prompt=[1, "b"]), "prompt"),
-        (COMPLETIONS, completion(prompt=[5, 999999]), "prompt"),
-        (COMPLETIONS, completion(prompt=""), "prompt"),
-    ])
+    @pytest.mark.parametrize(
+        ("path", "body", "param"),
+        [
+            (CHAT, chat(max_tokens=0), "max_tokens"),
+            (CHAT, chat(max_tokens=-3), "max_tokens"),
+            (CHAT, chat(max_completion_tokens=0), "max_completion_tokens"),
+            (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
+            (CHAT, chat(temperature=2.5), "temperature"),
+            (CHAT, chat(top_p=0), "top_p"),
+            (CHAT, chat(n=2), "n"),
+            (CHAT, chat(stop=["ok", ""]), "stop"),
+            (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
+            (CHAT, chat(top_logprobs=3, logprobs=True), "top_logprobs"),
+            (COMPLETIONS, completion(logprobs=5), "logprobs"),
+            (COMPLETIONS, completion(prompt=["a", "b"]), "prompt"),
+            (COMPLETIONS, completion(prompt=[1, "b"]), "prompt"),
+            (COMPLETIONS, completion(prompt=[5, 999999]), "prompt"),
+            (COMPLETIONS, completion(prompt=""), "prompt"),
+        ],
+    )
     async def test_out_of_range_names_the_parameter(self, http, path, body, param):
         assert error_of(await http.post(path, json=body), 400)["param"] == param
 
@@ -119,7 +133,9 @@ class TestContextLength:
         assert error["code"] == "context_length_exceeded" and "256" in error["message"]
 
     async def test_prompt_plus_max_tokens_over_context(self, http):
-        error = error_of(await http.post(COMPLETIONS, json=completion(prompt=list(range(10, 210)), max_tokens=100)), 400)
+        error = error_of(
+            await http.post(COMPLETIONS, json=completion(prompt=list(range(10, 210)), max_tokens=100)), 400
+        )
         assert error["code"] == "context_length_exceeded"
 
     async def test_long_chat_conversation(self, http):

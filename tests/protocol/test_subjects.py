@@ -10,8 +10,15 @@ from shared.protocol import Subjects
 class TestSubjects:
     def test_every_subject_is_under_namespace_and_version(self):
         s = Subjects("team-a")
-        built = [s.schedule, s.prefill_submit("p0"), s.decode_submit("d0"), s.stream("r1"), s.heartbeat,
-                 s.down, s.cancel] + [s.cache(op) for op in ("put_start", "put_end", "lookup", "release", "report")]
+        built = [
+            s.schedule,
+            s.prefill_submit("p0"),
+            s.decode_submit("d0"),
+            s.stream("r1"),
+            s.heartbeat,
+            s.down,
+            s.cancel,
+        ] + [s.cache(op) for op in ("put_start", "put_end", "lookup", "release", "report")]
         assert all(subject.startswith("team-a.v1.") for subject in built)
         assert len(set(built)) == len(built)
         assert s.prefill_submit("p0") == "team-a.v1.prefill.p0.submit"

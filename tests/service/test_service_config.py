@@ -24,8 +24,12 @@ class TestPrecedence:
         assert config.model_dir is None and config.verbose is False
 
     def test_env_then_flags(self):
-        env = {"HALFMOON_PORT": "9000", "HALFMOON_NAMESPACE": "blue", "HALFMOON_VERBOSE": "yes",
-               "HALFMOON_MODEL_DIR": "/m"}
+        env = {
+            "HALFMOON_PORT": "9000",
+            "HALFMOON_NAMESPACE": "blue",
+            "HALFMOON_VERBOSE": "yes",
+            "HALFMOON_MODEL_DIR": "/m",
+        }
         config = load_config(DemoConfig, ["--port", "9100", "--no-verbose"], env=env)
         assert (config.port, config.namespace, config.verbose, config.model_dir) == (9100, "blue", False, "/m")
         assert config.subjects.schedule == "blue.v1.conductor.schedule"
@@ -35,16 +39,19 @@ class TestPrecedence:
 
 
 class TestErrors:
-    @pytest.mark.parametrize(("argv", "env", "needle"), [
-        (["--port", "eighty"], {}, "--port: cannot read 'eighty' as int"),
-        ([], {"HALFMOON_RATIO": "half"}, "HALFMOON_RATIO: cannot read 'half' as float"),
-        ([], {"HALFMOON_VERBOSE": "maybe"}, "HALFMOON_VERBOSE"),
-        (["--namespace", "a.*"], {}, "namespace"),
-        (["--heartbeat-interval-s", "0"], {}, "heartbeat_interval_s must be > 0"),
-        (["--instance-id", "has.dot"], {}, "instance_id"),
-        (["--log-format", "xml"], {}, "log_format"),
-        (["--no-such-flag"], {}, "unrecognized arguments"),
-    ])
+    @pytest.mark.parametrize(
+        ("argv", "env", "needle"),
+        [
+            (["--port", "eighty"], {}, "--port: cannot read 'eighty' as int"),
+            ([], {"HALFMOON_RATIO": "half"}, "HALFMOON_RATIO: cannot read 'half' as float"),
+            ([], {"HALFMOON_VERBOSE": "maybe"}, "HALFMOON_VERBOSE"),
+            (["--namespace", "a.*"], {}, "namespace"),
+            (["--heartbeat-interval-s", "0"], {}, "heartbeat_interval_s must be > 0"),
+            (["--instance-id", "has.dot"], {}, "instance_id"),
+            (["--log-format", "xml"], {}, "log_format"),
+            (["--no-such-flag"], {}, "unrecognized arguments"),
+        ],
+    )
     def test_bad_values_exit_with_a_clear_message(self, argv, env, needle, capsys):
         with pytest.raises(SystemExit) as info:
             load_config(DemoConfig, argv, env=env)

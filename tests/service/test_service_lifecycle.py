@@ -49,8 +49,13 @@ class Echo(Service[ServiceConfig]):
 
 @pytest.fixture
 def config(nats_server, namespace) -> ServiceConfig:
-    return ServiceConfig(nats_url=nats_server.url, namespace=namespace, instance_id="echo-1",
-                         heartbeat_interval_s=0.05, drain_timeout_s=0.3)
+    return ServiceConfig(
+        nats_url=nats_server.url,
+        namespace=namespace,
+        instance_id="echo-1",
+        heartbeat_interval_s=0.05,
+        drain_timeout_s=0.3,
+    )
 
 
 async def ask(nc, namespace, rid: str, timeout: float = 5.0):
@@ -119,8 +124,9 @@ class TestLifecycle:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert beats[-1].draining
-        assert downs == [InstanceDown(instance_id="echo-1", role=Role.DECODE, reason="shutdown",
-                                      timestamp=downs[0].timestamp)]
+        assert downs == [
+            InstanceDown(instance_id="echo-1", role=Role.DECODE, reason="shutdown", timestamp=downs[0].timestamp)
+        ]
 
     async def test_a_drain_that_hangs_is_cut_at_the_timeout(self, config):
         host = ServiceHost(Echo(config, drain_forever=True))
@@ -130,16 +136,23 @@ class TestLifecycle:
         assert 0.3 <= time.monotonic() - started < 3
 
     async def test_unreachable_nats_fails_after_connect_timeout(self, namespace, unused_port):
-        config = ServiceConfig(nats_url=f"nats://127.0.0.1:{unused_port}", namespace=namespace,
-                               connect_timeout_s=0.5)
+        config = ServiceConfig(nats_url=f"nats://127.0.0.1:{unused_port}", namespace=namespace, connect_timeout_s=0.5)
         with pytest.raises(ConnectionError, match="cannot reach NATS"):
             await ServiceHost(Echo(config)).start()
 
 
 class TestJsonLogs:
     def test_one_object_per_line_with_extras(self):
-        record = logging.makeLogRecord({"name": "halfmoon.x", "levelno": logging.INFO, "levelname": "INFO",
-                                        "msg": "placed %s", "args": ("r1",), "instance": "p0"})
+        record = logging.makeLogRecord(
+            {
+                "name": "halfmoon.x",
+                "levelno": logging.INFO,
+                "levelname": "INFO",
+                "msg": "placed %s",
+                "args": ("r1",),
+                "instance": "p0",
+            }
+        )
         line = JsonFormatter("conductor", "c-1").format(record)
         entry = json.loads(line)
         assert entry["msg"] == "placed r1" and entry["service"] == "conductor"
