@@ -76,9 +76,7 @@ class ServingClient:
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
         for gen in list(self._watchers.get(down.instance_id, ())):
-            gen.fail(
-                ErrorCode.INSTANCE_DOWN, f"{down.role.value} instance {down.instance_id} went down ({down.reason})"
-            )
+            gen.instance_down(down)
 
 
 class Generation:
@@ -102,6 +100,7 @@ class Generation:
         self._queue: asyncio.Queue[TokenEvent | ErrorEvent] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._watching: set[str] = set()
+        self._streamed = False  # some token reached the client
 
     async def __aenter__(self) -> Generation:
         svc = self.client.service
@@ -210,9 +209,28 @@ class Generation:
             event = ErrorEvent(request_id=self.request_id, code=exc.code, message=f"bad stream event: {exc.message}")
         self._queue.put_nowait(event)
 
+    def _handed_off(self, event: TokenEvent) -> bool:
+        """Decode has the request: it streams from index 1 on (prefill sent index 0)."""
+        p = self.placement
+        if p is None or p.prefill_instance not in self._watching:
+            return False
+        return event.instance_id == p.decode_instance or (not event.instance_id and event.index >= 1)
+
     def _from_placement(self, instance_id: str) -> bool:
         p = self.placement
         return not instance_id or p is None or instance_id in (p.prefill_instance, p.decode_instance)
+
+    def instance_down(self, down: InstanceDown) -> None:
+        """Fail unless ``down`` is the prefill instance leaving gracefully after streaming the first
+        token: a draining prefill hands its requests off before it says goodbye."""
+        p = self.placement
+        graceful_after_handoff = (
+            p is not None and down.instance_id == p.prefill_instance and down.reason == "shutdown" and self._streamed
+        )
+        if not graceful_after_handoff:
+            self.fail(
+                ErrorCode.INSTANCE_DOWN, f"{down.role.value} instance {down.instance_id} went down ({down.reason})"
+            )
 
     def fail(self, code: ErrorCode, message: str) -> None:
         self._queue.put_nowait(ErrorEvent(request_id=self.request_id, code=code, message=message))
@@ -235,8 +253,9 @@ class Generation:
             while expected in early:
                 ready = early.pop(expected)
                 expected += len(ready.token_ids)
-                if self.placement is not None and self.placement.prefill_instance in self._watching and expected:
-                    self._unwatch(self.placement.prefill_instance)  # prefill's part is done once tokens flow
+                self._streamed = True
+                if self._handed_off(ready):
+                    self._unwatch(self.placement.prefill_instance)
                 self.finished = ready.finish_reason is not None
                 timeout, phase = dl.itl_timeout_s, "next token"
                 yield ready

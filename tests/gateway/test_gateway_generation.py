@@ -228,6 +228,22 @@ class TestInstanceDown:
             response = await asyncio.wait_for(request, 10)
         assert response.status_code == 503 and response.json()["error"]["code"] == "instance_down"
 
+    async def test_prefill_crash_after_first_token_before_hand_off_fails_fast(
+        self, gateway_factory, conductor, cluster, output_ids
+    ):
+        gw = await started_gateway(
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=1), itl_timeout_s=60.0
+        )
+        async with httpx_client(gw) as http:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200  # the first token came, so the stream had started
+                started = time.monotonic()
+                await cluster.crash(cluster.hosts[0])
+                events = sse_events((await response.aread()).decode())
+            assert time.monotonic() - started < 5
+            assert events[-1]["error"]["code"] == "instance_down" and "p0" in events[-1]["error"]["message"]
+
     async def test_next_requests_go_to_the_survivor(self, gateway_factory, conductor, cluster, output_ids):
         gw = await started_gateway(
             gateway_factory, conductor, cluster, Script(output=output_ids), prefills=("p0", "p1")
