@@ -1,21 +1,23 @@
-"""Prefill instance: computes a prompt's KV and first token, parks the KV on a transfer node,
-and hands the request to the decode instance the conductor chose."""
+"""Prefill instance: reuses the prompt's cached prefix from the pool, computes the rest, stores the
+new full blocks back, and hands the request to the decode instance the conductor chose."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from opentelemetry import trace
-
 from shared.engine.engine import PREFILL_DONE, RequestOutput
 from shared.engine.errors import EngineError
+from shared.kv.hashing import BlockHasher, Namespace
 from shared.protocol import codecs
 from shared.protocol.base import ErrorCode, RemoteError
 from shared.protocol.registry import Role
 from shared.protocol.work import BlockLocation, DecodeRequest, KVLocation, PrefillRequest
+from shared.service.pool_client import Fetched
 from shared.service.streaming import handoff_key, token_event
 from shared.service.worker import EngineWorker
+from shared.storage.base import Tier
+from shared.transfer.transport import TransferError
 
 TRANSFER_WAIT_S = 10.0
 HANDOFF_TIMEOUT_S = 10.0
@@ -32,33 +34,44 @@ class PrefillService(EngineWorker):
     def accept(self, request: PrefillRequest):  # type: ignore[no-untyped-def, override]
         return self._serve(request)
 
-    async def _serve(self, req: PrefillRequest) -> None:
+    def block_keys(self, req: PrefillRequest) -> list[bytes]:
         assert self.engine is not None
+        namespace = Namespace(self.engine.engine.fingerprint.hex(), req.tenant_salt)
+        return BlockHasher(self.config.block_size, namespace).keys(req.prompt_token_ids)
+
+    async def _serve(self, req: PrefillRequest) -> None:
         started = time.perf_counter()
+        keys = self.block_keys(req)
+        # The last prompt token is always computed: its logits give the first output token.
+        reusable = keys[: (len(req.prompt_token_ids) - 1) // self.config.block_size]
+        fetched = await self.pool.fetch_prefix(reusable)
         try:
-            first = await self._compute(req)
-        except EngineError as exc:
-            await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
-            return
-        self.meter.ttft_ms.append((time.perf_counter() - started) * 1000)
-        await self.publish(req.stream_subject, token_event(first, req.sampling, self.instance_id, 0))
-        if first.finish_reason != PREFILL_DONE:
-            return
-        try:
-            await self._hand_off(req, first)
-        except (RemoteError, OSError, EngineError) as exc:
+            try:
+                first = await self._compute(req, fetched.payloads)
+            except EngineError as exc:
+                await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
+                return
+            self.meter.ttft_ms.append((time.perf_counter() - started) * 1000)
+            await self.publish(req.stream_subject, token_event(first, req.sampling, self.instance_id,
+                                                               first.num_cached_tokens))
+            if first.finish_reason == PREFILL_DONE:
+                await self._hand_off(req, first, keys, fetched)
+        except (RemoteError, TransferError, OSError, EngineError) as exc:
             code = exc.code if isinstance(exc, RemoteError) else ErrorCode.UNAVAILABLE
             await self.send_error(req.stream_subject, req.request_id, code, f"hand-off to decode failed: {exc}")
+        finally:
+            await self.pool.release(fetched.lease_id)
 
-    async def _compute(self, req: PrefillRequest) -> RequestOutput:
+    async def _compute(self, req: PrefillRequest, cached: list[bytes]) -> RequestOutput:
         assert self.engine is not None
         with self.tracer.start_as_current_span("prefill.compute") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
             span.set_attribute("halfmoon.prompt_tokens", len(req.prompt_token_ids))
+            span.set_attribute("halfmoon.blocks_hit", len(cached))
             outputs = []
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
-                                                      prefill_only=True):
+                                                      kv_blocks=cached, prefill_only=True):
                     outputs.append(out)
             except asyncio.CancelledError:
                 await self.engine.abort(req.request_id)
@@ -66,25 +79,43 @@ class PrefillService(EngineWorker):
             span.set_attribute("halfmoon.tokens_computed", len(req.prompt_token_ids) - outputs[-1].num_cached_tokens)
             return outputs[-1]
 
-    async def _hand_off(self, req: PrefillRequest, first: RequestOutput) -> None:
+    async def _hand_off(self, req: PrefillRequest, first: RequestOutput, keys: list[bytes], fetched: Fetched) -> None:
         assert self.engine is not None
         rid = req.request_id
         try:
             payloads = await self.engine.call(lambda e: e.export_kv(rid))
         finally:
             await self.engine.call(lambda e: e.release(rid))
-        node = await self.transfer_nodes.choose(TRANSFER_WAIT_S)
-        keys = [handoff_key(rid, i) for i in range(len(payloads))]
+        hits, full = len(fetched.payloads), len(keys)
+        # Full blocks go to the pool under their content keys; the partial last block under a
+        # one-off key that decode removes once read. The cache-manager places both, so one
+        # allocator owns every DRAM segment.
+        new_keys = keys[hits:full] + [handoff_key(rid, i) for i in range(full, len(payloads))]
         with self.tracer.start_as_current_span("prefill.kv_write") as span:
-            span.set_attribute("halfmoon.bytes", sum(len(p) for p in payloads))
-            span.set_attribute("halfmoon.transfer_node", node.instance_id)
-            transport = await self.transfer.transport(node.address)
-            await transport.write(keys, payloads)
-        locations = [BlockLocation(node=node.address, offset=0, size=len(p), key=k) for k, p in zip(keys, payloads)]
+            stored = await self.pool.store(new_keys, payloads[hits:], first_position=hits)
+            locations: list[BlockLocation | None] = list(fetched.locations)
+            fallback: list[tuple[int, bytes]] = []
+            for index, key in enumerate(new_keys, start=hits):
+                if key in stored:
+                    locations.append(stored[key])
+                else:
+                    # Not stored: no room, no answer, or already cached (its copy may be evicted any time).
+                    fallback.append((index, handoff_key(rid, index)))
+                    locations.append(None)
+            if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
+                node = await self.transfer_nodes.choose(TRANSFER_WAIT_S)
+                transport = await self.transfer.transport(node.address)
+                await transport.write([k for _, k in fallback], [payloads[i] for i, _ in fallback], tier=Tier.NVME)
+                for index, key in fallback:
+                    locations[index] = BlockLocation(node=node.address, offset=0, size=len(payloads[index]),
+                                                      key=key, tier=int(Tier.NVME))
+            span.set_attribute("halfmoon.blocks_stored", len(stored))
+            span.set_attribute("halfmoon.blocks_parked", len(fallback))
+            span.set_attribute("halfmoon.bytes", sum(len(p) for p in payloads[hits:]))
         block_size = self.config.block_size
-        full = len(req.prompt_token_ids) // block_size
-        kv = KVLocation(block_size=block_size, num_tokens=len(req.prompt_token_ids), blocks=tuple(locations[:full]),
-                        partial=locations[full] if len(locations) > full else None)
+        placed = [loc for loc in locations if loc is not None]
+        kv = KVLocation(block_size=block_size, num_tokens=len(req.prompt_token_ids), blocks=tuple(placed[:full]),
+                        partial=placed[full] if len(placed) > full else None)
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
@@ -95,8 +126,5 @@ class PrefillService(EngineWorker):
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
                                HANDOFF_TIMEOUT_S)
         except RemoteError:
-            await transport.delete(keys)
+            await self.pool.remove([key for key in new_keys if key not in keys])  # nobody will read them now
             raise
-        trace.get_current_span().set_attribute("halfmoon.decode_instance", req.decode_instance)
-
-

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import TracerProvider
 
+from shared.kv.pool_wire import order_from_wire
+from shared.protocol import codecs
+from shared.protocol.pool import OrderBatch, OrderResults
 from shared.protocol.registry import Load, Role
 from shared.service.base import Service
 from shared.service.config import ServiceConfig
@@ -14,6 +17,8 @@ from shared.storage.dram import ShmTier
 from shared.storage.node import NodeStore
 from shared.storage.nvme import DirTier
 from shared.storage.s3 import S3Config, S3Tier
+from shared.transfer.client import TransferClient
+from shared.transfer.orders import execute
 from shared.transfer.server import BlockServer
 
 
@@ -47,6 +52,7 @@ class TransferService(Service[TransferConfig]):
         super().__init__(config, tracer_provider)
         self.store: NodeStore | None = None
         self.server: BlockServer | None = None
+        self.peers = TransferClient(same_host=False)
 
     @property
     def address(self) -> str:
@@ -68,10 +74,19 @@ class TransferService(Service[TransferConfig]):
         self.store = NodeStore(ShmTier(cfg.dram_bytes), nvme, s3)
         self.server = BlockServer(self.store, cfg.host, cfg.port)
         await self.server.start()
+        await self.serve(self.subjects.transfer_orders(self.instance_id), codecs.ORDER_BATCH, self._on_orders,
+                         span_name="transfer.orders")
         self.log.info("serving blocks", extra={"address": self.address})
+
+    async def _on_orders(self, batch: OrderBatch) -> OrderResults:
+        assert self.store is not None
+        ok = [await execute(order_from_wire(order), self.store, self.peers, batch.addresses.__getitem__)
+              for order in batch.orders]
+        return OrderResults(ok=tuple(ok), unavailable_tiers=tuple(int(t) for t in self.store.unavailable))
 
     async def close(self) -> None:
         if self.server is not None:
             await self.server.stop()
+        await self.peers.close()
         if self.store is not None:
             await self.store.close()

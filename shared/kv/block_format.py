@@ -81,8 +81,7 @@ def read_header(payload: bytes | memoryview) -> BlockHeader:
     return BlockHeader(_CODE_DTYPES[code], layers, heads, dim, tokens, fingerprint, checksum)
 
 
-def decode_block(layout: BlockLayout, payload: bytes | memoryview) -> torch.Tensor:
-    """Verify ``payload`` against ``layout`` and its checksum; return ``[layers, 2, tokens, heads, dim]``."""
+def _checked(layout: BlockLayout, payload: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
     header = read_header(payload)
     if header.fingerprint != layout.fingerprint:
         raise KVFormatError("KV block belongs to a different model (fingerprint mismatch)")
@@ -94,6 +93,21 @@ def decode_block(layout: BlockLayout, payload: bytes | memoryview) -> torch.Tens
         raise KVFormatError(f"KV block body has {len(body)} bytes, header promises another size")
     if zlib.crc32(body) != header.checksum:
         raise KVFormatError("KV block checksum mismatch: the payload is corrupt")
+    return header, body
+
+
+def verify_block(layout: BlockLayout, payload: bytes | memoryview) -> bool:
+    """Whether ``payload`` is an intact block of this model (what a reader checks before use)."""
+    try:
+        _checked(layout, payload)
+    except KVFormatError:
+        return False
+    return True
+
+
+def decode_block(layout: BlockLayout, payload: bytes | memoryview) -> torch.Tensor:
+    """Verify ``payload`` against ``layout`` and its checksum; return ``[layers, 2, tokens, heads, dim]``."""
+    header, body = _checked(layout, payload)
     if not len(body):
         return torch.empty(layout.num_layers, 2, 0, layout.num_kv_heads, layout.head_dim, dtype=layout.dtype)
     flat = torch.frombuffer(bytearray(body), dtype=torch.uint8)

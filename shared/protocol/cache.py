@@ -15,6 +15,7 @@ class PutStart(Message, frozen=True, kw_only=True, tag="put_start"):
     writer: str
     keys: tuple[bytes, ...]
     sizes: tuple[int, ...]
+    first_position: int = 0  # chain position of keys[0] (length-aware eviction ranks by it)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.sizes):

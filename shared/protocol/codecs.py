@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.protocol.base import Ack, Codec, ErrorReply
 from shared.protocol.cache import CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
+from shared.protocol.pool import OrderBatch, OrderResults, PoolStatsReply, RemoveRequest, StatsRequest
 from shared.protocol.registry import Heartbeat, InstanceDown
 from shared.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from shared.protocol.stream import ErrorEvent, TokenEvent
@@ -28,3 +29,8 @@ CACHE_LOOKUP_RESULT: Codec[LookupResult | ErrorReply] = Codec(LookupResult | Err
 CACHE_RELEASE: Codec[Release] = Codec(Release)
 CACHE_ACK: Codec[CacheAck | ErrorReply] = Codec(CacheAck | ErrorReply)
 CACHE_REPORT: Codec[TransferReport] = Codec(TransferReport)
+ORDER_BATCH: Codec[OrderBatch] = Codec(OrderBatch)
+ORDER_RESULTS: Codec[OrderResults | ErrorReply] = Codec(OrderResults | ErrorReply)
+CACHE_STATS_REQUEST: Codec[StatsRequest] = Codec(StatsRequest)
+CACHE_STATS: Codec[PoolStatsReply | ErrorReply] = Codec(PoolStatsReply | ErrorReply)
+CACHE_REMOVE: Codec[RemoveRequest] = Codec(RemoveRequest)

@@ -78,6 +78,10 @@ class Subjects:
             raise ValueError(f"unknown cache operation {operation!r}; known: {sorted(CACHE_OPERATIONS)}")
         return f"{self.root}.cache.{operation}"
 
+    def transfer_orders(self, instance_id: str) -> str:
+        """Request/reply: the cache-manager's tiering orders (OrderBatch) for one transfer node."""
+        return f"{self.root}.transfer.{check_token(instance_id, 'instance id')}.orders"
+
     @property
     def wildcard(self) -> str:
         """Every subject of this namespace and version (for taps and debugging)."""
@@ -85,4 +89,4 @@ class Subjects:
 
 
 # request/reply: put_start, put_end, lookup, release; pub/sub: report (transfer inventories)
-CACHE_OPERATIONS = frozenset({"put_start", "put_end", "lookup", "release", "report"})
+CACHE_OPERATIONS = frozenset({"put_start", "put_end", "lookup", "release", "report", "remove", "stats"})

@@ -46,6 +46,7 @@ class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
     size: int
     segment: str = ""
     key: bytes | None = None
+    tier: int = 0  # 0 DRAM (``offset`` valid in ``segment``), 1 NVMe, 2 S3
 
     def __post_init__(self) -> None:
         if not self.node:

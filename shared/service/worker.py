@@ -23,6 +23,7 @@ from shared.protocol.stream import ErrorEvent
 from shared.protocol.work import CancelRequest
 from shared.service.base import Service
 from shared.service.config import ServiceConfig
+from shared.service.pool_client import PoolClient
 from shared.transfer.client import TransferClient
 
 
@@ -137,6 +138,7 @@ class EngineWorker(Service[WorkerConfig]):
 
     config_class = WorkerConfig
     submit_codec: ClassVar[Codec[Any]]
+    pool: PoolClient
 
     def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
         super().__init__(config, tracer_provider)
@@ -167,6 +169,7 @@ class EngineWorker(Service[WorkerConfig]):
     async def start(self) -> None:
         engine = await asyncio.to_thread(LLMEngine, self.config.engine_config())
         self.engine = AsyncEngine(engine, self.meter.on_step)
+        self.pool = PoolClient(self, self.transfer, engine.layout)
         await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
         await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
@@ -177,11 +180,21 @@ class EngineWorker(Service[WorkerConfig]):
             return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{self.instance_id} is draining", retryable=True)
         if request.request_id in self._tasks:
             return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"request {request.request_id} already here")
-        work = self.accept(request)
-        task = asyncio.create_task(work)
+        task = asyncio.create_task(self._guarded(request))
         self._tasks[request.request_id] = task
         task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
         return Ack(request_id=request.request_id, instance_id=self.instance_id)
+
+    async def _guarded(self, request: Any) -> None:
+        """Run one request; a bug fails that request with an error event, never silently."""
+        try:
+            await self.accept(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
+            self.log.exception("request failed", extra={"request_id": request.request_id})
+            await self.send_error(request.stream_subject, request.request_id, ErrorCode.INTERNAL,
+                                  f"{self.instance_id}: {type(exc).__name__}: {exc}")
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         task = self._tasks.get(cancel.request_id)

@@ -22,6 +22,10 @@ class ShmTier(StorageTier):
         self._pending: dict[bytes, Extent] = {}  # reserved, being written in place
 
     @property
+    def capacity(self) -> int:
+        return self._alloc.capacity
+
+    @property
     def segment(self) -> str:
         return self._shm.name
 

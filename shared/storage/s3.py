@@ -146,6 +146,10 @@ class S3Tier(StorageTier):
     async def sizes(self) -> dict[bytes, int]:
         return await self._call(self._objects)
 
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
     async def usage(self) -> TierUsage:
         objects = await self.sizes()
         return TierUsage(sum(objects.values()), self.config.capacity, len(objects))

@@ -48,6 +48,7 @@ class Response(msgspec.Struct, array_like=True, frozen=True):
     count: int = 0
     segment: str = ""
     host: str = ""
+    capacities: list[int] = []  # HELLO: bytes per tier (DRAM, NVMe, S3); 0 = tier not configured
 
 
 class FramingError(Exception):

@@ -166,10 +166,17 @@ class BlockServer:
             self.payload_bytes_in += size
         await ch.send(Response(not failed, error="; ".join(errors[:4]), keys=failed, count=len(req.keys) - len(failed)))
 
+    def capacities(self) -> list[int]:
+        """Configured bytes per tier, DRAM first; S3's is its configured quota (no listing)."""
+        out = [0] * len(Tier)
+        for tier, store in self.store.tiers.items():
+            out[tier] = store.capacity  # type: ignore[attr-defined]
+        return out
+
     async def _control(self, req: Request, reserved: set[bytes]) -> Response:
         dram = self.store.dram
         if req.op is Op.HELLO:
-            return Response(True, segment=dram.segment, host=host_identity())
+            return Response(True, segment=dram.segment, host=host_identity(), capacities=self.capacities())
         if req.op is Op.LOCATE:
             exts = [dram.find(k) for k in req.keys]
             return Response(

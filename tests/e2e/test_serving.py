@@ -125,4 +125,5 @@ class TestBadInputFlood:
             good_calls = [client.post("/v1/completions", json={"model": name, "prompt": p, "max_tokens": MAX_TOKENS,
                                                                "temperature": 0}) for p in good]
             results = await asyncio.gather(*good_calls, *flood)
+        assert not [(r.status_code, r.text) for r in results[: len(good)] if r.status_code != 200]
         assert [r.json()["choices"][0]["text"] for r in results[: len(good)]] == expected

@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from shared.protocol.pool import (OrderBatch, OrderResults, PoolOrder, PoolStatsReply, RemoveRequest, ReplicaRef,
+                                  StatsRequest, TierStat)
 from shared.protocol import (
     Ack,
     BlockLocation,
@@ -27,8 +29,8 @@ from shared.protocol import (
     ScheduleRequest,
     TokenEvent,
     Usage,
+    codecs,
 )
-from shared.protocol import codecs
 from shared.protocol.cache import (
     BlockReplicas,
     CacheAck,
@@ -47,44 +49,118 @@ TAIL = BlockLocation(node="127.0.0.1:7000", offset=8192, size=512)
 KV = KVLocation(block_size=4, num_tokens=6, blocks=(LOC,), partial=TAIL)
 
 CASES = [
-    (codecs.SCHEDULE_REQUEST, ScheduleRequest(
-        request_id="r-1", model="tiny", prompt_len=3, sampling=SAMPLING, deadline=1e9,
-        prompt_token_ids=(5, 6, 7), block_keys=(b"k" * 32,), tenant_salt="t1")),
-    (codecs.SCHEDULE_REPLY, ScheduleAccepted(
-        request_id="r-1", prefill_instance="p0", decode_instance="d0", predicted_ttft_ms=12.5)),
-    (codecs.SCHEDULE_REPLY, ScheduleRejected(
-        request_id="r-1", reason=RejectReason.NO_DECODE_INSTANCE, message="none", retry_after_s=2.0)),
+    (
+        codecs.SCHEDULE_REQUEST,
+        ScheduleRequest(
+            request_id="r-1",
+            model="tiny",
+            prompt_len=3,
+            sampling=SAMPLING,
+            deadline=1e9,
+            prompt_token_ids=(5, 6, 7),
+            block_keys=(b"k" * 32,),
+            tenant_salt="t1",
+        ),
+    ),
+    (
+        codecs.SCHEDULE_REPLY,
+        ScheduleAccepted(request_id="r-1", prefill_instance="p0", decode_instance="d0", predicted_ttft_ms=12.5),
+    ),
+    (
+        codecs.SCHEDULE_REPLY,
+        ScheduleRejected(request_id="r-1", reason=RejectReason.NO_DECODE_INSTANCE, message="none", retry_after_s=2.0),
+    ),
     (codecs.SCHEDULE_REPLY, ErrorReply(code=ErrorCode.BAD_REQUEST, message="bad", retryable=False)),
-    (codecs.PREFILL_REQUEST, PrefillRequest(
-        request_id="r-1", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, decode_instance="d0",
-        stream_subject="halfmoon.v1.stream.r-1", deadline=1e9)),
-    (codecs.DECODE_REQUEST, DecodeRequest(
-        request_id="r-1", prompt_token_ids=(1, 2, 3, 4, 5, 6), first_token_id=9, first_logprob=-0.25,
-        sampling=SAMPLING, kv=KV, stream_subject="halfmoon.v1.stream.r-1", prefill_instance="p0",
-        deadline=1e9, cached_tokens=4)),
+    (
+        codecs.PREFILL_REQUEST,
+        PrefillRequest(
+            request_id="r-1",
+            prompt_token_ids=(1, 2, 3),
+            sampling=SAMPLING,
+            decode_instance="d0",
+            stream_subject="halfmoon.v1.stream.r-1",
+            deadline=1e9,
+        ),
+    ),
+    (
+        codecs.DECODE_REQUEST,
+        DecodeRequest(
+            request_id="r-1",
+            prompt_token_ids=(1, 2, 3, 4, 5, 6),
+            first_token_id=9,
+            first_logprob=-0.25,
+            sampling=SAMPLING,
+            kv=KV,
+            stream_subject="halfmoon.v1.stream.r-1",
+            prefill_instance="p0",
+            deadline=1e9,
+            cached_tokens=4,
+        ),
+    ),
     (codecs.SUBMIT_REPLY, Ack(request_id="r-1", instance_id="p0")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="client gone")),
     (codecs.STREAM, TokenEvent(request_id="r-1", index=0, token_ids=(9,), logprobs=(-0.25,), instance_id="p0")),
-    (codecs.STREAM, TokenEvent(
-        request_id="r-1", index=1, token_ids=(4, 5), finish_reason="length",
-        usage=Usage(prompt_tokens=6, completion_tokens=3, cached_tokens=4))),
+    (
+        codecs.STREAM,
+        TokenEvent(
+            request_id="r-1",
+            index=1,
+            token_ids=(4, 5),
+            finish_reason="length",
+            usage=Usage(prompt_tokens=6, completion_tokens=3, cached_tokens=4),
+        ),
+    ),
     (codecs.STREAM, ErrorEvent(request_id="r-1", code=ErrorCode.INSTANCE_DOWN, message="d0 died")),
-    (codecs.HEARTBEAT, Heartbeat(
-        instance_id="d0", role=Role.DECODE, address="halfmoon.v1.decode.d0.submit",
-        load=Load(queue_len=1, running=4, free_kv_blocks=100, total_kv_blocks=128, tbt_ms=20.0),
-        timestamp=1.5, interval_s=0.5, draining=True, model="tiny")),
+    (
+        codecs.HEARTBEAT,
+        Heartbeat(
+            instance_id="d0",
+            role=Role.DECODE,
+            address="halfmoon.v1.decode.d0.submit",
+            load=Load(queue_len=1, running=4, free_kv_blocks=100, total_kv_blocks=128, tbt_ms=20.0),
+            timestamp=1.5,
+            interval_s=0.5,
+            draining=True,
+            model="tiny",
+        ),
+    ),
     (codecs.DOWN, InstanceDown(instance_id="d0", role=Role.DECODE, reason="silent", timestamp=2.0)),
     (codecs.CACHE_PUT_START, PutStart(writer="p0", keys=(b"a", b"b"), sizes=(10, 10))),
     (codecs.CACHE_PUT_PLAN, PutPlan(placements=(LOC,), existing=(b"b",), expires=5.0)),
     (codecs.CACHE_PUT_END, PutEnd(writer="p0", keys=(b"a",))),
     (codecs.CACHE_LOOKUP, Lookup(keys=(b"a", b"b"), lease_s=3.0)),
-    (codecs.CACHE_LOOKUP_RESULT, LookupResult(
-        hits=(BlockReplicas(key=b"a", replicas=(LOC,)),), lease_id="l1", lease_expires=9.0)),
+    (
+        codecs.CACHE_LOOKUP_RESULT,
+        LookupResult(hits=(BlockReplicas(key=b"a", replicas=(LOC,)),), lease_id="l1", lease_expires=9.0),
+    ),
     (codecs.CACHE_RELEASE, Release(lease_id="l1")),
     (codecs.CACHE_ACK, CacheAck(count=1)),
-    (codecs.CACHE_REPORT, TransferReport(
-        node_id="t0", address="127.0.0.1:7000", capacity_bytes=1 << 20, used_bytes=2048,
-        added=(LOC,), removed=(b"z",), full=True)),
+    (codecs.CACHE_REMOVE, RemoveRequest(keys=(b"a",))),
+    (codecs.CACHE_STATS_REQUEST, StatsRequest()),
+    (
+        codecs.CACHE_STATS,
+        PoolStatsReply(blocks=3, pending_puts=1, leases=1, lookups=7, hit_blocks=5, miss_blocks=2, orders_in_flight=0,
+                       tiers=(TierStat(node="t0", tier="DRAM", used_bytes=10, capacity_bytes=100, blocks=3,
+                                       available=True),)),
+    ),
+    (
+        codecs.ORDER_BATCH,
+        OrderBatch(orders=(PoolOrder(order_id=4, kind="demote", key=b"k" * 32, src=ReplicaRef("t0", 0, 64, 10),
+                                     dst=ReplicaRef("t0", 1, -1, 10)),), addresses={"t0": "127.0.0.1:7000"}),
+    ),
+    (codecs.ORDER_RESULTS, OrderResults(ok=(True, False), unavailable_tiers=(2,))),
+    (
+        codecs.CACHE_REPORT,
+        TransferReport(
+            node_id="t0",
+            address="127.0.0.1:7000",
+            capacity_bytes=1 << 20,
+            used_bytes=2048,
+            added=(LOC,),
+            removed=(b"z",),
+            full=True,
+        ),
+    ),
 ]
 
 
@@ -160,8 +236,16 @@ class TestInvariants:
 
     def test_decode_request_kv_must_cover_prompt(self):
         with pytest.raises(ValueError, match="kv covers"):
-            DecodeRequest(request_id="r", prompt_token_ids=(1, 2), first_token_id=1, sampling=SAMPLING,
-                          kv=KV, stream_subject="s", prefill_instance="p", deadline=0.0)
+            DecodeRequest(
+                request_id="r",
+                prompt_token_ids=(1, 2),
+                first_token_id=1,
+                sampling=SAMPLING,
+                kv=KV,
+                stream_subject="s",
+                prefill_instance="p",
+                deadline=0.0,
+            )
 
     def test_request_id_must_be_a_subject_token(self):
         with pytest.raises(ValueError, match="subject token"):

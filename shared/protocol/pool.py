@@ -1,0 +1,69 @@
+"""Pool housekeeping messages: tiering orders for transfer nodes, pool stats, explicit removal."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.protocol.base import Message
+
+
+class ReplicaRef(msgspec.Struct, frozen=True, array_like=True):
+    """One copy of a block: node id, tier (0 DRAM, 1 NVMe, 2 S3), DRAM offset (-1 elsewhere), bytes."""
+
+    node: str
+    tier: int
+    offset: int
+    size: int
+
+
+class PoolOrder(msgspec.Struct, frozen=True, kw_only=True):
+    """``kind`` is demote, promote, replicate or free (see shared.kv.pool_types.OrderKind)."""
+
+    order_id: int
+    kind: str
+    key: bytes
+    src: ReplicaRef
+    dst: ReplicaRef | None = None
+
+
+class OrderBatch(Message, frozen=True, kw_only=True, tag="order_batch"):
+    """Orders for the receiving transfer node; ``addresses`` maps node ids to ``host:port``
+    so replication can read from a peer."""
+
+    orders: tuple[PoolOrder, ...]
+    addresses: dict[str, str] = {}
+
+
+class OrderResults(Message, frozen=True, kw_only=True, tag="order_results"):
+    """One success flag per order, in order; ``unavailable_tiers`` the node cannot reach now."""
+
+    ok: tuple[bool, ...]
+    unavailable_tiers: tuple[int, ...] = ()
+
+
+class StatsRequest(Message, frozen=True, kw_only=True, tag="stats_request"):
+    pass
+
+
+class TierStat(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    tier: str
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    available: bool
+
+
+class PoolStatsReply(Message, frozen=True, kw_only=True, tag="pool_stats"):
+    blocks: int
+    pending_puts: int
+    leases: int
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    orders_in_flight: int
+    tiers: tuple[TierStat, ...] = ()
+
+
+class RemoveRequest(Message, frozen=True, kw_only=True, tag="remove"):
+    keys: tuple[bytes, ...]

@@ -1,0 +1,133 @@
+"""A worker's side of the pool protocol: look up a prefix, fetch its blocks, store new ones.
+
+Blocks move straight between this process and the transfer nodes; only keys, locations and
+leases go through the cache-manager. Everything here degrades to a miss: an unreachable
+cache-manager or node, a missing or corrupt block all mean "recompute", never an error.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from shared.kv.block_format import BlockLayout, verify_block
+from shared.protocol import codecs
+from shared.protocol.base import ProtocolError, RemoteError
+from shared.protocol.cache import Lookup, PutEnd, PutStart, Release
+from shared.protocol.pool import RemoveRequest
+from shared.protocol.work import BlockLocation
+from shared.service.base import Service
+from shared.storage.base import StorageError, Tier
+from shared.transfer.client import TransferClient
+from shared.transfer.transport import TransferError
+
+CACHE_TIMEOUT_S = 2.0
+_FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
+
+
+class Fetched(NamedTuple):
+    """The verified cached prefix: payloads and where each came from, and the lease to release."""
+
+    payloads: list[bytes]
+    locations: list[BlockLocation]
+    lease_id: str | None
+
+
+class PoolClient:
+    def __init__(self, service: Service, transfer: TransferClient, layout: BlockLayout) -> None:
+        self.service = service
+        self.transfer = transfer
+        self.layout = layout
+
+    async def fetch_prefix(self, keys: Sequence[bytes]) -> Fetched:
+        """Longest prefix of ``keys`` that is cached, readable and intact."""
+        if not keys:
+            return Fetched([], [], None)
+        svc = self.service
+        try:
+            found = await svc.request(svc.subjects.cache("lookup"), Lookup(keys=tuple(keys)),
+                                      codecs.CACHE_LOOKUP_RESULT, CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool lookup failed; computing the whole prompt", extra={"error": str(exc)})
+            return Fetched([], [], None)
+        payloads: list[bytes] = []
+        locations: list[BlockLocation] = []
+        for hit in found.hits:
+            for replica in hit.replicas:
+                data = await self._read(replica)
+                if data is not None and verify_block(self.layout, data):
+                    payloads.append(data)
+                    locations.append(replica)
+                    break
+                svc.log.warning("cached block unusable; trying another replica",
+                                extra={"key": hit.key.hex()[:16], "node": replica.node})
+            else:
+                break
+        return Fetched(payloads, locations, found.lease_id)
+
+    async def _read(self, location: BlockLocation) -> bytes | None:
+        try:
+            transport = await self.transfer.transport(location.node)
+            (view,) = await transport.read([location.key or b""], missing_ok=True)
+        except _FAILURES:
+            return None
+        return None if view is None else bytes(view)
+
+    async def release(self, lease_id: str | None) -> None:
+        if lease_id is None:
+            return
+        svc = self.service
+        try:
+            await svc.request(svc.subjects.cache("release"), Release(lease_id=lease_id), codecs.CACHE_ACK,
+                              CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("lease release failed (it expires by itself)", extra={"error": str(exc)})
+
+    async def remove(self, keys: Sequence[bytes]) -> None:
+        """Drop blocks from the pool (one-off hand-off blocks once read)."""
+        if not keys:
+            return
+        svc = self.service
+        try:
+            await svc.request(svc.subjects.cache("remove"), RemoveRequest(keys=tuple(keys)), codecs.CACHE_ACK,
+                              CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool remove failed", extra={"error": str(exc)})
+
+    async def store(self, keys: Sequence[bytes], payloads: Sequence[bytes], first_position: int) -> dict[bytes, BlockLocation]:
+        """put_start, write the bytes to the chosen nodes, put_end; returns where each stored key lives."""
+        if not keys:
+            return {}
+        svc = self.service
+        try:
+            plan = await svc.request(svc.subjects.cache("put_start"),
+                                     PutStart(writer=svc.instance_id, keys=tuple(keys),
+                                              sizes=tuple(len(p) for p in payloads), first_position=first_position),
+                                     codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
+            return {}
+        payload_of = dict(zip(keys, payloads))
+        by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
+        for placement in plan.placements:
+            by_node[(placement.node, Tier(placement.tier))].append(placement)
+        written: dict[bytes, BlockLocation] = {}
+        for (node, tier), placements in by_node.items():
+            try:
+                transport = await self.transfer.transport(node)
+                await transport.write([p.key for p in placements], [payload_of[p.key] for p in placements],
+                                      offsets=[p.offset for p in placements] if tier is Tier.DRAM else None,
+                                      tier=tier)
+            except _FAILURES as exc:
+                svc.log.warning("pool write failed; those blocks stay uncached", extra={"node": node, "error": str(exc)})
+                continue
+            written.update((p.key, p) for p in placements if p.key is not None)
+        if written:
+            try:
+                await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
+                                  codecs.CACHE_ACK, CACHE_TIMEOUT_S)
+            except _FAILURES as exc:
+                svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
+                return {}
+        return written
