@@ -52,6 +52,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    cache_salt: str | None = None  # tenants with different salts never share cached KV (vLLM's field)
 
     def check(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -79,6 +79,20 @@ class PrefillService(EngineWorker):
             span.set_attribute("halfmoon.tokens_computed", len(req.prompt_token_ids) - outputs[-1].num_cached_tokens)
             return outputs[-1]
 
+    async def _park(self, keys: list[bytes], payloads: list[bytes]) -> str:
+        """Write blocks outside the pool to the first live transfer node that takes them; its address."""
+        await self.transfer_nodes.choose(TRANSFER_WAIT_S)  # waits until at least one is known
+        for node in self.transfer_nodes.ordered():
+            try:
+                await (await self.transfer.transport(node.address)).write(keys, payloads, tier=Tier.NVME)
+            except (TransferError, OSError) as exc:
+                self.log.warning("transfer node refused hand-off blocks", extra={"node": node.instance_id,
+                                                                                 "error": str(exc)})
+                self.transfer_nodes.forget(node.instance_id)
+                continue
+            return node.address
+        raise TransferError("no transfer node took the hand-off blocks")
+
     async def _hand_off(self, req: PrefillRequest, first: RequestOutput, keys: list[bytes], fetched: Fetched) -> None:
         assert self.engine is not None
         rid = req.request_id
@@ -103,12 +117,10 @@ class PrefillService(EngineWorker):
                     fallback.append((index, handoff_key(rid, index)))
                     locations.append(None)
             if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
-                node = await self.transfer_nodes.choose(TRANSFER_WAIT_S)
-                transport = await self.transfer.transport(node.address)
-                await transport.write([k for _, k in fallback], [payloads[i] for i, _ in fallback], tier=Tier.NVME)
+                node = await self._park([k for _, k in fallback], [payloads[i] for i, _ in fallback])
                 for index, key in fallback:
-                    locations[index] = BlockLocation(node=node.address, offset=0, size=len(payloads[index]),
-                                                      key=key, tier=int(Tier.NVME))
+                    locations[index] = BlockLocation(node=node, offset=0, size=len(payloads[index]), key=key,
+                                                     tier=int(Tier.NVME))
             span.set_attribute("halfmoon.blocks_stored", len(stored))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
             span.set_attribute("halfmoon.bytes", sum(len(p) for p in payloads[hits:]))

@@ -108,14 +108,18 @@ class TransferDirectory:
         now = time.time()
         return sorted((n for n in self._nodes.values() if n.deadline >= now), key=lambda n: n.instance_id)
 
+    def ordered(self) -> list[TransferNode]:
+        """Live nodes, the preferred one first."""
+        return sorted(self.live(), key=lambda n: n.instance_id != self.preferred)
+
+    def forget(self, instance_id: str) -> None:
+        """Stop using a node that failed; its next heartbeat brings it back."""
+        self._nodes.pop(instance_id, None)
+
     async def choose(self, timeout: float) -> TransferNode:
-        """The node to write KV to; waits up to ``timeout`` for one to announce itself."""
+        """The node to use, the preferred one if live; waits up to ``timeout`` for one to announce itself."""
         deadline = time.monotonic() + timeout
-        while True:
-            live = self.live()
-            preferred = [n for n in live if n.instance_id == self.preferred]
-            if preferred or (live and not self.preferred):
-                return (preferred or live)[0]
+        while not (live := self.ordered()):
             self._changed.clear()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -125,6 +129,7 @@ class TransferDirectory:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 continue
+        return live[0]
 
 
 class EngineWorker(Service[WorkerConfig]):
