@@ -110,7 +110,8 @@ def decode_block(layout: BlockLayout, payload: bytes | memoryview) -> torch.Tens
     header, body = _checked(layout, payload)
     if not len(body):
         return torch.empty(layout.num_layers, 2, 0, layout.num_kv_heads, layout.head_dim, dtype=layout.dtype)
-    flat = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    # A writable buffer (a fresh read) is wrapped as is; read-only bytes are copied once.
+    flat = torch.frombuffer(body if not body.readonly else bytearray(body), dtype=torch.uint8)
     return flat.view(layout.dtype).view(
         layout.num_layers, 2, header.num_tokens, layout.num_kv_heads, layout.head_dim
     )

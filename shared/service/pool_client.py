@@ -29,7 +29,7 @@ _FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
 class Fetched(NamedTuple):
     """The verified cached prefix: payloads and where each came from, and the lease to release."""
 
-    payloads: list[bytes]
+    payloads: list[memoryview]
     locations: list[BlockLocation]
     lease_id: str | None
 
@@ -51,13 +51,15 @@ class PoolClient:
         except _FAILURES as exc:
             svc.log.warning("pool lookup failed; computing the whole prompt", extra={"error": str(exc)})
             return Fetched([], [], None)
-        payloads: list[bytes] = []
+        first = await self._read_batch([hit.replicas[0] for hit in found.hits])
+        payloads: list[memoryview] = []
         locations: list[BlockLocation] = []
-        for hit in found.hits:
-            for replica in hit.replicas:
-                data = await self._read(replica)
-                if data is not None and verify_block(self.layout, data):
-                    payloads.append(data)
+        for hit, data in zip(found.hits, first):
+            candidates = [(hit.replicas[0], data)] + [(r, None) for r in hit.replicas[1:]]
+            for replica, payload in candidates:
+                payload = payload if payload is not None else (await self._read_batch([replica]))[0]
+                if payload is not None and verify_block(self.layout, payload):
+                    payloads.append(payload)
                     locations.append(replica)
                     break
                 svc.log.warning("cached block unusable; trying another replica",
@@ -66,13 +68,21 @@ class PoolClient:
                 break
         return Fetched(payloads, locations, found.lease_id)
 
-    async def _read(self, location: BlockLocation) -> bytes | None:
-        try:
-            transport = await self.transfer.transport(location.node)
-            (view,) = await transport.read([location.key or b""], missing_ok=True)
-        except _FAILURES:
-            return None
-        return None if view is None else bytes(view)
+    async def _read_batch(self, replicas: Sequence[BlockLocation]) -> list[memoryview | None]:
+        """One batched read per node into fresh buffers; None where a block is missing or its node unreachable."""
+        out: list[memoryview | None] = [None] * len(replicas)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for index, replica in enumerate(replicas):
+            by_node[replica.node].append(index)
+        for node, indexes in by_node.items():
+            try:
+                transport = await self.transfer.transport(node)
+                views = await transport.read([replicas[i].key or b"" for i in indexes], missing_ok=True)
+            except _FAILURES:
+                continue
+            for index, view in zip(indexes, views):
+                out[index] = view
+        return out
 
     async def release(self, lease_id: str | None) -> None:
         if lease_id is None:
