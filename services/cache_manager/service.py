@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -29,6 +29,7 @@ from shared.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from shared.service.base import Service
 from shared.service.config import ServiceConfig
 from shared.storage.base import Tier
+from shared.telemetry.metrics import METRICS, Metrics
 from shared.transfer.framing import Op, Request
 from shared.transfer.tcp import TcpTransport
 from shared.transfer.transport import TransferError
@@ -75,6 +76,7 @@ class CacheManagerService(Service[CacheManagerConfig]):
         self._joining: set[str] = set()
         self._orders: list[Order] = []
         self._housekeeping: asyncio.Task[None] | None = None
+        self._unscrape: Callable[[], None] = lambda: None
 
     def load(self) -> Load:
         stats = self.index.stats()
@@ -91,8 +93,15 @@ class CacheManagerService(Service[CacheManagerConfig]):
         await self.serve(cache("remove"), codecs.CACHE_REMOVE, self._remove, span_name="cache.remove")
         await self.serve(cache("stats"), codecs.CACHE_STATS_REQUEST, self._stats, span_name="cache.stats")
         self._housekeeping = asyncio.create_task(self._housekeep_forever())
+        self._unscrape = METRICS.on_scrape(self._record_pool)
+
+    def _record_pool(self, metrics: Metrics) -> None:
+        metrics.pool_bytes.clear()  # nodes that left
+        for tier in self.index.stats().tiers:
+            metrics.pool_bytes.labels(tier.node, tier.tier.name.lower()).set(tier.used)
 
     async def close(self) -> None:
+        self._unscrape()
         if self._housekeeping is not None:
             self._housekeeping.cancel()
 
@@ -148,6 +157,8 @@ class CacheManagerService(Service[CacheManagerConfig]):
 
     async def _lookup(self, req: Lookup) -> LookupResult:
         found = self.index.lookup(req.keys, time.time())
+        METRICS.cache_hit_blocks.labels(self.role.value).inc(len(found.hits))
+        METRICS.cache_miss_blocks.labels(self.role.value).inc(len(req.keys) - len(found.hits))
         hits = tuple(BlockReplicas(key=key, replicas=tuple(self._location(key, r) for r in replicas))
                      for key, replicas in zip(req.keys, found.hits))
         if found.lease is None:

@@ -15,6 +15,7 @@ from shared.protocol.work import BlockLocation, DecodeRequest
 from shared.service.streaming import handoff_key, token_event
 from shared.service.worker import EngineWorker
 from shared.storage.base import StorageError
+from shared.telemetry.metrics import METRICS
 from shared.transfer.transport import TransferError
 
 
@@ -53,6 +54,7 @@ class DecodeService(EngineWorker):
                     views = await transport.read(keys, missing_ok=True)
                 except (TransferError, StorageError, OSError) as exc:
                     self.log.warning("KV source unreachable; recomputing", extra={"node": node, "error": str(exc)})
+                    METRICS.errors.labels("kv_read").inc()
                     continue
                 for (index, _), view in zip(entries, views):
                     if view is not None and verify_block(self.engine.engine.layout, view):

@@ -27,6 +27,7 @@ from services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from shared.protocol.stream import TokenEvent, Usage
 from shared.telemetry import extract_context
+from shared.telemetry.metrics import METRICS
 
 log = logging.getLogger("halfmoon.gateway")
 
@@ -141,6 +142,8 @@ class GatewayApi:
             if span.is_recording():
                 span.end()
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            if exc.status >= 500:
+                METRICS.errors.labels(exc.code or "internal").inc()
             return exc.response(request_id)
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response

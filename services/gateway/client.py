@@ -24,6 +24,7 @@ from shared.protocol.scheduling import ScheduleAccepted, ScheduleRejected, Sched
 from shared.protocol.stream import ErrorEvent, TokenEvent
 from shared.protocol.work import CancelRequest, PrefillRequest
 from shared.service import Service
+from shared.telemetry.metrics import METRICS
 
 
 class GenerationError(Exception):
@@ -187,6 +188,7 @@ class Generation:
         except ProtocolError as exc:
             raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
         if isinstance(reply, ScheduleRejected):
+            METRICS.rejections.labels(reply.reason.value).inc()
             raise GenerationError(
                 ErrorCode.OVERLOADED,
                 f"request rejected ({reply.reason.value}): {reply.message}",

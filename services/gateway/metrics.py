@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from shared.telemetry.metrics import METRICS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -35,4 +37,5 @@ class GatewayMetrics:
         )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This gateway's metrics, then the process-wide ones (rejections, errors, load)."""
+        return generate_latest(self.registry) + METRICS.render()

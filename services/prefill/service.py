@@ -16,6 +16,7 @@ from shared.protocol.work import BlockLocation, DecodeRequest, KVLocation, Prefi
 from shared.service.pool_client import Fetched
 from shared.service.streaming import handoff_key, token_event
 from shared.service.worker import EngineWorker
+from shared.telemetry.metrics import METRICS
 from shared.storage.base import Tier
 from shared.transfer.transport import TransferError
 
@@ -45,13 +46,17 @@ class PrefillService(EngineWorker):
         # The last prompt token is always computed: its logits give the first output token.
         reusable = keys[: (len(req.prompt_token_ids) - 1) // self.config.block_size]
         fetched = await self.pool.fetch_prefix(reusable)
+        METRICS.cache_hit_blocks.labels(self.role.value).inc(len(fetched.payloads))
+        METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - len(fetched.payloads))
         try:
             try:
                 first = await self._compute(req, fetched.payloads)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
                 return
-            self.meter.ttft_ms.append((time.perf_counter() - started) * 1000)
+            elapsed = time.perf_counter() - started
+            self.meter.ttft_ms.append(elapsed * 1000)
+            METRICS.ttft.labels(self.instance_id).observe(elapsed)
             await self.publish(req.stream_subject, token_event(first, req.sampling, self.instance_id,
                                                                first.num_cached_tokens))
             if first.finish_reason == PREFILL_DONE:

@@ -17,6 +17,7 @@ from shared.storage.dram import ShmTier
 from shared.storage.node import NodeStore
 from shared.storage.nvme import DirTier
 from shared.storage.s3 import S3Config, S3Tier
+from shared.telemetry.metrics import METRICS
 from shared.transfer.client import TransferClient
 from shared.transfer.orders import execute
 from shared.transfer.server import BlockServer
@@ -82,6 +83,7 @@ class TransferService(Service[TransferConfig]):
         assert self.store is not None
         ok = [await execute(order_from_wire(order), self.store, self.peers, batch.addresses.__getitem__)
               for order in batch.orders]
+        METRICS.errors.labels("order_failed").inc(ok.count(False))
         return OrderResults(ok=tuple(ok), unavailable_tiers=tuple(int(t) for t in self.store.unavailable))
 
     async def close(self) -> None:

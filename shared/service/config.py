@@ -37,6 +37,9 @@ class ServiceConfig:
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="json", metadata={"help": "json (one object per line) or text"})
     trace_file: str = field(default="", metadata={"help": "append spans to this JSONL file"})
+    metrics_port: int = field(
+        default=0, metadata={"help": "serve Prometheus /metrics on this port (0: off, -1: any free port)"}
+    )
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates
@@ -47,6 +50,8 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be -1 (any free port), 0 (off) or a port, got {self.metrics_port}")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
 

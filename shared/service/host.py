@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import nats
 import nats.errors
@@ -16,6 +17,7 @@ from shared.protocol.codecs import DOWN, HEARTBEAT
 from shared.protocol.registry import Heartbeat, InstanceDown
 from shared.service.base import Service
 from shared.service.config import ServiceConfig
+from shared.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
 
 log = logging.getLogger("halfmoon.service")
 
@@ -62,11 +64,24 @@ class ServiceHost:
         self.service = service
         self._nc: NATS | None = None
         self._beats: asyncio.Task[None] | None = None
+        self.metrics: MetricsEndpoint | None = None
+        self._unscrape: Callable[[], None] = lambda: None
+
+    def _record_load(self, metrics: Metrics) -> None:
+        load, role = self.service.load(), self.service.role.value
+        metrics.queue_length.labels(role).set(load.queue_len)
+        metrics.running_requests.labels(role).set(load.running)
 
     async def start(self) -> None:
         self._nc = await connect_nats(self.service.config, self.service.instance_id)
         self.service.attach(self._nc)
         await self.service.start()
+        self._unscrape = METRICS.on_scrape(self._record_load)
+        port = self.service.config.metrics_port
+        if port:
+            self.metrics = MetricsEndpoint(METRICS, "0.0.0.0", max(port, 0))
+            await self.metrics.start()
+            log.info(f"metrics on {self.metrics.url}", extra={"metrics_port": self.metrics.port})
         await self._nc.flush()  # subscriptions are live on the server before start() returns
         await self.beat()  # register now, not one interval later
         self._beats = asyncio.create_task(self._beat_forever(), name=f"heartbeat-{self.service.instance_id}")
@@ -118,6 +133,9 @@ class ServiceHost:
         await svc.close()
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._nc.drain()
+        self._unscrape()
+        if self.metrics is not None:
+            await self.metrics.stop()
         log.info("service stopped")
 
     async def __aenter__(self) -> ServiceHost:

@@ -24,6 +24,7 @@ from shared.protocol.work import CancelRequest
 from shared.service.base import Service
 from shared.service.config import ServiceConfig
 from shared.service.pool_client import PoolClient
+from shared.telemetry.metrics import METRICS
 from shared.transfer.client import TransferClient
 
 
@@ -152,6 +153,7 @@ class EngineWorker(Service[WorkerConfig]):
         self.transfer = TransferClient()
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tbt = METRICS.tbt.labels(self.instance_id)
 
     @property
     def address(self) -> str:
@@ -173,12 +175,18 @@ class EngineWorker(Service[WorkerConfig]):
 
     async def start(self) -> None:
         engine = await asyncio.to_thread(LLMEngine, self.config.engine_config())
-        self.engine = AsyncEngine(engine, self.meter.on_step)
+        self.engine = AsyncEngine(engine, self._on_step)
         self.pool = PoolClient(self, self.transfer, engine.layout)
         await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
         await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
         await self.serve(self.submit_subject, self.submit_codec, self._on_submit, span_name=f"{self.role.value}.submit")
+
+    def _on_step(self, timing: StepTiming) -> None:
+        """Runs on the engine thread after every step."""
+        self.meter.on_step(timing)
+        if timing.num_outputs and self.role is Role.DECODE:
+            self._tbt.observe(timing.seconds)
 
     async def _on_submit(self, request: Any) -> Message:
         if self.draining:
@@ -218,5 +226,6 @@ class EngineWorker(Service[WorkerConfig]):
             await asyncio.to_thread(self.engine.shutdown)
 
     async def send_error(self, subject: str, request_id: str, code: ErrorCode, message: str) -> None:
+        METRICS.errors.labels(code.value).inc()
         await self.publish(subject, ErrorEvent(request_id=request_id, code=code, message=message,
                                                instance_id=self.instance_id))

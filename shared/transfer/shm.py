@@ -11,10 +11,14 @@ from collections.abc import Sequence
 
 from shared.storage.allocator import Extent
 from shared.storage.base import Buffer, Tier
+from shared.telemetry.metrics import METRICS
 from shared.storage.segment import AttachedSegment
 from shared.transfer.framing import MISSING, Op, Request
 from shared.transfer.tcp import TcpTransport
 from shared.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
+
+_READ = METRICS.transfer_bytes.labels("shm", "read")
+_WRITTEN = METRICS.transfer_bytes.labels("shm", "write")
 
 
 class ShmTransport(Transport):
@@ -52,6 +56,7 @@ class ShmTransport(Transport):
         sources: list[memoryview | None] = [
             self._seg[offset : offset + size] if size != MISSING else None for offset, size in extents
         ]
+        _READ.inc(sum(src.nbytes for src in sources if src is not None))  # lower tiers count as TCP
         lower = [i for i, src in enumerate(sources) if src is None]
         if lower:
             for i, view in zip(lower, await self.control.read([keys[i] for i in lower], missing_ok=True)):
@@ -100,6 +105,7 @@ class ShmTransport(Transport):
         resp = await self.control.request(commit)
         if not resp.ok:
             raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
+        _WRITTEN.inc(sum(sizes))
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return await self.control.delete(keys)

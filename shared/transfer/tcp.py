@@ -8,9 +8,13 @@ from contextlib import asynccontextmanager
 
 from shared.storage.allocator import Extent
 from shared.storage.base import Buffer, Tier
+from shared.telemetry.metrics import METRICS
 from shared.transfer.channel import Channel
 from shared.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
 from shared.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
+
+_READ = METRICS.transfer_bytes.labels("tcp", "read")
+_WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -69,6 +73,7 @@ class TcpTransport(Transport):
                 raise TransferError(f"{self.address}: read refused: {resp.error}")
             buf = destination(into, sum(s for s in resp.sizes if s != MISSING))
             await ch.recv_into(buf)
+        _READ.inc(buf.nbytes)
         views: list[memoryview | None] = []
         pos = 0
         for size in resp.sizes:
@@ -93,6 +98,7 @@ class TcpTransport(Transport):
         resp = await self.request(Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier)), payloads)
         if not resp.ok:
             raise TransferError(f"{self.address}: {len(resp.keys)} block(s) not stored: {resp.error}")
+        _WRITTEN.inc(sum(sizes))
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return (await self.request(Request(Op.DELETE, list(keys)))).count
