@@ -43,7 +43,6 @@ class RequestOutput(NamedTuple):
 class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
-    pending_kv: torch.Tensor | None
     prefill_only: bool
 
 
@@ -109,30 +108,47 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
-                    prefill_only: bool = False) -> None:
+                    kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False) -> None:
         """Queue a request.
 
         ``output_token_ids`` continues a request whose first tokens were produced elsewhere
-        (a prefill instance); ``kv_blocks`` are payloads (see ``export_kv``) holding KV for
-        a prefix of prompt + output, which is then not recomputed. ``prefill_only`` stops
-        after the first sampled token and keeps the KV for ``export_kv`` until ``release``.
+        (a prefill instance). ``kv_blocks`` are payloads (see ``export_kv``) holding KV of
+        consecutive blocks from block ``kv_start_block`` on, fetched from the pool; they are
+        used when the local prefix cache reaches that block, and not recomputed.
+        ``block_keys`` are the content keys of the prompt's full blocks: matching ones are
+        reused from the local prefix cache, and computed ones are cached there.
+        ``prefill_only`` stops after the first sampled token and keeps the KV for
+        ``export_kv`` until ``release``.
         """
         tokens = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
         self._validate(request_id, tokens + outputs, params)
-        pending = None
+        size = self.config.block_size
+        if len(block_keys) > len(tokens) // size:
+            raise InvalidRequestError("more block keys than full prompt blocks")
+        seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys))
         if kv_blocks:
-            pending = torch.cat([decode_block(self.layout, block) for block in kv_blocks], dim=2)
-            if pending.shape[2] >= len(tokens) + len(outputs):
+            seq.kv_import = torch.cat([decode_block(self.layout, block) for block in kv_blocks], dim=2)
+            seq.kv_import_start = kv_start_block
+            if kv_start_block * size + seq.kv_import.shape[2] >= seq.num_tokens:
                 raise InvalidRequestError("imported KV must leave at least the last token to compute")
-        seq = Sequence(request_id, tokens, params, self._arrivals, outputs)
         self._arrivals += 1
-        if pending is not None:
-            seq.num_computed_tokens = seq.num_cached_tokens = pending.shape[2]
         seq.hold_kv = prefill_only
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
-        self._requests[request_id] = _Request(seq, detok, pending, prefill_only)
+        self._requests[request_id] = _Request(seq, detok, prefill_only)
         self.scheduler.add(seq)
+
+    def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
+        """How many leading blocks of ``block_keys`` the local prefix cache holds right now."""
+        cached = self.blocks.allocator.cached
+        return next((i for i, key in enumerate(block_keys) if key not in cached), len(block_keys))
+
+    def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys stored in and evicted from the local prefix cache since the last call."""
+        allocator = self.blocks.allocator
+        stored, evicted = allocator.stored, allocator.evicted
+        allocator.stored, allocator.evicted = [], []
+        return stored, evicted
 
     def abort(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
@@ -158,19 +174,26 @@ class LLMEngine:
             return []
         chunks.sort(key=lambda c: c.num_tokens != 1)
         for chunk in chunks:
-            request = self._requests[chunk.seq.request_id]
-            if request.pending_kv is not None:
-                self.cache.load_blocks(chunk.seq.block_table, request.pending_kv)
-                request.pending_kv = None
+            self._load_import(chunk.seq)
         logits = self.runner.forward(chunks)
         sampling = [c.seq for c in chunks if c.samples]
         sampled = self.sampler(logits, sampling) if sampling else None
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.blocks.register_computed(chunk.seq)
         if sampled is None:
             return []
         return [self._append(seq, token, logprob)
                 for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs)]
+
+    def _load_import(self, seq: Sequence) -> None:
+        """Copy the part of the imported KV the local cache did not cover into the sequence's blocks."""
+        if seq.kv_import is not None and seq.kv_load_from is not None:
+            size = self.config.block_size
+            offset = seq.kv_load_from - seq.kv_import_start * size
+            self.cache.load_blocks(seq.block_table[seq.kv_load_from // size:], seq.kv_import[:, :, offset:])
+            self.blocks.register_computed(seq)
+        seq.kv_import = seq.kv_load_from = None
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> RequestOutput:
         request = self._requests[seq.request_id]

@@ -63,8 +63,12 @@ class Scheduler:
         # Admitting right after a preemption would only thrash the blocks just freed.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted_this_step:
             seq = self.waiting[0]
+            if not seq.block_table:
+                self._reuse(seq)
             n = min(seq.num_uncomputed, budget, self.chunk_size)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                self.blocks.free(seq)  # give the shared prefix back until there is room
+                seq.num_computed_tokens, seq.kv_load_from = 0, None
                 break
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
@@ -73,6 +77,17 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return chunks
+
+    def _reuse(self, seq: Sequence) -> None:
+        """Start ``seq`` after its locally cached prefix, extended by KV imported for it."""
+        size = self.blocks.block_size
+        covered = self.blocks.reuse_prefix(seq) * size
+        if seq.kv_import is not None and seq.kv_import_start * size <= covered:
+            end = seq.kv_import_start * size + seq.kv_import.shape[2]
+            if end > covered:
+                seq.kv_load_from, covered = covered, end
+        seq.num_computed_tokens = covered
+        seq.num_cached_tokens = max(seq.num_cached_tokens, covered)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq`` to ``num_tokens`` slots, preempting later sequences; False if ``seq`` itself went."""

@@ -24,7 +24,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int, output_token_ids: list[int] | None = None) -> None:
+                 arrival: int, output_token_ids: list[int] | None = None,
+                 block_keys: tuple[bytes, ...] = ()) -> None:
         self.request_id = request_id
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -32,6 +33,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.block_keys = block_keys  # content keys of the prompt's full blocks, for the local prefix cache
+        self.num_registered = 0  # leading full blocks already published to the local prefix cache
+        self.kv_import: torch.Tensor | None = None  # KV fetched elsewhere: [layers, 2, tokens, heads, dim]
+        self.kv_import_start = 0  # block index where kv_import begins
+        self.kv_load_from: int | None = None  # token position to copy kv_import from, set at admission
         self.status = SequenceStatus.WAITING
         self.arrival = arrival
         self.finish_reason: str | None = None

@@ -1,0 +1,81 @@
+"""The engine's local prefix cache: full blocks addressed by content keys, reused and evicted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.engine.engine import LLMEngine
+from shared.kv.hashing import BlockHasher
+from shared.protocol.sampling import SamplingParams
+from tests.engine.conftest import make_engine, random_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def keys_of(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
+    return BlockHasher(engine.config.block_size, engine.fingerprint.hex()).keys(prompt)
+
+
+def run(engine: LLMEngine, rid: str, prompt: list[int], **options) -> tuple[list[int], int]:
+    engine.add_request(rid, prompt, GREEDY, **options)
+    tokens, cached = [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+class TestLocalReuse:
+    def test_shared_prefix_is_not_recomputed_and_output_unchanged(self, tiny_llama: Path) -> None:
+        engine = make_engine(tiny_llama)
+        (prefix, tail_a, tail_b) = random_prompts(engine.vocab_size, [80, 9, 30], seed=3)
+        first, second = prefix + tail_a, prefix + tail_b
+        run(engine, "a", first, block_keys=keys_of(engine, first))
+        stored, evicted = engine.take_cache_events()
+        assert len(stored) == len(first) // 16 and not evicted
+        warm, cached = run(engine, "b", second, block_keys=keys_of(engine, second))
+        assert cached == 80
+        cold, cold_cached = run(make_engine(tiny_llama), "c", second)
+        assert cold_cached == 0 and warm == cold
+
+    def test_whole_prompt_cached_still_computes_the_last_token(self, tiny_llama: Path) -> None:
+        engine = make_engine(tiny_llama)
+        (prompt,) = random_prompts(engine.vocab_size, [64], seed=4)
+        expected, _ = run(engine, "a", prompt, block_keys=keys_of(engine, prompt))
+        again, cached = run(engine, "b", prompt, block_keys=keys_of(engine, prompt))
+        assert cached == 48 and again == expected
+
+
+class TestEviction:
+    def test_cached_blocks_give_way_under_pressure(self, tiny_llama: Path) -> None:
+        engine = make_engine(tiny_llama, kv_cache_blocks=10)
+        prompts = random_prompts(engine.vocab_size, [64, 64, 64], seed=5)
+        for i, prompt in enumerate(prompts):
+            run(engine, f"r{i}", prompt, block_keys=keys_of(engine, prompt))
+        stored, evicted = engine.take_cache_events()
+        assert len(stored) == 12
+        # 10 blocks, 5 per request (4 full + the tail): the third request takes the 2 never-used
+        # blocks, then evicts the oldest chain deepest block first, so its short prefix lives longest.
+        first = keys_of(engine, prompts[0])
+        assert evicted == [first[3], first[2], first[1]]
+        assert engine.cached_prefix_blocks(first) == 1
+        assert engine.cached_prefix_blocks(keys_of(engine, prompts[2])) == 4
+        assert engine.num_free_blocks == 10
+
+
+class TestImportAfterLocal:
+    def test_pool_blocks_continue_a_local_prefix(self, tiny_llama: Path) -> None:
+        source, target = make_engine(tiny_llama), make_engine(tiny_llama)
+        (prompt,) = random_prompts(source.vocab_size, [70], seed=6)
+        keys = keys_of(source, prompt)
+        source.add_request("p", prompt, GREEDY, prefill_only=True)
+        while source.has_unfinished():
+            source.step()
+        blocks = source.export_kv("p")
+        run(target, "warmup", prompt[:33], block_keys=keys[:2])  # target holds blocks 0-1 locally
+        assert target.cached_prefix_blocks(keys) == 2
+        tokens, cached = run(target, "t", prompt, block_keys=keys, kv_blocks=blocks[2:4], kv_start_block=2)
+        assert cached == 64
+        expected, _ = run(make_engine(tiny_llama), "cold", prompt)
+        assert tokens == expected
