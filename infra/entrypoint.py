@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Container entrypoint: the per-replica settings a compose file cannot express, then ``exec`` the command.
+
+- A transfer node listening on a wildcard address (``HALFMOON_HOST=0.0.0.0``) with no
+  ``HALFMOON_ADVERTISE_HOST`` advertises this container's own IP, so every scaled replica
+  announces an address its peers can reach.
+- ``HALFMOON_NVME_ROOT``: replicas share one named volume; each claims the first free
+  ``slot-N`` directory under it by an exclusive ``flock`` on ``slot-N.lock`` and runs with
+  ``HALFMOON_NVME_DIR`` set to it. The locked descriptor is inherited across ``exec``, so the
+  slot stays claimed exactly as long as the service process lives, and a restarted replica
+  takes a free slot back (with the blocks it holds) instead of leaving an orphan directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+
+WILDCARDS = {"0.0.0.0", "::"}
+MAX_SLOTS = 256
+
+
+class NoFreeSlot(RuntimeError):
+    pass
+
+
+def own_address() -> str:
+    """The IPv4 address this container's hostname resolves to (its address on the compose network)."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def claim_slot(root: Path, limit: int = MAX_SLOTS) -> tuple[Path, int]:
+    """(directory, inheritable locked fd) of the lowest-numbered slot no live process holds."""
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(limit):
+        fd = os.open(root / f"slot-{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        os.set_inheritable(fd, True)
+        slot = root / f"slot-{n}"
+        slot.mkdir(exist_ok=True)
+        return slot, fd
+    raise NoFreeSlot(f"all {limit} NVMe slots under {root} are held by running replicas")
+
+
+def prepare(env: MutableMapping[str, str]) -> None:
+    """Fill in the per-replica variables in ``env`` (see the module docstring)."""
+    if env.get("HALFMOON_HOST") in WILDCARDS and not env.get("HALFMOON_ADVERTISE_HOST"):
+        env["HALFMOON_ADVERTISE_HOST"] = own_address()
+    if root := env.pop("HALFMOON_NVME_ROOT", ""):
+        slot, _fd = claim_slot(Path(root))  # NOTE: _fd stays open: the lock must outlive this exec
+        env["HALFMOON_NVME_DIR"] = str(slot)
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: halfmoon-entrypoint COMMAND [ARG...]")
+    prepare(os.environ)
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
