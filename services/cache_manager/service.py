@@ -145,10 +145,12 @@ class CacheManagerService(Service[CacheManagerConfig]):
             placements = self.index.put_start(req.keys, req.sizes, time.time(), req.first_position)
         except ValueError as exc:
             raise RemoteError(ErrorReply(code=ErrorCode.BAD_REQUEST, message=str(exc))) from None
+        existing = [p.key for p in placements if p.exists]
         return PutPlan(
             placements=tuple(self._location(p.key, r) for p in placements if not p.exists for r in p.replicas),
-            existing=tuple(p.key for p in placements if p.exists),
+            existing=tuple(existing),
             expires=time.time() + self.config.put_timeout_s,
+            existing_replicas=tuple(self._location(key, replica) for key, replica in self.index.locate(existing)),
         )
 
     async def _put_end(self, req: PutEnd) -> CacheAck:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from shared.engine.engine import PREFILL_DONE, RequestOutput
 from shared.engine.errors import EngineError
@@ -12,6 +13,7 @@ from shared.kv.hashing import BlockHasher, Namespace
 from shared.protocol import codecs
 from shared.protocol.base import ErrorCode, RemoteError
 from shared.protocol.registry import Role
+from shared.protocol.pool import KVEvents, SnapshotRequest
 from shared.protocol.work import BlockLocation, DecodeRequest, KVLocation, PrefillRequest
 from shared.service.pool_client import Fetched
 from shared.service.streaming import handoff_key, token_event
@@ -35,6 +37,10 @@ class PrefillService(EngineWorker):
     def accept(self, request: PrefillRequest):  # type: ignore[no-untyped-def, override]
         return self._serve(request)
 
+    @property
+    def local_cache(self) -> bool:
+        return self.config.local_prefix_cache
+
     def block_keys(self, req: PrefillRequest) -> list[bytes]:
         assert self.engine is not None
         namespace = Namespace(self.engine.engine.fingerprint.hex(), req.tenant_salt)
@@ -45,12 +51,15 @@ class PrefillService(EngineWorker):
         keys = self.block_keys(req)
         # The last prompt token is always computed: its logits give the first output token.
         reusable = keys[: (len(req.prompt_token_ids) - 1) // self.config.block_size]
-        fetched = await self.pool.fetch_prefix(reusable)
-        METRICS.cache_hit_blocks.labels(self.role.value).inc(len(fetched.payloads))
-        METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - len(fetched.payloads))
+        # Local prefix cache first; the pool supplies what follows it.
+        local = await self.engine.call(lambda e: e.cached_prefix_blocks(reusable)) if self.local_cache else 0
+        fetched = await self.pool.fetch_prefix(reusable[local:])
+        METRICS.cache_hit_blocks.labels(self.role.value).inc(local + len(fetched.payloads))
+        METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - local - len(fetched.payloads))
         try:
             try:
-                first = await self._compute(req, fetched.payloads)
+                first = await self._compute(req, keys, local, fetched.payloads)
+                await self._publish_cache_events()
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
                 return
@@ -60,23 +69,27 @@ class PrefillService(EngineWorker):
             await self.publish(req.stream_subject, token_event(first, req.sampling, self.instance_id,
                                                                first.num_cached_tokens))
             if first.finish_reason == PREFILL_DONE:
-                await self._hand_off(req, first, keys, fetched)
+                await self._hand_off(req, first, keys, local, fetched)
         except (RemoteError, TransferError, OSError, EngineError) as exc:
             code = exc.code if isinstance(exc, RemoteError) else ErrorCode.UNAVAILABLE
             await self.send_error(req.stream_subject, req.request_id, code, f"hand-off to decode failed: {exc}")
         finally:
             await self.pool.release(fetched.lease_id)
 
-    async def _compute(self, req: PrefillRequest, cached: list[bytes]) -> RequestOutput:
+    async def _compute(self, req: PrefillRequest, keys: list[bytes], local: int,
+                       pooled: list[memoryview]) -> RequestOutput:
         assert self.engine is not None
         with self.tracer.start_as_current_span("prefill.compute") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
             span.set_attribute("halfmoon.prompt_tokens", len(req.prompt_token_ids))
-            span.set_attribute("halfmoon.blocks_hit", len(cached))
+            span.set_attribute("halfmoon.blocks_hit_local", local)
+            span.set_attribute("halfmoon.blocks_hit", local + len(pooled))
             outputs = []
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
-                                                      kv_blocks=cached, prefill_only=True):
+                                                      kv_blocks=pooled, kv_start_block=local,
+                                                      block_keys=keys if self.local_cache else (),
+                                                      prefill_only=True):
                     outputs.append(out)
             except asyncio.CancelledError:
                 await self.engine.abort(req.request_id)
@@ -98,29 +111,47 @@ class PrefillService(EngineWorker):
             return node.address
         raise TransferError("no transfer node took the hand-off blocks")
 
-    async def _hand_off(self, req: PrefillRequest, first: RequestOutput, keys: list[bytes], fetched: Fetched) -> None:
+    async def _publish_cache_events(self) -> None:
+        assert self.engine is not None
+        stored, evicted = await self.engine.call(lambda e: e.take_cache_events())
+        if stored or evicted:
+            await self.publish(self.subjects.kv_events, KVEvents(instance_id=self.instance_id, stored=tuple(stored),
+                                                                 evicted=tuple(evicted)))
+
+    async def _on_snapshot_request(self, _request: SnapshotRequest, _headers: Mapping[str, str]) -> None:
+        assert self.engine is not None
+        held = await self.engine.call(lambda e: list(e.blocks.allocator.cached))
+        await self.publish(self.subjects.kv_events, KVEvents(instance_id=self.instance_id, stored=tuple(held),
+                                                             snapshot=True))
+
+    async def start(self) -> None:
+        await super().start()
+        await self.listen(self.subjects.kv_snapshot, codecs.KV_SNAPSHOT_REQUEST, self._on_snapshot_request)
+        await self._on_snapshot_request(SnapshotRequest(), {})
+
+    async def _hand_off(self, req: PrefillRequest, first: RequestOutput, keys: list[bytes], local: int,
+                        fetched: Fetched) -> None:
         assert self.engine is not None
         rid = req.request_id
         try:
             payloads = await self.engine.call(lambda e: e.export_kv(rid))
         finally:
             await self.engine.call(lambda e: e.release(rid))
-        hits, full = len(fetched.payloads), len(keys)
-        # Full blocks go to the pool under their content keys; the partial last block under a
-        # one-off key that decode removes once read. The cache-manager places both, so one
-        # allocator owns every DRAM segment.
-        new_keys = keys[hits:full] + [handoff_key(rid, i) for i in range(full, len(payloads))]
+        fetched_end, full = local + len(fetched.payloads), len(keys)
+        # Decode reads every block from the pool. Blocks fetched from it are there already; the
+        # local and computed full blocks are stored (the pool answers with where it already has
+        # them), the partial last block goes under a one-off key that decode removes once read.
+        # The cache-manager places them all, so one allocator owns every DRAM segment.
+        head = keys[:local]
+        tail = keys[fetched_end:full] + [handoff_key(rid, i) for i in range(full, len(payloads))]
         with self.tracer.start_as_current_span("prefill.kv_write") as span:
-            stored = await self.pool.store(new_keys, payloads[hits:], first_position=hits)
-            locations: list[BlockLocation | None] = list(fetched.locations)
-            fallback: list[tuple[int, bytes]] = []
-            for index, key in enumerate(new_keys, start=hits):
-                if key in stored:
-                    locations.append(stored[key])
-                else:
-                    # Not stored: no room, no answer, or already cached (its copy may be evicted any time).
-                    fallback.append((index, handoff_key(rid, index)))
-                    locations.append(None)
+            stored_head, stored_tail = await asyncio.gather(
+                self.pool.store(head, payloads[:local], first_position=0),
+                self.pool.store(tail, payloads[fetched_end:], first_position=fetched_end))
+            stored = stored_head | stored_tail
+            locations: list[BlockLocation | None] = [stored.get(k) for k in head] + list(fetched.locations)
+            locations += [stored.get(k) for k in tail]
+            fallback = [(i, handoff_key(rid, i)) for i, loc in enumerate(locations) if loc is None]
             if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
                 node = await self._park([k for _, k in fallback], [payloads[i] for i, _ in fallback])
                 for index, key in fallback:
@@ -128,9 +159,10 @@ class PrefillService(EngineWorker):
                                                      tier=int(Tier.NVME))
             span.set_attribute("halfmoon.blocks_stored", len(stored))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
-            span.set_attribute("halfmoon.bytes", sum(len(p) for p in payloads[hits:]))
+            span.set_attribute("halfmoon.bytes", sum(len(payloads[i]) for i in range(local, len(payloads))))
+        one_off = [handoff_key(rid, i) for i in range(len(payloads))]
         block_size = self.config.block_size
-        placed = [loc for loc in locations if loc is not None]
+        placed = [loc for loc in locations if loc is not None]  # all of them, after parking
         kv = KVLocation(block_size=block_size, num_tokens=len(req.prompt_token_ids), blocks=tuple(placed[:full]),
                         partial=placed[full] if len(placed) > full else None)
         handoff = DecodeRequest(
@@ -143,5 +175,5 @@ class PrefillService(EngineWorker):
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
                                HANDOFF_TIMEOUT_S)
         except RemoteError:
-            await self.pool.remove([key for key in new_keys if key not in keys])  # nobody will read them now
+            await self.pool.remove(one_off)  # nobody will read them now
             raise

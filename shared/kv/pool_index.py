@@ -170,6 +170,15 @@ class PoolIndex:
             self._st.blocks[key].leases += 1
         return LookupResult(hits, lease)
 
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[bytes, Replica]]:
+        """The fastest replica of each visible key (no lease, no read accounting); others are skipped."""
+        out = []
+        for key in keys:
+            block = self._st.blocks.get(key)
+            if block is not None and block.visible and block.replicas:
+                out.append((key, min(block.replicas, key=lambda r: r.tier)))
+        return out
+
     def _record_read(self, key: bytes, block: Block, now: float) -> None:
         cfg = self.config
         block.heat = block.read_rate(now, cfg.hot_window_s) * cfg.hot_window_s + 1.0

@@ -30,6 +30,7 @@ class PutPlan(Message, frozen=True, kw_only=True, tag="put_plan"):
     placements: tuple[BlockLocation, ...]
     existing: tuple[bytes, ...] = ()
     expires: float = 0.0
+    existing_replicas: tuple[BlockLocation, ...] = ()  # where each visible ``existing`` key can be read
 
 
 class PutEnd(Message, frozen=True, kw_only=True, tag="put_end"):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from shared.protocol.base import Ack, Codec, ErrorReply
 from shared.protocol.cache import CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
-from shared.protocol.pool import OrderBatch, OrderResults, PoolStatsReply, RemoveRequest, StatsRequest
+from shared.protocol.pool import (KVEvents, OrderBatch, OrderResults, PoolStatsReply, RemoveRequest, SnapshotRequest,
+                                  StatsRequest)
 from shared.protocol.registry import Heartbeat, InstanceDown
 from shared.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from shared.protocol.stream import ErrorEvent, TokenEvent
@@ -34,3 +35,5 @@ ORDER_RESULTS: Codec[OrderResults | ErrorReply] = Codec(OrderResults | ErrorRepl
 CACHE_STATS_REQUEST: Codec[StatsRequest] = Codec(StatsRequest)
 CACHE_STATS: Codec[PoolStatsReply | ErrorReply] = Codec(PoolStatsReply | ErrorReply)
 CACHE_REMOVE: Codec[RemoveRequest] = Codec(RemoveRequest)
+KV_EVENTS: Codec[KVEvents] = Codec(KVEvents)
+KV_SNAPSHOT_REQUEST: Codec[SnapshotRequest] = Codec(SnapshotRequest)

@@ -67,3 +67,17 @@ class PoolStatsReply(Message, frozen=True, kw_only=True, tag="pool_stats"):
 
 class RemoveRequest(Message, frozen=True, kw_only=True, tag="remove"):
     keys: tuple[bytes, ...]
+
+
+class KVEvents(Message, frozen=True, kw_only=True, tag="kv_events"):
+    """A prefill instance's local prefix cache changed: ``stored`` and ``evicted`` block keys.
+    A ``snapshot`` lists every key it holds and replaces what the receiver knew of it."""
+
+    instance_id: str
+    stored: tuple[bytes, ...] = ()
+    evicted: tuple[bytes, ...] = ()
+    snapshot: bool = False
+
+
+class SnapshotRequest(Message, frozen=True, kw_only=True, tag="kv_snapshot_request"):
+    """Ask every prefill instance to publish a snapshot KVEvents (a restarted conductor does)."""

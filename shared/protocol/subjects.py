@@ -78,6 +78,16 @@ class Subjects:
             raise ValueError(f"unknown cache operation {operation!r}; known: {sorted(CACHE_OPERATIONS)}")
         return f"{self.root}.cache.{operation}"
 
+    @property
+    def kv_events(self) -> str:
+        """Pub/sub: prefill instances' local prefix cache changes (KVEvents), for the conductor."""
+        return f"{self.root}.kv.events"
+
+    @property
+    def kv_snapshot(self) -> str:
+        """Pub/sub: a conductor asks prefill instances for KVEvents snapshots (SnapshotRequest)."""
+        return f"{self.root}.kv.snapshot"
+
     def transfer_orders(self, instance_id: str) -> str:
         """Request/reply: the cache-manager's tiering orders (OrderBatch) for one transfer node."""
         return f"{self.root}.transfer.{check_token(instance_id, 'instance id')}.orders"

@@ -106,7 +106,8 @@ class PoolClient:
             svc.log.warning("pool remove failed", extra={"error": str(exc)})
 
     async def store(self, keys: Sequence[bytes], payloads: Sequence[bytes], first_position: int) -> dict[bytes, BlockLocation]:
-        """put_start, write the bytes to the chosen nodes, put_end; returns where each stored key lives."""
+        """put_start, write the bytes to the chosen nodes, put_end; returns where each key can be read
+        (the ones just stored, and those the pool already held)."""
         if not keys:
             return {}
         svc = self.service
@@ -119,6 +120,7 @@ class PoolClient:
             svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
             return {}
         payload_of = dict(zip(keys, payloads))
+        known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
         for placement in plan.placements:
             by_node[(placement.node, Tier(placement.tier))].append(placement)
@@ -133,11 +135,12 @@ class PoolClient:
                 svc.log.warning("pool write failed; those blocks stay uncached", extra={"node": node, "error": str(exc)})
                 continue
             written.update((p.key, p) for p in placements if p.key is not None)
-        if written:
-            try:
-                await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
-                                  codecs.CACHE_ACK, CACHE_TIMEOUT_S)
-            except _FAILURES as exc:
-                svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
-                return {}
-        return written
+        if not written:
+            return known
+        try:
+            await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
+                              codecs.CACHE_ACK, CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
+            return known
+        return known | written

@@ -42,6 +42,7 @@ class WorkerConfig(ServiceConfig):
     prefill_chunk_size: int = field(default=512, metadata={"help": "most prompt tokens one sequence computes per step"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's own)"})
     transfer_instance: str = field(default="", metadata={"help": "prefer this transfer node (default: any live one)"})
+    local_prefix_cache: bool = field(default=True, metadata={"help": "keep computed blocks in the engine for reuse"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

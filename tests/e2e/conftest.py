@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shared.deploy.local import LocalCluster
 
 
-def start_cluster(model: Path, run_dir: Path, **counts: int) -> LocalCluster:
+def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None, **counts: int) -> LocalCluster:
     # Heartbeats every 0.25 s, so the conductor notices a killed instance within about a second.
     env = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
-           "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+           "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100", **(env or {})}
     cluster = LocalCluster(model, run_dir, counts, gateway_port=0, namespace="e2e", env=env)
     cluster.start(timeout=240)
     return cluster

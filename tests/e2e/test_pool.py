@@ -30,7 +30,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-pool"), prefill=1, decode=1, transfer=2)
+    # Without the engine's local prefix cache every reuse below comes from the pool itself.
+    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-pool"),
+                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=1, decode=1, transfer=2)
     yield cluster
     cluster.stop()
 

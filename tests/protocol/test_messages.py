@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.protocol.pool import (OrderBatch, OrderResults, PoolOrder, PoolStatsReply, RemoveRequest, ReplicaRef,
+from shared.protocol.pool import (KVEvents, SnapshotRequest, OrderBatch, OrderResults, PoolOrder, PoolStatsReply, RemoveRequest, ReplicaRef,
                                   StatsRequest, TierStat)
 from shared.protocol import (
     Ack,
@@ -149,6 +149,8 @@ CASES = [
                                      dst=ReplicaRef("t0", 1, -1, 10)),), addresses={"t0": "127.0.0.1:7000"}),
     ),
     (codecs.ORDER_RESULTS, OrderResults(ok=(True, False), unavailable_tiers=(2,))),
+    (codecs.KV_EVENTS, KVEvents(instance_id="p0", stored=(b"k" * 32,), evicted=(b"j" * 32,))),
+    (codecs.KV_SNAPSHOT_REQUEST, SnapshotRequest()),
     (
         codecs.CACHE_REPORT,
         TransferReport(
