@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -14,7 +15,13 @@ import pytest
 
 from shared.cli.main import main
 from shared.cli.trace import build_waterfall
-from shared.cli.trace_sources import JsonlSource, Span, TraceSourceError, jaeger_search_params, parse_jaeger
+from shared.cli.trace_sources import (
+    JsonlSource,
+    Span,
+    TraceSourceError,
+    jaeger_search_params,
+    parse_jaeger,
+)
 from shared.deploy.local import LocalCluster
 from shared.deploy.topology import REQUEST_PATH
 from tests.e2e.conftest import model_name, start_cluster
@@ -105,7 +112,7 @@ class TestWaterfallOfARealRequest:
         assert set(phases) == set(PHASES)
         assert sum(r.duration_ms for r in phases.values()) <= total
         ordered = [phases[name] for name in PHASES]  # each phase starts after the previous one ended
-        for before, after in zip(ordered, ordered[1:]):
+        for before, after in itertools.pairwise(ordered):
             assert before.start_ms + before.duration_ms <= after.start_ms + 0.01
 
     def test_key_attributes_are_shown(self, traced: Traced, capsys: pytest.CaptureFixture[str]) -> None:
