@@ -1,0 +1,169 @@
+"""docker-compose.yml: valid by the compose specification, the same services and commands as
+`halfmoon up`, safe to scale, healthy only when serving. (No Docker engine here: see docs/DEPLOY.md.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.deploy.topology import SERVICES
+from tests.conftest import REPO_ROOT, free_port, service_env
+from tests.deploy.conftest import COMPOSE_FILE, COMPOSE_OVERRIDES, HALFMOON_IMAGE, env_of, interpolate, tool
+
+SCALE = {"prefill": 2, "decode": 3, "transfer": 2, "gateway": 3}
+ENTRYPOINT_ONLY = {"HALFMOON_NVME_ROOT"}  # read by infra/entrypoint.py, turned into HALFMOON_NVME_DIR
+
+
+def check_compose_schema(*files: Path) -> subprocess.CompletedProcess[str]:
+    args = [tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", *map(str, files)]
+    return subprocess.run(args, check=False, capture_output=True, text=True, timeout=60)
+
+
+def halfmoon_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run the Halfmoon image (every one of them, since all build it the same way)."""
+    image = interpolate(HALFMOON_IMAGE)
+    return {name: svc for name, svc in compose["services"].items() if svc.get("image") == image}
+
+
+class TestComposeSchema:
+    def test_compose_file_and_overrides_validate(self) -> None:
+        result = check_compose_schema(COMPOSE_FILE, *COMPOSE_OVERRIDES)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    def test_validator_rejects_a_broken_file(self, compose_raw: dict[str, Any], tmp_path: Path) -> None:
+        broken = dict(compose_raw, services=dict(compose_raw["services"]))
+        broken["services"]["gateway"] = dict(broken["services"]["gateway"], portz=["8000:8000"])
+        path = tmp_path / "docker-compose.yml"
+        path.write_text(yaml.safe_dump(broken))
+        result = check_compose_schema(path)
+        assert result.returncode != 0 and "portz" in result.stdout + result.stderr
+
+
+class TestSameServicesAsHalfmoonUp:
+    def test_every_topology_service_runs_its_command(self, compose: dict[str, Any]) -> None:
+        for spec in SERVICES:
+            assert spec.name in compose["services"], f"{spec.name} missing from docker-compose.yml"
+            assert compose["services"][spec.name]["command"] == spec.command
+
+    def test_nothing_else_runs_halfmoon_code(self, compose: dict[str, Any]) -> None:
+        topology = {spec.name for spec in SERVICES}
+        jobs = set(halfmoon_services(compose)) - topology
+        assert jobs == {"models"}, "one-shot jobs on the Halfmoon image"
+        for name, svc in halfmoon_services(compose).items():
+            if name not in topology:
+                assert svc["command"][0] not in ("python", "python3", "halfmoon"), f"{name} runs {svc['command']}"
+                assert svc["restart"] == "no", f"{name} is a one-shot job, it must not restart"
+        runs_python = {
+            n for n, s in compose["services"].items() if str((s.get("command") or [""])[0]).startswith("python")
+        }
+        assert runs_python == topology
+
+    def test_one_image_built_from_infra(self, compose: dict[str, Any]) -> None:
+        builds = {str(svc["build"]) for svc in halfmoon_services(compose).values()}
+        assert len(builds) == 1
+        build = next(iter(halfmoon_services(compose).values()))["build"]
+        assert (REPO_ROOT / build["context"] / build["dockerfile"]).resolve() == REPO_ROOT / "infra" / "Dockerfile"
+
+
+class TestModulesStart:
+    """Every compose module exists and parses its configuration; each HALFMOON_* variable compose
+    sets is one the service reads (a typo would otherwise be silently ignored)."""
+
+    def test_help_exits_zero_and_knows_every_variable(self, compose: dict[str, Any]) -> None:
+        topology = {spec.name for spec in SERVICES}
+        procs = {
+            name: subprocess.Popen(
+                [sys.executable, *svc["command"][1:], "--help"],
+                cwd=REPO_ROOT,
+                env=service_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, svc in compose["services"].items()
+            if name in topology
+        }
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"{name}: {err[-2000:]}"
+            out = " ".join(out.split())  # argparse wraps help lines
+            for var in env_of(compose["services"][name]):
+                if var.startswith("HALFMOON_") and var not in ENTRYPOINT_ONLY:
+                    assert f"env {var})" in out, f"{name} does not read {var}"
+
+
+class TestScaling:
+    def test_scaled_services_publish_no_host_port_and_set_no_instance_id(self, compose: dict[str, Any]) -> None:
+        for spec in SERVICES:
+            svc = compose["services"][spec.name]
+            if spec.scalable:
+                assert not svc.get("ports"), f"{spec.name} is scalable but publishes {svc['ports']}"
+                assert "container_name" not in svc and "hostname" not in svc
+                assert "HALFMOON_INSTANCE_ID" not in env_of(svc)
+
+    def test_no_host_port_clash_when_scaled(self, compose: dict[str, Any]) -> None:
+        published: Counter[str] = Counter()
+        for name, svc in compose["services"].items():
+            for _replica in range(SCALE.get(name, 1)):
+                for port in svc.get("ports", []):
+                    host = str(port["published"]) if isinstance(port, dict) else str(port).rsplit(":", 1)[0]
+                    published[host] += 1
+        assert published, "the gateway and the UIs publish ports"
+        assert [p for p, n in published.items() if n > 1] == []
+
+    def test_transfer_replicas_get_their_own_address_and_nvme_slot(self, compose: dict[str, Any]) -> None:
+        env = env_of(compose["services"]["transfer"])
+        assert env["HALFMOON_HOST"] == "0.0.0.0" and "HALFMOON_ADVERTISE_HOST" not in env  # entrypoint sets it
+        assert "HALFMOON_NVME_DIR" not in env
+        volume = next(
+            v for v in compose["services"]["transfer"]["volumes"] if v.split(":")[1] == env["HALFMOON_NVME_ROOT"]
+        )
+        assert volume.split(":")[0] in compose["volumes"], "the NVMe tier is a named volume"
+
+    def test_dram_segment_fits_in_dev_shm(self, compose: dict[str, Any]) -> None:
+        svc = compose["services"]["transfer"]
+        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+        shm = int(svc["shm_size"][:-1]) * units[svc["shm_size"][-1].lower()]
+        assert shm >= int(env_of(svc)["HALFMOON_DRAM_BYTES"])
+
+
+class TestHealthchecks:
+    def test_every_long_running_service_has_one(self, compose: dict[str, Any]) -> None:
+        for spec in SERVICES:
+            check = compose["services"][spec.name]["healthcheck"]
+            assert check["test"][0] == "CMD" and not check.get("disable")
+
+    def test_gateway_checks_its_own_port(self, compose: dict[str, Any]) -> None:
+        gateway = compose["services"]["gateway"]
+        assert f"127.0.0.1:{env_of(gateway)['HALFMOON_PORT']}/health" in " ".join(gateway["healthcheck"]["test"])
+
+    def test_metrics_check_follows_a_real_service(
+        self, compose: dict[str, Any], nats_server, processes, namespace: str
+    ) -> None:
+        port = str(free_port())
+        probe = compose["services"]["conductor"]["healthcheck"]["test"][1:]
+        check_env = {**os.environ, "HALFMOON_METRICS_PORT": port}
+
+        def healthy() -> bool:
+            return subprocess.run(probe, env=check_env, check=False, capture_output=True, timeout=30).returncode == 0
+
+        assert not healthy(), "nothing is running yet"
+        proc = processes.start(
+            ["-m", "services.conductor"],
+            {"HALFMOON_NATS_URL": nats_server.url, "HALFMOON_NAMESPACE": namespace, "HALFMOON_METRICS_PORT": port},
+        )
+        deadline = time.monotonic() + 60
+        while not healthy():
+            assert proc.poll() is None, "the conductor exited"
+            assert time.monotonic() < deadline, "never became healthy"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=40)
+        assert not healthy(), "a stopped service must not look healthy"

@@ -1,0 +1,95 @@
+"""infra/entrypoint.py, run as the container runs it: per-replica settings, then exec the command."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT, service_env
+
+ENTRYPOINT = REPO_ROOT / "infra" / "entrypoint.py"
+# The command the entrypoint execs: reports its environment and whether its NVMe slot lock is held
+# (by trying to take it from a fresh descriptor), then waits for one line on stdin.
+PROBE = """
+import fcntl, json, os, sys
+env = {k: v for k, v in os.environ.items() if k.startswith("HALFMOON_")}
+held = False
+if "HALFMOON_NVME_DIR" in env:
+    fd = os.open(env["HALFMOON_NVME_DIR"] + ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held = True
+print(json.dumps({"env": env, "held": held}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def start(**env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(ENTRYPOINT), sys.executable, "-c", PROBE],
+        env=service_env(**env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def report(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"the command did not run (exit {proc.wait()})"
+    return json.loads(line)
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0
+
+
+class TestAdvertiseHost:
+    def test_wildcard_listener_advertises_own_address(self) -> None:
+        proc = start(HALFMOON_HOST="0.0.0.0")
+        advertised = report(proc)["env"]["HALFMOON_ADVERTISE_HOST"]
+        finish(proc)
+        assert ipaddress.ip_address(advertised).version == 4
+        assert advertised == socket.gethostbyname(socket.gethostname())
+
+    def test_explicit_address_is_kept(self) -> None:
+        proc = start(HALFMOON_HOST="0.0.0.0", HALFMOON_ADVERTISE_HOST="10.1.2.3")
+        assert report(proc)["env"]["HALFMOON_ADVERTISE_HOST"] == "10.1.2.3"
+        finish(proc)
+
+    def test_specific_listener_needs_nothing(self) -> None:
+        proc = start(HALFMOON_HOST="127.0.0.1")
+        assert "HALFMOON_ADVERTISE_HOST" not in report(proc)["env"]
+        finish(proc)
+
+
+class TestNvmeSlots:
+    def test_replicas_get_distinct_slots_held_for_their_lifetime(self, tmp_path: Path) -> None:
+        first, second = start(HALFMOON_NVME_ROOT=str(tmp_path)), start(HALFMOON_NVME_ROOT=str(tmp_path))
+        a, b = report(first), report(second)
+        assert {a["env"]["HALFMOON_NVME_DIR"], b["env"]["HALFMOON_NVME_DIR"]} == {
+            str(tmp_path / "slot-0"),
+            str(tmp_path / "slot-1"),
+        }
+        assert a["held"] and b["held"], "the exec'd service must keep its slot locked"
+        assert "HALFMOON_NVME_ROOT" not in a["env"]
+        assert Path(a["env"]["HALFMOON_NVME_DIR"]).is_dir()
+        freed = a["env"]["HALFMOON_NVME_DIR"]
+        finish(first)
+        third = start(HALFMOON_NVME_ROOT=str(tmp_path))
+        assert report(third)["env"]["HALFMOON_NVME_DIR"] == freed, "a restarted replica takes the free slot back"
+        finish(third)
+        finish(second)
+
+    def test_no_command_is_an_error(self) -> None:
+        result = subprocess.run(
+            [sys.executable, str(ENTRYPOINT)], check=False, capture_output=True, text=True, timeout=30
+        )
+        assert result.returncode != 0 and "usage" in result.stderr

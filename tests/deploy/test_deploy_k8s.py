@@ -1,0 +1,105 @@
+"""infra/k8s: renders with kustomize, validates against the Kubernetes schemas offline (the
+kubernetes-validate wheel ships them), and runs the same services as `halfmoon up`."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from shared.deploy.topology import SERVICES
+from tests.deploy.conftest import workloads
+
+K8S_VERSION = "1.37.0"
+GPU = "nvidia.com/gpu"
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+def env(workload: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(workload).get("env", [])}
+
+
+class TestSchemas:
+    @pytest.mark.parametrize("docs", ["k8s_base", "k8s_gpu"])
+    def test_every_resource_validates_strictly(self, docs: str, request: pytest.FixtureRequest) -> None:
+        resources = request.getfixturevalue(docs)
+        assert len(resources) > 10
+        for doc in resources:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+    def test_validation_catches_mistakes(self, k8s_base: list[dict[str, Any]]) -> None:
+        deployment = copy.deepcopy(workloads(k8s_base)["prefill"])
+        container(deployment)["resources"]["requests"]["cpu"] = ["2"]
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+        deployment = copy.deepcopy(workloads(k8s_base)["prefill"])
+        container(deployment)["argz"] = ["python"]
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
+class TestSameServicesAsHalfmoonUp:
+    def test_every_topology_service_runs_its_command(self, k8s_base: list[dict[str, Any]]) -> None:
+        found = workloads(k8s_base)
+        for spec in SERVICES:
+            assert container(found[spec.name])["args"] == spec.command
+            assert "command" not in container(found[spec.name]), "keep the image's entrypoint"
+
+    def test_each_has_a_service_or_needs_none(self, k8s_base: list[dict[str, Any]]) -> None:
+        services = {d["metadata"]["name"] for d in k8s_base if d["kind"] == "Service"}
+        assert {"gateway", "transfer", "nats", "nats-headless", "s3", "jaeger"} <= services
+
+
+class TestResources:
+    def test_every_container_requests_cpu_and_memory(self, k8s_base: list[dict[str, Any]]) -> None:
+        for name, workload in workloads(k8s_base).items():
+            requests = container(workload)["resources"]["requests"]
+            assert {"cpu", "memory"} <= set(requests), name
+
+    def test_gpus_only_in_the_gpu_overlay_and_only_for_workers(
+        self, k8s_base: list[dict[str, Any]], k8s_gpu: list[dict[str, Any]]
+    ) -> None:
+        for workload in workloads(k8s_base).values():
+            assert GPU not in container(workload)["resources"].get("limits", {})
+        with_gpu = {
+            name for name, w in workloads(k8s_gpu).items() if GPU in container(w)["resources"].get("limits", {})
+        }
+        assert with_gpu == {"prefill", "decode"}
+        for name in with_gpu:
+            assert env(workloads(k8s_gpu)[name])["HALFMOON_DEVICE"] == "cuda"
+            assert env(workloads(k8s_base)[name])["HALFMOON_DEVICE"] == "cpu"
+
+    def test_dram_segment_fits_its_memory_backed_dev_shm(self, k8s_base: list[dict[str, Any]]) -> None:
+        transfer = workloads(k8s_base)["transfer"]
+        volume = next(v for v in transfer["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+        assert volume["emptyDir"]["medium"] == "Memory"
+        assert int(volume["emptyDir"]["sizeLimit"].removesuffix("Mi")) << 20 >= int(
+            env(transfer)["HALFMOON_DRAM_BYTES"]
+        )
+
+
+class TestTopology:
+    def test_nats_is_a_jetstream_cluster_of_three(self, k8s_base: list[dict[str, Any]]) -> None:
+        nats = workloads(k8s_base)["nats"]
+        assert nats["kind"] == "StatefulSet" and nats["spec"]["replicas"] == 3
+        conf = next(d for d in k8s_base if d["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
+        assert "jetstream" in conf and all(f"nats-{i}.nats-headless:6222" in conf for i in range(3))
+
+    def test_transfer_nodes_advertise_their_pod_ip_and_keep_their_nvme(self, k8s_base: list[dict[str, Any]]) -> None:
+        transfer = workloads(k8s_base)["transfer"]
+        assert env(transfer)["HALFMOON_HOST"] == "0.0.0.0"
+        assert env(transfer)["HALFMOON_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        claims = {c["metadata"]["name"] for c in transfer["spec"]["volumeClaimTemplates"]}
+        mounts = {m["name"]: m["mountPath"] for m in container(transfer)["volumeMounts"]}
+        assert "nvme" in claims and mounts["nvme"] == env(transfer)["HALFMOON_NVME_DIR"]
+
+    def test_scaled_services_set_no_instance_id(self, k8s_base: list[dict[str, Any]]) -> None:
+        config = next(d for d in k8s_base if d["metadata"]["name"] == "halfmoon-env")["data"]
+        assert "HALFMOON_INSTANCE_ID" not in config
+        for spec in SERVICES:
+            assert "HALFMOON_INSTANCE_ID" not in env(workloads(k8s_base)[spec.name])
