@@ -49,11 +49,13 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 
 
 def rows(output: str) -> list[Row]:
-    found = []
+    found: list[Row] = []
     for line in output.splitlines():
         if m := _ROW.match(line):
             start, duration, bar, service, instance, span, attributes = m.groups()
             found.append(Row(float(start), float(duration), bar, service, instance, span.strip(), attributes or ""))
+        elif found and line.strip():  # long attributes wrap onto the next line
+            found[-1] = found[-1]._replace(attributes=f"{found[-1].attributes} {line.strip()}")
     return found
 
 
