@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 
 from shared.deploy.topology import SERVICES
+from tests.conftest import REPO_ROOT
 from tests.deploy.conftest import workloads
 
 K8S_VERSION = "1.37.0"
@@ -103,3 +104,12 @@ class TestTopology:
         assert "HALFMOON_INSTANCE_ID" not in config
         for spec in SERVICES:
             assert "HALFMOON_INSTANCE_ID" not in env(workloads(k8s_base)[spec.name])
+
+    def test_halfmoon_pods_run_as_the_image_user_and_can_write_their_volumes(
+        self, k8s_base: list[dict[str, Any]]
+    ) -> None:
+        dockerfile = (REPO_ROOT / "infra" / "Dockerfile").read_text()
+        uid = int(next(line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")))
+        for spec in SERVICES:
+            context = workloads(k8s_base)[spec.name]["spec"]["template"]["spec"]["securityContext"]
+            assert context["runAsUser"] == uid and context["fsGroup"] == uid, spec.name
