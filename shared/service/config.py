@@ -40,6 +40,7 @@ class ServiceConfig:
     metrics_port: int = field(
         default=0, metadata={"help": "serve Prometheus /metrics on this port (0: off, -1: any free port)"}
     )
+    metrics_host: str = field(default="0.0.0.0", metadata={"help": "address the /metrics endpoint listens on"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates

@@ -79,7 +79,7 @@ class ServiceHost:
         self._unscrape = METRICS.on_scrape(self._record_load)
         port = self.service.config.metrics_port
         if port:
-            self.metrics = MetricsEndpoint(METRICS, "0.0.0.0", max(port, 0))
+            self.metrics = MetricsEndpoint(METRICS, self.service.config.metrics_host, max(port, 0))
             await self.metrics.start()
             log.info(f"metrics on {self.metrics.url}", extra={"metrics_port": self.metrics.port})
         await self._nc.flush()  # subscriptions are live on the server before start() returns

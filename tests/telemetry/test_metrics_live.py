@@ -17,7 +17,7 @@ from tests.e2e.conftest import model_name
 # The engine's local prefix cache is off so that a repeated prompt is served from the pool (the
 # cache-manager's lookups count it too); prefill's counters cover both tiers either way.
 ENV = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_METRICS_PORT": "-1", "OTEL_BSP_SCHEDULE_DELAY": "100",
-       "HALFMOON_LOCAL_PREFIX_CACHE": "0"}
+       "HALFMOON_LOCAL_PREFIX_CACHE": "0", "HALFMOON_METRICS_HOST": "127.0.0.1"}
 NAMES = ("halfmoon_ttft_seconds", "halfmoon_tbt_seconds", "halfmoon_queue_length", "halfmoon_running_requests",
          "halfmoon_cache_hit_blocks", "halfmoon_cache_miss_blocks", "halfmoon_pool_bytes", "halfmoon_transfer_bytes",
          "halfmoon_rejections", "halfmoon_errors")
