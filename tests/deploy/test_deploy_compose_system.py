@@ -1,0 +1,141 @@
+"""docker-compose.yml's Halfmoon services, run here as plain processes: each with its compose command
+through infra/entrypoint.py and its compose environment, only the container addresses mapped to
+loopback ones (there is no Docker engine). Two transfer replicas share one NVMe root, as
+`--scale transfer=2` makes them. They must all pass their compose health checks and serve a completion."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+import pytest
+
+from shared.deploy.topology import SERVICES
+from tests.conftest import REPO_ROOT, NatsServer, free_port, service_env
+from tests.deploy.conftest import env_of
+from tests.fixtures.s3 import S3Server, s3_server  # noqa: F401  (fixture)
+
+ENTRYPOINT = REPO_ROOT / "infra" / "entrypoint.py"
+REPLICAS = {"transfer": 2}
+START_TIMEOUT_S = 180.0
+
+
+class Instance:
+    def __init__(
+        self, name: str, proc: subprocess.Popen[bytes], env: dict[str, str], health: list[str], log: Path
+    ) -> None:
+        self.name, self.proc, self.env, self.health, self.log = name, proc, env, health, log
+
+    def healthy(self) -> bool:
+        return subprocess.run(self.health, env=self.env, check=False, capture_output=True, timeout=30).returncode == 0
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def local_env(
+    compose_env: dict[str, str], nats_url: str, s3_url: str, namespace: str, model_dir: Path, nvme_root: Path
+) -> dict[str, str]:
+    """The service's compose environment with container names and ports replaced by loopback ones."""
+    env = dict(compose_env)
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # no Jaeger here
+    assert env["HALFMOON_NATS_URL"] == "nats://nats:4222"
+    env.update(HALFMOON_NATS_URL=nats_url, HALFMOON_NAMESPACE=namespace, HALFMOON_METRICS_PORT=str(free_port()))
+    if "HALFMOON_MODEL_DIR" in env:
+        env["HALFMOON_MODEL_DIR"] = str(model_dir)
+    if "HALFMOON_S3_ENDPOINT" in env:
+        assert env["HALFMOON_S3_ENDPOINT"] == "http://s3:8333"
+        env["HALFMOON_S3_ENDPOINT"] = s3_url
+    if "HALFMOON_NVME_ROOT" in env:
+        env["HALFMOON_NVME_ROOT"] = str(nvme_root)
+    if "HALFMOON_HOST" in env:
+        assert env["HALFMOON_HOST"] == "0.0.0.0"
+        env.update(HALFMOON_HOST="127.0.0.1", HALFMOON_PORT=str(free_port()))  # loopback only on this machine
+    return env
+
+
+@pytest.fixture
+def compose_system(
+    compose: dict[str, Any],
+    nats_server: NatsServer,
+    s3_server: S3Server,  # noqa: F811
+    namespace: str,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> Iterator[dict[str, list[Instance]]]:
+    transfer_env = env_of(compose["services"]["transfer"])
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id=transfer_env["HALFMOON_S3_ACCESS_KEY"],
+        aws_secret_access_key=transfer_env["HALFMOON_S3_SECRET_KEY"],
+    ).create_bucket(Bucket=transfer_env["HALFMOON_S3_BUCKET"])  # what the s3-bucket job does
+    system: dict[str, list[Instance]] = {}
+    try:
+        for spec in SERVICES:
+            svc = compose["services"][spec.name]
+            for replica in range(REPLICAS.get(spec.name, 1)):
+                env = local_env(
+                    env_of(svc), nats_server.url, s3_server.endpoint_url, namespace, tiny_model_dir, tmp_path / "nvme"
+                )
+                health = [sys.executable if a == "python" else a for a in svc["healthcheck"]["test"][1:]]
+                if spec.name == "gateway":
+                    health = [a.replace("127.0.0.1:8000/", f"127.0.0.1:{env['HALFMOON_PORT']}/") for a in health]
+                assert svc["command"][0] == "python"
+                log = tmp_path / f"{spec.name}-{replica}.log"
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen(
+                        [sys.executable, str(ENTRYPOINT), sys.executable, *svc["command"][1:]],
+                        cwd=REPO_ROOT,
+                        env={**service_env(), **env},
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                system.setdefault(spec.name, []).append(Instance(spec.name, proc, {**os.environ, **env}, health, log))
+        yield system
+    finally:
+        instances = [i for group in system.values() for i in group]
+        for instance in instances:
+            if instance.proc.poll() is None:
+                instance.proc.send_signal(signal.SIGTERM)
+        for instance in instances:
+            try:
+                instance.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                instance.proc.kill()
+                instance.proc.wait()
+
+
+class TestComposeServicesRunAsConfigured:
+    def test_all_pass_their_health_checks_and_serve_a_completion(
+        self, compose_system: dict[str, list[Instance]]
+    ) -> None:
+        pending = [i for group in compose_system.values() for i in group]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while pending:
+            for instance in pending:
+                assert instance.proc.poll() is None, f"{instance.name} exited:\n{instance.log_tail()}"
+            assert time.monotonic() < deadline, f"never healthy: {[i.name for i in pending]}"
+            pending = [i for i in pending if not i.healthy()]
+
+        nvme_root = Path(compose_system["transfer"][0].env["HALFMOON_NVME_ROOT"])
+        assert sorted(p.name for p in nvme_root.iterdir() if p.is_dir()) == ["slot-0", "slot-1"]
+
+        gateway = f"http://127.0.0.1:{compose_system['gateway'][0].env['HALFMOON_PORT']}"
+        model = httpx.get(f"{gateway}/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(
+            f"{gateway}/v1/completions",
+            timeout=120,
+            json={"model": model, "prompt": "the cache block", "max_tokens": 8, "temperature": 0},
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-request-id"] and reply.json()["usage"]["completion_tokens"] > 0
