@@ -167,3 +167,22 @@ class TestHealthchecks:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=40)
         assert not healthy(), "a stopped service must not look healthy"
+
+
+class TestOptIns:
+    def test_shared_memory_only_with_the_override(self, compose: dict[str, Any]) -> None:
+        assert all("ipc" not in svc and "hostname" not in svc for svc in compose["services"].values()), "TCP by default"
+        override = yaml.safe_load(COMPOSE_OVERRIDES[0].read_text())["services"]
+        assert override["transfer"]["ipc"] == "shareable"
+        for worker in ("prefill", "decode"):
+            assert override[worker]["ipc"] == "service:transfer"
+            assert override[worker]["hostname"] == override["transfer"]["hostname"], "same host identity"
+
+    def test_gpus_only_with_the_override(self, compose: dict[str, Any]) -> None:
+        assert all("deploy" not in svc for svc in compose["services"].values())
+        override = yaml.safe_load(COMPOSE_OVERRIDES[1].read_text())["services"]
+        assert set(override) == {"prefill", "decode"}
+        for worker in override.values():
+            (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+            assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+            assert worker["environment"]["HALFMOON_DEVICE"] == "cuda"
