@@ -17,29 +17,32 @@ class Placement(NamedTuple):
     prefill: str
     decode: str
     predicted_ttft_ms: float | None = None
+    reused_tokens: int = 0  # prompt tokens the chosen prefill instance is expected to reuse
 
 
 class Rejection(NamedTuple):
     reason: RejectReason
     message: str
+    retry_after_s: float | None = None  # None: the conductor's configured default
 
 
 class PlacementPolicy(ABC):
     """Chooses a (prefill, decode) pair for ``request`` among live, non-draining candidates.
 
-    Contract: no I/O and no clock; the same inputs give the same answer. Returns a
+    Contract: no I/O and no clock (``now`` is passed in); the same inputs give the same answer. Returns a
     :class:`Rejection` (never raises) when no acceptable pair exists, so the caller can
     reject early instead of wasting prefill.
     """
 
     @abstractmethod
     def place(
-        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView]
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        now: float = 0.0,
     ) -> Placement | Rejection: ...
 
 
 def _pending(view: InstanceView) -> int:
-    return view.load.queue_len + view.load.running + view.assigned
+    return max(0, view.load.queue_len + view.load.running + view.assigned)
 
 
 class LeastLoaded(PlacementPolicy):
@@ -47,7 +50,8 @@ class LeastLoaded(PlacementPolicy):
     remaining ties to the smallest instance id."""
 
     def place(
-        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView]
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        now: float = 0.0,
     ) -> Placement | Rejection:
         if not prefill:
             return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")

@@ -78,6 +78,12 @@ class InstanceTable:
         if (entry := self._entries.get(instance_id)) is not None:
             entry.assigned += 1
 
+    def note_done(self, instance_id: str) -> None:
+        """One request here finished its part since the last heartbeat: ``assigned`` is the net
+        change since that heartbeat, so it may go below zero (the heartbeat still counted it)."""
+        if (entry := self._entries.get(instance_id)) is not None:
+            entry.assigned -= 1
+
     def get(self, instance_id: str) -> InstanceView | None:
         entry = self._entries.get(instance_id)
         return None if entry is None else entry.view()

@@ -58,8 +58,11 @@ class PrefillService(EngineWorker):
         METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - local - len(fetched.payloads))
         try:
             try:
+                computing = time.perf_counter()
                 first = await self._compute(req, keys, local, fetched.payloads)
-                await self._publish_cache_events()
+                cached = first.num_cached_tokens
+                sample = (len(req.prompt_token_ids) - cached, cached, time.perf_counter() - computing)
+                await self._publish_cache_events(sample)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
                 return
@@ -111,12 +114,12 @@ class PrefillService(EngineWorker):
             return node.address
         raise TransferError("no transfer node took the hand-off blocks")
 
-    async def _publish_cache_events(self) -> None:
+    async def _publish_cache_events(self, sample: tuple[int, int, float]) -> None:
+        """Tell the conductor what the local prefix cache gained and lost, and how long prefill took."""
         assert self.engine is not None
         stored, evicted = await self.engine.call(lambda e: e.take_cache_events())
-        if stored or evicted:
-            await self.publish(self.subjects.kv_events, KVEvents(instance_id=self.instance_id, stored=tuple(stored),
-                                                                 evicted=tuple(evicted)))
+        await self.publish(self.subjects.kv_events, KVEvents(instance_id=self.instance_id, stored=tuple(stored),
+                                                             evicted=tuple(evicted), prefill_samples=(sample,)))
 
     async def _on_snapshot_request(self, _request: SnapshotRequest, _headers: Mapping[str, str]) -> None:
         assert self.engine is not None

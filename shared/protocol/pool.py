@@ -71,12 +71,14 @@ class RemoveRequest(Message, frozen=True, kw_only=True, tag="remove"):
 
 class KVEvents(Message, frozen=True, kw_only=True, tag="kv_events"):
     """A prefill instance's local prefix cache changed: ``stored`` and ``evicted`` block keys.
-    A ``snapshot`` lists every key it holds and replaces what the receiver knew of it."""
+    A ``snapshot`` lists every key it holds and replaces what the receiver knew of it. The
+    prefill timings measured since the last event ride along, for the conductor's cost model."""
 
     instance_id: str
     stored: tuple[bytes, ...] = ()
     evicted: tuple[bytes, ...] = ()
     snapshot: bool = False
+    prefill_samples: tuple[tuple[int, int, float], ...] = ()  # measured (new tokens, cached tokens, seconds)
 
 
 class SnapshotRequest(Message, frozen=True, kw_only=True, tag="kv_snapshot_request"):

@@ -1,0 +1,67 @@
+"""Mooncake's KVCache-centric placement on the live instance set: the shared policy code
+(Algorithm 1, SLO-aware decode choice, early rejection) fed from heartbeats and KV events."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from services.conductor.kv_index import LiveBlockIndex
+from services.conductor.placement import Placement, PlacementPolicy, Rejection
+from services.conductor.registry import InstanceView
+from shared.kv.hashing import BlockHasher
+from shared.policy.scheduler import KVCentricScheduler
+from shared.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
+from shared.protocol.scheduling import RejectReason, ScheduleRequest
+
+
+class KVCentricPlacement(PlacementPolicy):
+    """Contract: pure given its inputs and ``now``; the caller owns the block index, the cost
+    fitter and the per-instance work estimate, and feeds them from events.
+
+    A prefill instance's queue wait is its queued + running + just-assigned requests times
+    the mean predicted prefill time of the requests placed on it; a decode instance's
+    context is its used KV blocks (heartbeat) in tokens.
+    """
+
+    def __init__(self, scheduler: KVCentricScheduler, hasher: Callable[[str | None], BlockHasher],
+                 index: LiveBlockIndex, block_size: int) -> None:
+        self.scheduler = scheduler
+        self.hasher = hasher
+        self.index = index
+        self.block_size = block_size
+        self.mean_prefill_s: dict[str, float] = {}
+
+    def route(self, request: ScheduleRequest) -> RouteRequest:
+        keys = self.hasher(request.tenant_salt).keys(request.prompt_token_ids)
+        return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size)
+
+    def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
+        waiting = max(0, view.load.queue_len + view.load.running + view.assigned)
+        queue_s = waiting * self.mean_prefill_s.get(view.instance_id, 0.0)
+        recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
+        return PrefillInstanceState(view.instance_id, queue_s, waiting, recent)
+
+    def _decode_state(self, view: InstanceView) -> DecodeInstanceState:
+        used = view.load.total_kv_blocks - view.load.free_kv_blocks
+        recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
+        return DecodeInstanceState(view.instance_id, max(0, view.load.running + view.assigned), used * self.block_size,
+                                   view.load.total_kv_blocks * self.block_size, recent)
+
+    def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+              now: float = 0.0) -> Placement | Rejection:
+        if not prefill:
+            return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
+        if not decode:
+            return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
+        decision = self.scheduler.schedule(self.route(request), [self._prefill_state(v) for v in prefill],
+                                           [self._decode_state(v) for v in decode], self.index, now)
+        if not decision.accepted:
+            predicted = f" (predicted TTFT {decision.prefill.ttft_s:.2f}s)" if decision.prefill else ""
+            return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s)
+        assert decision.prefill is not None
+        chosen = decision.prefill
+        previous = self.mean_prefill_s.get(chosen.instance_id, chosen.prefill_s)
+        self.mean_prefill_s[chosen.instance_id] = 0.8 * previous + 0.2 * chosen.prefill_s
+        decode_id = decision.decode.instance_id if decision.decode else min(
+            decode, key=lambda v: (v.load.running + v.assigned, v.instance_id)).instance_id
+        return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size)
