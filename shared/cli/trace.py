@@ -81,8 +81,10 @@ def build_waterfall(spans: list[Span], request_id: str) -> Waterfall:
 
 def slowest(roots: list[Span], count: int) -> list[RequestSummary]:
     ranked = sorted(roots, key=lambda s: s.duration_ns, reverse=True)[:count]
-    return [RequestSummary(str(s.attributes[REQUEST_ID]), s.trace_id, s.duration_ns / 1e6, _when(s.start_ns),
-                           s.status) for s in ranked]
+    return [
+        RequestSummary(str(s.attributes[REQUEST_ID]), s.trace_id, s.duration_ns / 1e6, _when(s.start_ns), s.status)
+        for s in ranked
+    ]
 
 
 def bar(offset_ms: float, duration_ms: float, total_ms: float, width: int = BAR_WIDTH) -> str:
@@ -94,8 +96,11 @@ def bar(offset_ms: float, duration_ms: float, total_ms: float, width: int = BAR_
 
 
 def key_attributes(span: Span) -> str:
-    shown = sorted((k.removeprefix("halfmoon."), v) for k, v in span.attributes.items()
-                   if k.startswith("halfmoon.") and k not in _HIDDEN)
+    shown = sorted(
+        (k.removeprefix("halfmoon."), v)
+        for k, v in span.attributes.items()
+        if k.startswith("halfmoon.") and k not in _HIDDEN
+    )
     text = " ".join(f"{k}={v}" for k, v in shown)
     return f"ERROR {text}".rstrip() if span.status == "ERROR" else text
 
@@ -103,18 +108,35 @@ def key_attributes(span: Span) -> str:
 def render_waterfall(fall: Waterfall, console) -> None:  # type: ignore[no-untyped-def]
     from rich.table import Table
 
-    console.print(f"[bold]request[/] {fall.request_id}  [bold]trace[/] {fall.trace_id}  "
-                  f"[bold]total[/] {fall.total_ms:.2f} ms  [bold]started[/] {fall.started:%Y-%m-%d %H:%M:%S.%f} UTC",
-                  soft_wrap=True)
+    console.print(
+        f"[bold]request[/] {fall.request_id}  [bold]trace[/] {fall.trace_id}  "
+        f"[bold]total[/] {fall.total_ms:.2f} ms  [bold]started[/] {fall.started:%Y-%m-%d %H:%M:%S.%f} UTC",
+        soft_wrap=True,
+    )
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name, justify in (("start ms", "right"), ("dur ms", "right"), ("timeline", "left"), ("service", "left"),
-                          ("instance", "left"), ("span", "left"), ("attributes", "left")):
+    for name, justify in (
+        ("start ms", "right"),
+        ("dur ms", "right"),
+        ("timeline", "left"),
+        ("service", "left"),
+        ("instance", "left"),
+        ("span", "left"),
+        ("attributes", "left"),
+    ):
         table.add_column(name, justify=justify, no_wrap=name != "attributes")  # type: ignore[arg-type]
     for hop in fall.hops:
         s = hop.span
         style = "red" if s.status == "ERROR" else None
-        table.add_row(f"{hop.offset_ms:.2f}", f"{hop.duration_ms:.2f}", bar(hop.offset_ms, hop.duration_ms,
-                      fall.total_ms), s.service, s.instance, "  " * hop.depth + s.name, key_attributes(s), style=style)
+        table.add_row(
+            f"{hop.offset_ms:.2f}",
+            f"{hop.duration_ms:.2f}",
+            bar(hop.offset_ms, hop.duration_ms, fall.total_ms),
+            s.service,
+            s.instance,
+            "  " * hop.depth + s.name,
+            key_attributes(s),
+            style=style,
+        )
     console.print(table)
 
 
@@ -122,12 +144,18 @@ def render_slowest(rows: list[RequestSummary], console) -> None:  # type: ignore
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name, justify in (("request id", "left"), ("total ms", "right"), ("started (UTC)", "left"),
-                          ("status", "left"), ("trace id", "left")):
+    for name, justify in (
+        ("request id", "left"),
+        ("total ms", "right"),
+        ("started (UTC)", "left"),
+        ("status", "left"),
+        ("trace id", "left"),
+    ):
         table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))  # type: ignore[arg-type]
     for row in rows:
-        table.add_row(row.request_id, f"{row.total_ms:.2f}", f"{row.started:%Y-%m-%d %H:%M:%S.%f}", row.status,
-                      row.trace_id)
+        table.add_row(
+            row.request_id, f"{row.total_ms:.2f}", f"{row.started:%Y-%m-%d %H:%M:%S.%f}", row.status, row.trace_id
+        )
     console.print(table)
 
 

@@ -37,9 +37,18 @@ class Span(NamedTuple):
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Span:
         """One line of the JSONL span file."""
-        return cls(record["trace_id"], record["span_id"], record.get("parent_id"), record["name"],
-                   record.get("service") or "?", record.get("instance") or "", int(record["start_ns"]),
-                   int(record["end_ns"]), record.get("status") or "UNSET", dict(record.get("attributes") or {}))
+        return cls(
+            record["trace_id"],
+            record["span_id"],
+            record.get("parent_id"),
+            record["name"],
+            record.get("service") or "?",
+            record.get("instance") or "",
+            int(record["start_ns"]),
+            int(record["end_ns"]),
+            record.get("status") or "UNSET",
+            dict(record.get("attributes") or {}),
+        )
 
 
 def is_request_root(span: Span) -> bool:
@@ -110,20 +119,32 @@ def parse_jaeger(document: Mapping[str, Any]) -> list[Span]:
                 process = processes.get(raw.get("processID"), {})
                 process_tags = {t["key"]: _tag_value(t) for t in process.get("tags") or []}
                 tags = {t["key"]: _tag_value(t) for t in raw.get("tags") or []}
-                parents = [r["spanID"] for r in raw.get("references") or [] if r.get("refType") == "CHILD_OF"
-                           and r.get("traceID") == raw["traceID"]]
+                parents = [
+                    r["spanID"]
+                    for r in raw.get("references") or []
+                    if r.get("refType") == "CHILD_OF" and r.get("traceID") == raw["traceID"]
+                ]
                 status = str(tags.pop("otel.status_code", "UNSET")).upper()
                 if tags.pop("error", False) is True and status == "UNSET":
                     status = "ERROR"
-                attributes = {k: v for k, v in tags.items()
-                              if not k.startswith(("otel.", "span.kind", "internal.span.format"))}
+                attributes = {
+                    k: v for k, v in tags.items() if not k.startswith(("otel.", "span.kind", "internal.span.format"))
+                }
                 start_ns = int(raw["startTime"]) * 1000  # Jaeger keeps microseconds
-                spans.append(Span(
-                    trace_id=raw["traceID"].rjust(32, "0"), span_id=raw["spanID"].rjust(16, "0"),
-                    parent_id=parents[0].rjust(16, "0") if parents else None, name=raw["operationName"],
-                    service=process.get("serviceName") or "?", instance=str(process_tags.get("service.instance.id", "")),
-                    start_ns=start_ns, end_ns=start_ns + int(raw["duration"]) * 1000, status=status,
-                    attributes=attributes))
+                spans.append(
+                    Span(
+                        trace_id=raw["traceID"].rjust(32, "0"),
+                        span_id=raw["spanID"].rjust(16, "0"),
+                        parent_id=parents[0].rjust(16, "0") if parents else None,
+                        name=raw["operationName"],
+                        service=process.get("serviceName") or "?",
+                        instance=str(process_tags.get("service.instance.id", "")),
+                        start_ns=start_ns,
+                        end_ns=start_ns + int(raw["duration"]) * 1000,
+                        status=status,
+                        attributes=attributes,
+                    )
+                )
         return spans
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TraceSourceError(f"not a Jaeger traces document: {exc!r}") from None
@@ -162,4 +183,3 @@ class JaegerSource(SpanSource):
         found = self._get("/api/traces", jaeger_search_params(None, limit, self.lookback))
         roots = [s for s in found if is_request_root(s)]
         return sorted(roots, key=lambda s: s.start_ns, reverse=True)[:limit]
-

@@ -38,21 +38,36 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("halfmoon_ttft_seconds", "prefill-side time from request to first token",
-                              ["instance"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tbt = Histogram("halfmoon_tbt_seconds", "decode step time (time between tokens)",
-                             ["instance"], buckets=_STEP_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "halfmoon_ttft_seconds",
+            "prefill-side time from request to first token",
+            ["instance"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tbt = Histogram(
+            "halfmoon_tbt_seconds",
+            "decode step time (time between tokens)",
+            ["instance"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.queue_length = Gauge("halfmoon_queue_length", "requests waiting", ["role"], registry=r)
-        self.running_requests = Gauge("halfmoon_running_requests", "requests in the running batch", ["role"],
-                                      registry=r)
-        self.cache_hit_blocks = Counter("halfmoon_cache_hit_blocks", "prompt blocks found in the KVCache pool",
-                                        ["role"], registry=r)
-        self.cache_miss_blocks = Counter("halfmoon_cache_miss_blocks", "prompt blocks not found in the KVCache pool",
-                                         ["role"], registry=r)
-        self.pool_bytes = Gauge("halfmoon_pool_bytes", "bytes of KVCache held per node and tier", ["node", "tier"],
-                                registry=r)
-        self.transfer_bytes = Counter("halfmoon_transfer_bytes", "KV bytes moved by the data plane",
-                                      ["transport", "direction"], registry=r)
+        self.running_requests = Gauge(
+            "halfmoon_running_requests", "requests in the running batch", ["role"], registry=r
+        )
+        self.cache_hit_blocks = Counter(
+            "halfmoon_cache_hit_blocks", "prompt blocks found in the KVCache pool", ["role"], registry=r
+        )
+        self.cache_miss_blocks = Counter(
+            "halfmoon_cache_miss_blocks", "prompt blocks not found in the KVCache pool", ["role"], registry=r
+        )
+        self.pool_bytes = Gauge(
+            "halfmoon_pool_bytes", "bytes of KVCache held per node and tier", ["node", "tier"], registry=r
+        )
+        self.transfer_bytes = Counter(
+            "halfmoon_transfer_bytes", "KV bytes moved by the data plane", ["transport", "direction"], registry=r
+        )
         self.rejections = Counter("halfmoon_rejections", "requests refused", ["reason"], registry=r)
         self.errors = Counter("halfmoon_errors", "failures", ["kind"], registry=r)
         self._sources: list[ScrapeSource] = []

@@ -82,9 +82,17 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         ids = []
         for max_tokens in (2, 12, 6):
-            reply = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
-                               json={"model": model_name(cluster), "prompt": "show me the waterfall " * 8,
-                                     "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            reply = httpx.post(
+                f"{cluster.url}/v1/completions",
+                timeout=60,
+                json={
+                    "model": model_name(cluster),
+                    "prompt": "show me the waterfall " * 8,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             assert reply.status_code == 200, reply.text
             ids.append(reply.headers["x-request-id"])
         for request_id in ids:
@@ -95,8 +103,9 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 class TestWaterfallOfARealRequest:
-    def test_every_request_path_service_appears_within_the_total(self, traced: Traced,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    def test_every_request_path_service_appears_within_the_total(
+        self, traced: Traced, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         request_id = traced.request_ids[1]
         code, out, _ = run_cli(capsys, request_id, "--trace-file", str(traced.cluster.trace_file))
         assert code == 0
@@ -146,8 +155,9 @@ class TestSlowest:
         assert {row[0] for row in listed} == set(traced.request_ids)
         totals = [float(row[1]) for row in listed]
         assert totals == sorted(totals, reverse=True)
-        slowest = max((s for s in JsonlSource(traced.cluster.trace_file).recent_roots(100)),
-                      key=lambda s: s.duration_ns)
+        slowest = max(
+            (s for s in JsonlSource(traced.cluster.trace_file).recent_roots(100)), key=lambda s: s.duration_ns
+        )
         assert listed[0][0] == slowest.attributes["halfmoon.request_id"]
 
     def test_limits_the_count(self, traced: Traced, capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,22 +174,39 @@ def jaeger_document(spans: list[Span]) -> dict[str, Any]:
     """What Jaeger's /api/traces answers for these spans (OTLP-ingested, microsecond times)."""
     traces: dict[str, dict[str, Any]] = {}
     for span in spans:
-        trace = traces.setdefault(span.trace_id, {"traceID": span.trace_id, "spans": [], "processes": {},
-                                                  "warnings": None})
+        trace = traces.setdefault(
+            span.trace_id, {"traceID": span.trace_id, "spans": [], "processes": {}, "warnings": None}
+        )
         pid = next((p for p, proc in trace["processes"].items() if proc["tags"][0]["value"] == span.instance), None)
         if pid is None:
             pid = f"p{len(trace['processes']) + 1}"
-            trace["processes"][pid] = {"serviceName": span.service, "tags": [
-                jaeger_tag("service.instance.id", span.instance), jaeger_tag("telemetry.sdk.language", "python")]}
+            trace["processes"][pid] = {
+                "serviceName": span.service,
+                "tags": [
+                    jaeger_tag("service.instance.id", span.instance),
+                    jaeger_tag("telemetry.sdk.language", "python"),
+                ],
+            }
         tags = [jaeger_tag(k, v) for k, v in span.attributes.items()]
         tags += [jaeger_tag("span.kind", "server"), jaeger_tag("internal.span.format", "otlp")]
         if span.status != "UNSET":
             tags.append(jaeger_tag("otel.status_code", span.status))
         refs = [{"refType": "CHILD_OF", "traceID": span.trace_id, "spanID": span.parent_id}] if span.parent_id else []
-        trace["spans"].append({"traceID": span.trace_id, "spanID": span.span_id, "flags": 1,
-                               "operationName": span.name, "references": refs, "startTime": span.start_ns // 1000,
-                               "duration": span.duration_ns // 1000, "tags": tags, "logs": [], "processID": pid,
-                               "warnings": None})
+        trace["spans"].append(
+            {
+                "traceID": span.trace_id,
+                "spanID": span.span_id,
+                "flags": 1,
+                "operationName": span.name,
+                "references": refs,
+                "startTime": span.start_ns // 1000,
+                "duration": span.duration_ns // 1000,
+                "tags": tags,
+                "logs": [],
+                "processID": pid,
+                "warnings": None,
+            }
+        )
     return {"data": list(traces.values()), "total": 0, "limit": 0, "offset": 0, "errors": None}
 
 
@@ -202,11 +229,26 @@ class TestJaegerDocuments:
         assert from_jaeger.total_ms == pytest.approx(from_file.total_ms, abs=0.002)
 
     def test_an_error_tag_marks_the_span_failed(self) -> None:
-        doc = {"data": [{"traceID": "ab" * 16, "processes": {"p1": {"serviceName": "decode", "tags": []}},
-                         "spans": [{"traceID": "ab" * 16, "spanID": "cd" * 8, "operationName": "decode.generate",
-                                    "references": [], "startTime": 1_700_000_000_000_000, "duration": 1500,
-                                    "tags": [jaeger_tag("error", True), jaeger_tag("halfmoon.bytes", 64)],
-                                    "processID": "p1"}]}]}
+        doc = {
+            "data": [
+                {
+                    "traceID": "ab" * 16,
+                    "processes": {"p1": {"serviceName": "decode", "tags": []}},
+                    "spans": [
+                        {
+                            "traceID": "ab" * 16,
+                            "spanID": "cd" * 8,
+                            "operationName": "decode.generate",
+                            "references": [],
+                            "startTime": 1_700_000_000_000_000,
+                            "duration": 1500,
+                            "tags": [jaeger_tag("error", True), jaeger_tag("halfmoon.bytes", 64)],
+                            "processID": "p1",
+                        }
+                    ],
+                }
+            ]
+        }
         (span,) = parse_jaeger(doc)
         assert span.status == "ERROR" and span.attributes == {"halfmoon.bytes": 64}
         assert span.duration_ns == 1_500_000 and span.service == "decode" and span.instance == ""

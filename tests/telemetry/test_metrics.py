@@ -11,14 +11,26 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.service.config import ServiceConfig, load_config
 from shared.telemetry.metrics import Metrics, MetricsEndpoint
 
-NAMES = ("halfmoon_ttft_seconds", "halfmoon_tbt_seconds", "halfmoon_queue_length", "halfmoon_running_requests",
-         "halfmoon_cache_hit_blocks", "halfmoon_cache_miss_blocks", "halfmoon_pool_bytes", "halfmoon_transfer_bytes",
-         "halfmoon_rejections", "halfmoon_errors")
+NAMES = (
+    "halfmoon_ttft_seconds",
+    "halfmoon_tbt_seconds",
+    "halfmoon_queue_length",
+    "halfmoon_running_requests",
+    "halfmoon_cache_hit_blocks",
+    "halfmoon_cache_miss_blocks",
+    "halfmoon_pool_bytes",
+    "halfmoon_transfer_bytes",
+    "halfmoon_rejections",
+    "halfmoon_errors",
+)
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 class TestRegistry:

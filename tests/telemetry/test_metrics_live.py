@@ -16,11 +16,25 @@ from tests.e2e.conftest import model_name
 
 # The engine's local prefix cache is off so that a repeated prompt is served from the pool (the
 # cache-manager's lookups count it too); prefill's counters cover both tiers either way.
-ENV = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_METRICS_PORT": "-1", "OTEL_BSP_SCHEDULE_DELAY": "100",
-       "HALFMOON_LOCAL_PREFIX_CACHE": "0", "HALFMOON_METRICS_HOST": "127.0.0.1"}
-NAMES = ("halfmoon_ttft_seconds", "halfmoon_tbt_seconds", "halfmoon_queue_length", "halfmoon_running_requests",
-         "halfmoon_cache_hit_blocks", "halfmoon_cache_miss_blocks", "halfmoon_pool_bytes", "halfmoon_transfer_bytes",
-         "halfmoon_rejections", "halfmoon_errors")
+ENV = {
+    "HALFMOON_HEARTBEAT_INTERVAL_S": "0.25",
+    "HALFMOON_METRICS_PORT": "-1",
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
+    "HALFMOON_LOCAL_PREFIX_CACHE": "0",
+    "HALFMOON_METRICS_HOST": "127.0.0.1",
+}
+NAMES = (
+    "halfmoon_ttft_seconds",
+    "halfmoon_tbt_seconds",
+    "halfmoon_queue_length",
+    "halfmoon_running_requests",
+    "halfmoon_cache_hit_blocks",
+    "halfmoon_cache_miss_blocks",
+    "halfmoon_pool_bytes",
+    "halfmoon_transfer_bytes",
+    "halfmoon_rejections",
+    "halfmoon_errors",
+)
 # long enough for several full 16-token blocks, so a repeat finds a cached prefix
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog while the cat watches " * 6
 _URL = re.compile(r"metrics on http://[0-9.]+:(\d+)/metrics")
@@ -48,20 +62,26 @@ class Scraper:
     def value(self, instance_id: str, sample: str, **labels: str) -> float:
         """Sum of ``sample`` over the series matching ``labels`` (0 if none)."""
         family = re.sub(r"_(total|count|sum|bucket)$", "", sample)
-        return sum(s.value for s in self.families(instance_id).get(family, [])
-                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for s in self.families(instance_id).get(family, [])
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
 
 def complete(cluster: LocalCluster, prompt: str, max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(f"{cluster.url}/v1/completions", timeout=60,
-                      json={"model": model_name(cluster), "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0})
+    return httpx.post(
+        f"{cluster.url}/v1/completions",
+        timeout=60,
+        json={"model": model_name(cluster), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(tiny_model_dir, tmp_path_factory.mktemp("run-metrics"), {}, gateway_port=0,
-                           namespace="metrics", env=ENV)
+    cluster = LocalCluster(
+        tiny_model_dir, tmp_path_factory.mktemp("run-metrics"), {}, gateway_port=0, namespace="metrics", env=ENV
+    )
     cluster.start(timeout=240)
     yield cluster
     cluster.stop()
@@ -74,8 +94,14 @@ def scraper(cluster: LocalCluster) -> Scraper:
 
 class TestEveryServiceExposesTheNamedMetrics:
     def test_all_families_on_every_instance(self, cluster: LocalCluster, scraper: Scraper) -> None:
-        assert set(scraper.ports) == {"conductor-0", "cache-manager-0", "transfer-0", "prefill-0", "decode-0",
-                                      "gateway-0"}
+        assert set(scraper.ports) == {
+            "conductor-0",
+            "cache-manager-0",
+            "transfer-0",
+            "prefill-0",
+            "decode-0",
+            "gateway-0",
+        }
         assert len(set(scraper.ports.values())) == len(scraper.ports)
         for instance_id in scraper.ports:
             assert set(NAMES) <= set(scraper.families(instance_id)), instance_id
@@ -107,8 +133,9 @@ class TestServingIsCounted:
 
     def test_load_gauges_carry_the_role(self, scraper: Scraper) -> None:
         queue = [s for s in scraper.families("prefill-0")["halfmoon_queue_length"] if s.labels == {"role": "prefill"}]
-        running = [s for s in scraper.families("decode-0")["halfmoon_running_requests"]
-                   if s.labels == {"role": "decode"}]
+        running = [
+            s for s in scraper.families("decode-0")["halfmoon_running_requests"] if s.labels == {"role": "decode"}
+        ]
         assert len(queue) == 1 and queue[0].value >= 0
         assert len(running) == 1 and running[0].value >= 0
 
@@ -116,8 +143,10 @@ class TestServingIsCounted:
 class TestCacheHitsAreCounted:
     def test_repeating_a_long_prompt_hits_the_pool(self, cluster: LocalCluster, scraper: Scraper) -> None:
         def counts(instance_id: str) -> tuple[float, float]:
-            return (scraper.value(instance_id, "halfmoon_cache_hit_blocks_total"),
-                    scraper.value(instance_id, "halfmoon_cache_miss_blocks_total"))
+            return (
+                scraper.value(instance_id, "halfmoon_cache_hit_blocks_total"),
+                scraper.value(instance_id, "halfmoon_cache_miss_blocks_total"),
+            )
 
         hits0, misses0 = counts("prefill-0")
         assert complete(cluster, LONG_PROMPT).status_code == 200
@@ -133,8 +162,14 @@ class TestCacheHitsAreCounted:
 
 @pytest.fixture(scope="module")
 def no_prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(tiny_model_dir, tmp_path_factory.mktemp("run-no-prefill"),
-                           {"prefill": 0, "decode": 0, "transfer": 0}, gateway_port=0, namespace="noprefill", env=ENV)
+    cluster = LocalCluster(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("run-no-prefill"),
+        {"prefill": 0, "decode": 0, "transfer": 0},
+        gateway_port=0,
+        namespace="noprefill",
+        env=ENV,
+    )
     cluster.start(timeout=240)
     yield cluster
     cluster.stop()
