@@ -101,7 +101,10 @@ class MetricsEndpoint:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve /metrics on {self.host}:{self.port}: {exc.strerror}") from exc
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property

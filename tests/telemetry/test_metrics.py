@@ -106,6 +106,17 @@ class TestEndpoint:
             await endpoint.stop()
 
 
+class TestPortInUse:
+    async def test_a_taken_port_is_a_clear_error(self) -> None:
+        first = MetricsEndpoint(Metrics(), "127.0.0.1", 0)
+        await first.start()
+        try:
+            with pytest.raises(OSError, match=f"cannot serve /metrics on 127.0.0.1:{first.port}"):
+                await MetricsEndpoint(Metrics(), "127.0.0.1", first.port).start()
+        finally:
+            await first.stop()
+
+
 class TestMetricsPortSetting:
     def test_default_is_off_and_minus_one_means_any_port(self) -> None:
         assert ServiceConfig().metrics_port == 0
