@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
+    ProcessCollector,
     Counter,
     Gauge,
     Histogram,
@@ -70,6 +71,7 @@ class Metrics:
         )
         self.rejections = Counter("halfmoon_rejections", "requests refused", ["reason"], registry=r)
         self.errors = Counter("halfmoon_errors", "failures", ["kind"], registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._sources: list[ScrapeSource] = []
 
     def on_scrape(self, source: ScrapeSource) -> Callable[[], None]:

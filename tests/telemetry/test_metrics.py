@@ -35,8 +35,10 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 class TestRegistry:
     def test_every_named_family_is_exposed_before_anything_is_recorded(self) -> None:
-        families = {f.name for f in text_string_to_metric_families(Metrics().render().decode())}
+        text = Metrics().render().decode()
+        families = {f.name for f in text_string_to_metric_families(text)}
         assert set(NAMES) <= families
+        assert samples(text)[("process_resident_memory_bytes", frozenset())] > 0
 
     def test_recordings_show_up_with_their_labels(self) -> None:
         metrics = Metrics()
