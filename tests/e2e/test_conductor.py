@@ -23,7 +23,7 @@ TTFT_SLO_S = 3.0
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # A pessimistic prior prefill speed for this CPU, so what the conductor accepts finishes in time.
-    env = {"HALFMOON_TTFT_SLO_S": str(TTFT_SLO_S), "HALFMOON_PREFILL_TOKENS_PER_S": "1500"}
+    env = {"HALFMOON_TTFT_SLO_S": str(TTFT_SLO_S), "HALFMOON_PREFILL_TOKENS_PER_S": "1000"}
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-conductor"), env=env, prefill=2, decode=1)
     yield cluster
     cluster.stop()
