@@ -13,6 +13,7 @@ from shared.protocol.pool import OrderBatch, OrderResults
 from shared.protocol.registry import Load, Role
 from shared.service.base import Service
 from shared.service.config import ServiceConfig
+from shared.storage.base import TierUnavailable
 from shared.storage.dram import ShmTier
 from shared.storage.node import NodeStore
 from shared.storage.nvme import DirTier
@@ -72,6 +73,10 @@ class TransferService(Service[TransferConfig]):
         if cfg.s3_endpoint:
             s3 = S3Tier(S3Config(endpoint_url=cfg.s3_endpoint, bucket=cfg.s3_bucket, prefix=cfg.s3_prefix,
                                  access_key=cfg.s3_access_key, secret_key=cfg.s3_secret_key))
+            try:
+                await s3.ensure_bucket()
+            except TierUnavailable as exc:  # the pool still serves from DRAM and NVMe
+                self.log.warning("S3 tier unavailable at start", extra={"error": str(exc)})
         self.store = NodeStore(ShmTier(cfg.dram_bytes), nvme, s3)
         self.server = BlockServer(self.store, cfg.host, cfg.port)
         await self.server.start()
