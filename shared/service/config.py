@@ -40,7 +40,8 @@ class ServiceConfig:
     metrics_port: int = field(
         default=0, metadata={"help": "serve Prometheus /metrics on this port (0: off, -1: any free port)"}
     )
-    metrics_host: str = field(default="0.0.0.0", metadata={"help": "address the /metrics endpoint listens on"})
+    metrics_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the /metrics endpoint listens on (0.0.0.0 in containers)"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates

@@ -48,7 +48,9 @@ def local_env(
     env = dict(compose_env)
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # no Jaeger here
     assert env["HALFMOON_NATS_URL"] == "nats://nats:4222"
-    env.update(HALFMOON_NATS_URL=nats_url, HALFMOON_NAMESPACE=namespace, HALFMOON_METRICS_PORT=str(free_port()))
+    assert env["HALFMOON_METRICS_HOST"] == "0.0.0.0"
+    env.update(HALFMOON_NATS_URL=nats_url, HALFMOON_NAMESPACE=namespace, HALFMOON_METRICS_PORT=str(free_port()),
+               HALFMOON_METRICS_HOST="127.0.0.1")  # loopback only on this machine
     if "HALFMOON_MODEL_DIR" in env:
         env["HALFMOON_MODEL_DIR"] = str(model_dir)
     if "HALFMOON_S3_ENDPOINT" in env:
