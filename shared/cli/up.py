@@ -21,6 +21,7 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
 
 def _up(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.table import Table
 
     from shared.deploy.local import LocalCluster
 
@@ -28,12 +29,18 @@ def _up(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer}
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
-                           gateway_port=args.port)
+                           gateway_port=args.port, metrics=True)
     with console.status("starting Halfmoon") as status:
         cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
     console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
                   f"[bold]{model.name}[/] ({args.prefill} prefill, {args.decode} decode); logs in {cluster.run_dir}/logs, "
-                  f"spans in {cluster.trace_file}. Ctrl-C stops everything.")
+                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). Ctrl-C stops everything.")
+    table = Table(title="instances", show_edge=False)
+    table.add_column("instance")
+    table.add_column("Prometheus metrics")
+    for instance, url in cluster.metrics_urls().items():
+        table.add_row(instance, url)
+    console.print(table)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

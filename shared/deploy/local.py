@@ -57,20 +57,26 @@ class LocalCluster:
 
     def __init__(self, model_dir: str | Path, run_dir: str | Path, counts: dict[str, int] | None = None, *,
                  nats_url: str | None = None, namespace: str = "halfmoon", gateway_port: int = 8000,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, metrics: bool = False) -> None:
         self.model_dir = str(model_dir)
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()  # services run from the repository root
         self.plan = instances(counts or {})
         self.nats_url = nats_url
         self.namespace = namespace
         self.gateway_port = gateway_port or free_port()
         self.extra_env = env or {}
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._nats: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
+
+    def metrics_urls(self) -> dict[str, str]:
+        urls = {iid: f"http://127.0.0.1:{port}/metrics" for iid, port in self.metrics_ports.items()}
+        return {"gateway-0": f"{self.url}/metrics", **urls} if self.metrics else {}
 
     @property
     def trace_file(self) -> Path:
@@ -86,6 +92,9 @@ class LocalCluster:
             env["HALFMOON_PORT"] = str(self.gateway_port)
         if spec.name == "transfer":
             env["HALFMOON_NVME_DIR"] = str(self.run_dir / "nvme" / instance_id)
+        if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
+            port = self.metrics_ports.setdefault(instance_id, free_port())
+            env.update(HALFMOON_METRICS_PORT=str(port), HALFMOON_METRICS_HOST="127.0.0.1")
         env.update(self.extra_env)
         return env
 
