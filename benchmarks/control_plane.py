@@ -80,7 +80,7 @@ def main() -> None:
                        for _ in range(args.requests)]
             with httpx.Client(base_url=cluster.url, timeout=120) as client:
                 name = client.get("/v1/models").json()["data"][0]["id"]
-                for prompt in prompts[:3]:  # warm-up: imports, connections, allocator
+                for prompt in prompts[:10]:  # warm-up: imports, connections, allocator, per-thread kernel caches
                     service_latencies(client, name, prompt, args.tokens)
                     engine_latencies(engine, prompt, args.tokens)
                 local, live = [], []

@@ -34,16 +34,38 @@ class AsyncEngine:
     the engine thread between steps (KV export, release, stats).
     """
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepTiming], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], LLMEngine],
+                 on_step: Callable[[StepTiming], None] | None = None) -> None:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._on_step = on_step
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._built = threading.Event()
+        self._failure: BaseException | None = None
+        self.engine: LLMEngine
+        # NOTE: the engine is built and stepped on this one thread. torch's OpenMP pool belongs to
+        # the thread that starts it; a second torch thread in the process halves the first one's speed.
+        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine", daemon=True)
         self._thread.start()
 
+    @classmethod
+    async def start(cls, make_engine: Callable[[], LLMEngine],
+                    on_step: Callable[[StepTiming], None] | None = None) -> AsyncEngine:
+        """Build the engine on its thread; raises what building raised (a bad model directory)."""
+        engine = cls(make_engine, on_step)
+        await asyncio.to_thread(engine._built.wait)
+        if engine._failure is not None:
+            raise engine._failure
+        return engine
+
     # ------------------------------------------------------------ engine thread
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's side
+            self._failure = exc
+            return
+        finally:
+            self._built.set()
         while True:
             block = not self.engine.has_unfinished()
             try:

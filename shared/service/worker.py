@@ -175,9 +175,9 @@ class EngineWorker(Service[WorkerConfig]):
         return self.meter.load(self.engine) if self.engine else Load()
 
     async def start(self) -> None:
-        engine = await asyncio.to_thread(LLMEngine, self.config.engine_config())
-        self.engine = AsyncEngine(engine, self._on_step)
-        self.pool = PoolClient(self, self.transfer, engine.layout)
+        config = self.config.engine_config()
+        self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
+        self.pool = PoolClient(self, self.transfer, self.engine.engine.layout)
         await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
         await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
