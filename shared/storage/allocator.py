@@ -62,12 +62,22 @@ class ExtentAllocator:
                 return Extent(offset, size)
         raise OutOfSpace(f"no free extent of {need} bytes (free {self.free_bytes} of {self.capacity})")
 
+    def _free_extent_at(self, offset: int, size: int) -> int | None:
+        """Index of the free extent wholly containing ``[offset, offset + size)``, if any."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset + self._round(size) > self._starts[i] + self._sizes[i]:
+            return None
+        return i
+
+    def is_free(self, offset: int, size: int) -> bool:
+        return self._free_extent_at(offset, size) is not None
+
     def claim(self, offset: int, size: int) -> Extent:
         need = self._round(size)
         if offset % self.alignment:
             raise ValueError(f"offset {offset} is not aligned to {self.alignment}")
-        i = bisect.bisect_right(self._starts, offset) - 1
-        if i < 0 or offset + need > self._starts[i] + self._sizes[i]:
+        i = self._free_extent_at(offset, size)
+        if i is None:
             raise OutOfSpace(f"extent [{offset}, {offset + need}) is not free")
         self._take(i, offset, need)
         return Extent(offset, size)

@@ -38,7 +38,8 @@ class ShmTier(StorageTier):
             if offset is None:
                 ext = self._alloc.allocate(size)
             else:
-                self._evict_overlapping(offset, size)
+                if not self._alloc.is_free(offset, size):  # the scan is O(blocks): only when needed
+                    self._evict_overlapping(offset, size)
                 ext = self._alloc.claim(offset, size)
         except OutOfSpace as exc:
             raise TierFull(str(exc)) from None
