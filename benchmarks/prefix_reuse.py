@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--shared", type=float, default=0.9)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--pool-only", action="store_true",
+                        help="turn off the prefill engine's local prefix cache: warm prefixes come from the pool")
     args = parser.parse_args()
     shared_len = int(args.tokens * args.shared)
     rng = random.Random(0)
@@ -61,8 +63,9 @@ def main() -> None:
             from shared.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny-llama"))
-        cluster = LocalCluster(model, Path(tmp) / "run", gateway_port=0, namespace="bench",
-                               env={"HALFMOON_PREFILL_CHUNK_SIZE": "2048", "HALFMOON_MAX_NUM_BATCHED_TOKENS": "2048"})
+        env = {"HALFMOON_PREFILL_CHUNK_SIZE": "2048", "HALFMOON_MAX_NUM_BATCHED_TOKENS": "2048",
+               "HALFMOON_LOCAL_PREFIX_CACHE": "false" if args.pool_only else "true"}
+        cluster = LocalCluster(model, Path(tmp) / "run", gateway_port=0, namespace="bench", env=env)
         cluster.start()
         try:
             with httpx.Client(base_url=cluster.url, timeout=300) as client:
@@ -79,7 +82,9 @@ def main() -> None:
                     hits.append(c_warm)
         finally:
             cluster.stop()
-    table = Table(title=f"TTFT, {args.tokens}-token prompts, {args.shared:.0%} shared prefix ({args.pairs} pairs)")
+    source = "the pool only" if args.pool_only else "local prefix cache, then the pool"
+    table = Table(title=f"TTFT, {args.tokens}-token prompts, {args.shared:.0%} shared prefix from {source} "
+                        f"({args.pairs} pairs)")
     for column in ("", "cold median (ms)", "warm median (ms)", "warm / cold", "cached tokens (warm)"):
         table.add_column(column, justify="right")
     ratio = statistics.median(w / c for w, c in zip(warm, cold))
