@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -71,7 +72,10 @@ def main() -> None:
             from shared.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny-llama"))
-        cluster = LocalCluster(model, Path(tmp) / "run", gateway_port=0, namespace="bench")
+        # Requests go one at a time, so prefill and decode never compute together: give each engine
+        # all the cores, as the in-process engine has.
+        cluster = LocalCluster(model, Path(tmp) / "run", gateway_port=0, namespace="bench",
+                               env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)})
         cluster.start()
         try:
             engine = LLMEngine(EngineConfig(model=model))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 from services.conductor.kv_index import LiveBlockIndex
@@ -18,9 +20,9 @@ class KVCentricPlacement(PlacementPolicy):
     """Contract: pure given its inputs and ``now``; the caller owns the block index, the cost
     fitter and the per-instance work estimate, and feeds them from events.
 
-    A prefill instance's queue wait is its queued + running + just-assigned requests times
-    the mean predicted prefill time of the requests placed on it; a decode instance's
-    context is its used KV blocks (heartbeat) in tokens.
+    A prefill instance's queue wait is the predicted prefill time of its latest placements, as
+    many as it has queued + running + just-assigned requests (the oldest have finished first);
+    a decode instance's context is its used KV blocks (heartbeat) in tokens.
     """
 
     def __init__(self, scheduler: KVCentricScheduler, hasher: Callable[[str | None], BlockHasher],
@@ -29,7 +31,7 @@ class KVCentricPlacement(PlacementPolicy):
         self.hasher = hasher
         self.index = index
         self.block_size = block_size
-        self.mean_prefill_s: dict[str, float] = {}
+        self.placed_prefill_s: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=1024))
 
     def route(self, request: ScheduleRequest) -> RouteRequest:
         keys = self.hasher(request.tenant_salt).keys(request.prompt_token_ids)
@@ -37,7 +39,8 @@ class KVCentricPlacement(PlacementPolicy):
 
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
         waiting = max(0, view.load.queue_len + view.load.running + view.assigned)
-        queue_s = waiting * self.mean_prefill_s.get(view.instance_id, 0.0)
+        placed = self.placed_prefill_s[view.instance_id]
+        queue_s = sum(itertools.islice(reversed(placed), waiting))
         recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
         return PrefillInstanceState(view.instance_id, queue_s, waiting, recent)
 
@@ -60,8 +63,7 @@ class KVCentricPlacement(PlacementPolicy):
             return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s)
         assert decision.prefill is not None
         chosen = decision.prefill
-        previous = self.mean_prefill_s.get(chosen.instance_id, chosen.prefill_s)
-        self.mean_prefill_s[chosen.instance_id] = 0.8 * previous + 0.2 * chosen.prefill_s
+        self.placed_prefill_s[chosen.instance_id].append(chosen.transfer_s + chosen.prefill_s)
         decode_id = decision.decode.instance_id if decision.decode else min(
             decode, key=lambda v: (v.load.running + v.assigned, v.instance_id)).instance_id
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size)

@@ -16,14 +16,25 @@ class InstanceView(NamedTuple):
     address: str
     load: Load
     draining: bool
-    assigned: int  # requests placed here since its last heartbeat (not yet in ``load``)
+    assigned: int  # placed here and not in ``load`` yet, minus those finished since ``load`` (may be < 0)
 
 
 @dataclass(slots=True)
 class _Entry:
     heartbeat: Heartbeat
     last_seen: float
-    assigned: int = 0
+    placed_total: int = 0  # requests this conductor placed here, ever
+    placed_at_beat: int = 0  # placed_total when the last heartbeat arrived
+    done_since_beat: int = 0
+
+    @property
+    def assigned(self) -> int:
+        load = self.heartbeat.load
+        if load.accepted_total:  # exact: the instance says how many requests its report includes
+            unseen = max(0, self.placed_total - load.accepted_total)
+        else:  # instances that do not count: whatever was placed since the report
+            unseen = self.placed_total - self.placed_at_beat
+        return unseen - self.done_since_beat
 
     def view(self) -> InstanceView:
         hb = self.heartbeat
@@ -50,7 +61,8 @@ class InstanceTable:
         if entry is None:
             self._entries[heartbeat.instance_id] = _Entry(heartbeat, now)
             return True
-        entry.heartbeat, entry.last_seen, entry.assigned = heartbeat, now, 0
+        entry.heartbeat, entry.last_seen = heartbeat, now
+        entry.placed_at_beat, entry.done_since_beat = entry.placed_total, 0
         return False
 
     def remove(self, instance_id: str) -> InstanceView | None:
@@ -76,13 +88,12 @@ class InstanceTable:
 
     def note_assigned(self, instance_id: str) -> None:
         if (entry := self._entries.get(instance_id)) is not None:
-            entry.assigned += 1
+            entry.placed_total += 1
 
     def note_done(self, instance_id: str) -> None:
-        """One request here finished its part since the last heartbeat: ``assigned`` is the net
-        change since that heartbeat, so it may go below zero (the heartbeat still counted it)."""
+        """One request here finished its part since the last heartbeat (which still counted it)."""
         if (entry := self._entries.get(instance_id)) is not None:
-            entry.assigned -= 1
+            entry.done_since_beat += 1
 
     def get(self, instance_id: str) -> InstanceView | None:
         entry = self._entries.get(instance_id)

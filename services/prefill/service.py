@@ -60,17 +60,17 @@ class PrefillService(EngineWorker):
             try:
                 computing = time.perf_counter()
                 first = await self._compute(req, keys, local, fetched.payloads)
-                cached = first.num_cached_tokens
-                sample = (len(req.prompt_token_ids) - cached, cached, time.perf_counter() - computing)
-                await self._publish_cache_events(sample)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
                 return
-            elapsed = time.perf_counter() - started
-            self.meter.ttft_ms.append(elapsed * 1000)
-            METRICS.ttft.labels(self.instance_id).observe(elapsed)
+            finished = time.perf_counter()
+            self.done_computing(req.request_id)
             await self.publish(req.stream_subject, token_event(first, req.sampling, self.instance_id,
                                                                first.num_cached_tokens))
+            self.meter.ttft_ms.append((finished - started) * 1000)
+            METRICS.ttft.labels(self.instance_id).observe(finished - started)
+            cached = first.num_cached_tokens
+            await self._publish_cache_events((len(req.prompt_token_ids) - cached, cached, finished - computing))
             if first.finish_reason == PREFILL_DONE:
                 await self._hand_off(req, first, keys, local, fetched)
         except (RemoteError, TransferError, OSError, EngineError) as exc:

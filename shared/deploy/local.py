@@ -92,6 +92,10 @@ class LocalCluster:
             env["HALFMOON_PORT"] = str(self.gateway_port)
         if spec.name == "transfer":
             env["HALFMOON_NVME_DIR"] = str(self.run_dir / "nvme" / instance_id)
+        if spec.name in ("prefill", "decode") and "OMP_NUM_THREADS" not in os.environ:
+            # One machine, several engines: more torch threads than cores makes every engine crawl.
+            engines = sum(1 for s, _ in self.plan if s.name in ("prefill", "decode"))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
         if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
             port = self.metrics_ports.setdefault(instance_id, free_port())
             env.update(HALFMOON_METRICS_PORT=str(port), HALFMOON_METRICS_HOST="127.0.0.1")

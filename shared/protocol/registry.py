@@ -23,6 +23,8 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     """What an instance reports about its load; fields a role does not have stay at 0/None.
 
     ``ttft_ms`` / ``tbt_ms`` are recent averages (prefill / decode), ``None`` until measured.
+    ``accepted_total`` counts every request the instance ever took, so a scheduler can tell
+    which of its own placements this report already includes.
     """
 
     queue_len: int = 0
@@ -31,9 +33,10 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     total_kv_blocks: int = 0
     ttft_ms: float | None = None
     tbt_ms: float | None = None
+    accepted_total: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks) < 0:
+        if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:
             raise ValueError("load counts must be >= 0")
 
 

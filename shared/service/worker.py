@@ -70,13 +70,15 @@ class LoadMeter:
         if timing.num_outputs:
             self.step_ms.append(timing.seconds * 1000)
 
-    def load(self, engine: AsyncEngine) -> Load:
-        scheduler = engine.engine.scheduler
+    def load(self, engine: AsyncEngine, in_flight: int, accepted_total: int) -> Load:
+        """Running: sequences in the engine's batch; queued: every other request taken and not done
+        (waiting in the engine, or still fetching its prefix)."""
+        running = len(engine.engine.scheduler.running)
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        return Load(queue_len=len(scheduler.waiting), running=len(scheduler.running),
+        return Load(queue_len=max(0, in_flight - running), running=running,
                     free_kv_blocks=engine.engine.num_free_blocks,
                     total_kv_blocks=engine.engine.blocks.allocator.num_blocks,
-                    ttft_ms=mean(self.ttft_ms), tbt_ms=mean(self.step_ms))
+                    ttft_ms=mean(self.ttft_ms), tbt_ms=mean(self.step_ms), accepted_total=accepted_total)
 
 
 class TransferNode(NamedTuple):
@@ -154,6 +156,8 @@ class EngineWorker(Service[WorkerConfig]):
         self.transfer = TransferClient()
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._busy: set[str] = set()  # requests whose engine work is not done (reported as load)
+        self._accepted = 0
         self._tbt = METRICS.tbt.labels(self.instance_id)
 
     @property
@@ -172,7 +176,7 @@ class EngineWorker(Service[WorkerConfig]):
     def accept(self, request: Any) -> Coroutine[Any, Any, None]: ...
 
     def load(self) -> Load:
-        return self.meter.load(self.engine) if self.engine else Load()
+        return self.meter.load(self.engine, len(self._busy), self._accepted) if self.engine else Load()
 
     async def start(self) -> None:
         config = self.config.engine_config()
@@ -195,6 +199,8 @@ class EngineWorker(Service[WorkerConfig]):
         if request.request_id in self._tasks:
             return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"request {request.request_id} already here")
         task = asyncio.create_task(self._guarded(request))
+        self._busy.add(request.request_id)
+        self._accepted += 1
         self._tasks[request.request_id] = task
         task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
         return Ack(request_id=request.request_id, instance_id=self.instance_id)
@@ -204,11 +210,17 @@ class EngineWorker(Service[WorkerConfig]):
         try:
             await self.accept(request)
         except asyncio.CancelledError:
+            self._busy.discard(request.request_id)
             raise
         except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
             await self.send_error(request.stream_subject, request.request_id, ErrorCode.INTERNAL,
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}")
+        self.done_computing(request.request_id)
+
+    def done_computing(self, request_id: str) -> None:
+        """The engine's part of a request is over (prefill calls it before the hand-off)."""
+        self._busy.discard(request_id)
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         task = self._tasks.get(cancel.request_id)
