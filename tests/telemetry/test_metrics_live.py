@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.deploy.local import LocalCluster
 from tests.e2e.conftest import model_name
+from tests.telemetry.test_metrics import NAMES
 
 # The engine's local prefix cache is off so that a repeated prompt is served from the pool (the
 # cache-manager's lookups count it too); prefill's counters cover both tiers either way.
@@ -23,18 +24,6 @@ ENV = {
     "HALFMOON_LOCAL_PREFIX_CACHE": "0",
     "HALFMOON_METRICS_HOST": "127.0.0.1",
 }
-NAMES = (
-    "halfmoon_ttft_seconds",
-    "halfmoon_tbt_seconds",
-    "halfmoon_queue_length",
-    "halfmoon_running_requests",
-    "halfmoon_cache_hit_blocks",
-    "halfmoon_cache_miss_blocks",
-    "halfmoon_pool_bytes",
-    "halfmoon_transfer_bytes",
-    "halfmoon_rejections",
-    "halfmoon_errors",
-)
 # long enough for several full 16-token blocks, so a repeat finds a cached prefix
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog while the cat watches " * 6
 _URL = re.compile(r"metrics on http://[0-9.]+:(\d+)/metrics")
