@@ -23,10 +23,10 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from shared.deploy.local import LocalCluster
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.protocol.sampling import SamplingParams
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.protocol.sampling import SamplingParams
 
 
 def pct(values: list[float], q: float) -> float:
@@ -69,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from shared.cli.model_tools import make_tiny_model
+            from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny-llama"))
         # Requests go one at a time, so prefill and decode never compute together: give each engine

@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.protocol.sampling import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.protocol.sampling import SamplingParams
 
 
 def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -81,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from shared.cli.model_tools import make_tiny_model
+            from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny"))
         hf = AutoModelForCausalLM.from_pretrained(model).eval()

@@ -22,15 +22,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from services.cache_manager.service import CacheManagerConfig, CacheManagerService
-from services.transfer.service import TransferConfig, TransferService
-from shared.deploy.local import free_port, nats_server_binary, wait_for_port
-from shared.kv.pool_index import PoolIndex
-from shared.kv.pool_types import NodeSpec, PoolConfig
-from shared.protocol import codecs
-from shared.protocol.cache import Lookup, PutEnd, PutStart
-from shared.service.host import ServiceHost
-from shared.storage.base import Tier
+from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
+from halfmoon.services.transfer.service import TransferConfig, TransferService
+from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
+from halfmoon.kv.pool_index import PoolIndex
+from halfmoon.kv.pool_types import NodeSpec, PoolConfig
+from halfmoon.protocol import codecs
+from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
+from halfmoon.service.host import ServiceHost
+from halfmoon.storage.base import Tier
 
 BLOCK_BYTES = 4096
 

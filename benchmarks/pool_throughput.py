@@ -28,13 +28,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from shared.storage.allocator import Extent
-from shared.storage.dram import ShmTier
-from shared.storage.node import NodeStore
-from shared.transfer.client import TransferClient
-from shared.transfer.framing import Op, Request
-from shared.transfer.server import BlockServer
-from shared.transfer.tcp import TcpTransport
+from halfmoon.storage.allocator import Extent
+from halfmoon.storage.dram import ShmTier
+from halfmoon.storage.node import NodeStore
+from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.framing import Op, Request
+from halfmoon.transfer.server import BlockServer
+from halfmoon.transfer.tcp import TcpTransport
 
 
 

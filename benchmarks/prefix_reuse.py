@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from shared.deploy.local import LocalCluster
+from halfmoon.deploy.local import LocalCluster
 
 
 def ttft(client: httpx.Client, model: str, prompt: list[int]) -> tuple[float, int]:
@@ -60,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from shared.cli.model_tools import make_tiny_model
+            from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny-llama"))
         env = {"HALFMOON_PREFILL_CHUNK_SIZE": "2048", "HALFMOON_MAX_NUM_BATCHED_TOKENS": "2048",

@@ -14,12 +14,12 @@ import time
 
 import numpy as np
 
-from shared.policy.admission import PredictiveEarlyRejection
-from shared.policy.decode import SloAwareDecode
-from shared.policy.prefill import PREFILL_POLICIES, make_prefill_policy
-from shared.policy.scheduler import KVCentricScheduler
-from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
-from shared.sim.profile import load_profile
+from halfmoon.policy.admission import PredictiveEarlyRejection
+from halfmoon.policy.decode import SloAwareDecode
+from halfmoon.policy.prefill import PREFILL_POLICIES, make_prefill_policy
+from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
+from halfmoon.sim.profile import load_profile
 
 PREFILL, DECODE, BLOCKS, BLOCK_SIZE = 64, 64, 128, 512
 

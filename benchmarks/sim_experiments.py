@@ -10,13 +10,13 @@ import dataclasses
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from shared.cli.sim import DEFAULT_TRACE
-from shared.policy.state import SLO
-from shared.sim.config import SimConfig
-from shared.sim.profile import load_profile
-from shared.sim.replay import cache_hit_rate
-from shared.sim.run import max_sustainable_scale, simulate
-from shared.sim.trace import load_trace
+from halfmoon.cli.sim import DEFAULT_TRACE
+from halfmoon.policy.state import SLO
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.profile import load_profile
+from halfmoon.sim.replay import cache_hit_rate
+from halfmoon.sim.run import max_sustainable_scale, simulate
+from halfmoon.sim.trace import load_trace
 
 TBT_SWEEP = (0.1, 0.2, 0.3, 0.5, 1.0)
 NAMED = {"I": 0.1, "II": 0.2, "III": 0.3}

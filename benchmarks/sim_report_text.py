@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from benchmarks.sim_plots import PAPER_FIG5
-from shared.sim.profile import PROFILE_DIR, DEFAULT_PROFILE, load_profile
+from halfmoon.sim.profile import PROFILE_DIR, DEFAULT_PROFILE, load_profile
 
 PAPER_FIG1 = {"I": 4.98, "II": 1.57, "III": 0.59}
 PAPER_TABLE3 = {"none": 4183, "early": 3771, "predictive": 3589}
@@ -44,8 +44,8 @@ def section_setup(meta: dict) -> str:
         "by `python -m benchmarks.sim_report` (add `--reuse` to redraw from `docs/sim/results.json`).",
         "The machine was shared with other test runs while this was generated, so wall times are upper bounds.",
         "",
-        "The simulator (`shared/sim/`) replays `conversation_trace.jsonl` (12,031 requests, 512-token blocks) through",
-        "the very classes the live conductor uses (`shared/policy/`): prefill choice, decode choice, admission,",
+        "The simulator (`shared/halfmoon/sim/`) replays `conversation_trace.jsonl` (12,031 requests, 512-token blocks) through",
+        "the very classes the live conductor uses (`shared/halfmoon/policy/`): prefill choice, decode choice, admission,",
         "eviction and the cost models. Prefill nodes run one prefill at a time in FIFO order; decode and coupled",
         "nodes run continuous batching, advanced one *epoch* (stretch of iterations with the same batch) at a time,",
         "so a 12k-request replay costs tens of thousands of events, not millions of token events.",
@@ -58,7 +58,7 @@ def section_setup(meta: dict) -> str:
         "the decodes for one iteration; *prefix* keeps a prefix cache in the node's 1.22M-token HBM KV pool and is",
         "routed local-cache-aware; *chunked* adds 512 prompt tokens to every decode iteration).",
         "",
-        f"### Cost profile `{raw['name']}` (`shared/sim/profiles/{raw['name']}.json`)",
+        f"### Cost profile `{raw['name']}` (`shared/halfmoon/sim/profiles/{raw['name']}.json`)",
         raw["description"],
         "",
         "Sources: " + " ".join(f"({i + 1}) {s}" for i, s in enumerate(raw["sources"])),

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
-from shared.cli.sim import DEFAULT_TRACE
-from shared.sim.config import SimConfig
-from shared.sim.profile import load_profile
-from shared.sim.run import simulate
-from shared.sim.trace import load_trace
+from halfmoon.cli.sim import DEFAULT_TRACE
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.profile import load_profile
+from halfmoon.sim.run import simulate
+from halfmoon.sim.trace import load_trace
 
 BUDGET_S = 60.0
 SYSTEMS = {

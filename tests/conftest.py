@@ -13,7 +13,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from shared.deploy.local import free_port, nats_server_binary, wait_for_port
+from halfmoon.deploy.local import SOURCE_ROOTS, free_port, nats_server_binary, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
 def service_env(**extra: str) -> dict[str, str]:
     """Environment for a service subprocess run from the repository root."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HALFMOON_", "OTEL_"))}
-    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join((*SOURCE_ROOTS, env.get("PYTHONPATH", "")))
     env.update(extra)
     return env
 
@@ -97,7 +97,7 @@ class Processes:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-initialised tiny Llama with a locally trained byte-level BPE tokenizer and chat template."""
-    from shared.cli.model_tools import make_tiny_model
+    from halfmoon.cli.model_tools import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 

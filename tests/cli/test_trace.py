@@ -13,17 +13,17 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from shared.cli.main import main
-from shared.cli.trace import build_waterfall
-from shared.cli.trace_sources import (
+from halfmoon.cli.main import main
+from halfmoon.cli.trace import build_waterfall
+from halfmoon.cli.trace_sources import (
     JsonlSource,
     Span,
     TraceSourceError,
     jaeger_search_params,
     parse_jaeger,
 )
-from shared.deploy.local import LocalCluster
-from shared.deploy.topology import REQUEST_PATH
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.topology import REQUEST_PATH
 from tests.e2e.conftest import model_name, start_cluster
 
 # sequential phases of one request: none overlaps another, so their durations add up within the total

@@ -6,8 +6,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from shared.protocol.registry import Load, Role
-from shared.service import Service, ServiceConfig, ServiceHost
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.service import Service, ServiceConfig, ServiceHost
 
 
 class LoadReporter(Service[ServiceConfig]):

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 from fake_instances import reporter_host, wait_until
 
-from services.conductor.service import ConductorConfig, ConductorService
-from shared.protocol import (
+from halfmoon.services.conductor.service import ConductorConfig, ConductorService
+from halfmoon.protocol import (
     CancelRequest,
     ErrorCode,
     InstanceDown,
@@ -26,7 +26,7 @@ from shared.protocol import (
     Subjects,
     codecs,
 )
-from shared.service import ServiceHost, request
+from halfmoon.service import ServiceHost, request
 
 
 def schedule_request(rid: str = "r1", deadline_in: float = 30.0) -> ScheduleRequest:
@@ -202,7 +202,7 @@ class TestConductorProcess:
         proc = processes.start(
             [
                 "-m",
-                "services.conductor",
+                "halfmoon.services.conductor",
                 "--nats-url",
                 nats_server.url,
                 "--namespace",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.conductor.placement import LeastLoaded, Placement, Rejection
-from services.conductor.registry import InstanceTable
-from shared.protocol import Heartbeat, Load, RejectReason, Role, SamplingParams, ScheduleRequest
+from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection
+from halfmoon.services.conductor.registry import InstanceTable
+from halfmoon.protocol import Heartbeat, Load, RejectReason, Role, SamplingParams, ScheduleRequest
 
 REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=4, sampling=SamplingParams(), deadline=0.0)
 

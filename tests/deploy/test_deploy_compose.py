@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from shared.deploy.topology import SERVICES
+from halfmoon.deploy.topology import SERVICES
 from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import COMPOSE_FILE, COMPOSE_OVERRIDES, HALFMOON_IMAGE, env_of, interpolate, tool
 
@@ -157,7 +157,7 @@ class TestHealthchecks:
 
         assert not healthy(), "nothing is running yet"
         proc = processes.start(
-            ["-m", "services.conductor"],
+            ["-m", "halfmoon.services.conductor"],
             {"HALFMOON_NATS_URL": nats_server.url, "HALFMOON_NAMESPACE": namespace, "HALFMOON_METRICS_PORT": port},
         )
         deadline = time.monotonic() + 60

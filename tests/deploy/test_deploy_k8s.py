@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from shared.deploy.topology import SERVICES
+from halfmoon.deploy.topology import SERVICES
 from tests.conftest import REPO_ROOT
 from tests.deploy.conftest import workloads
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import yaml
 
-from services.gateway.metrics import GatewayMetrics
-from shared.deploy.topology import SERVICES
-from shared.telemetry.metrics import Metrics
+from halfmoon.services.gateway.metrics import GatewayMetrics
+from halfmoon.deploy.topology import SERVICES
+from halfmoon.telemetry.metrics import Metrics
 from tests.conftest import REPO_ROOT
 from tests.deploy.conftest import env_of
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.deploy.local import LocalCluster
+from halfmoon.deploy.local import LocalCluster
 
 
 def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None, **counts: int) -> LocalCluster:

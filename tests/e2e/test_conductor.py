@@ -12,9 +12,9 @@ import httpx
 import nats
 import pytest
 
-from shared.deploy.local import LocalCluster
-from shared.protocol import codecs
-from shared.protocol.subjects import Subjects
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.protocol import codecs
+from halfmoon.protocol.subjects import Subjects
 from tests.e2e.conftest import model_name, start_cluster
 
 TTFT_SLO_S = 3.0

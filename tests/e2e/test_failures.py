@@ -11,8 +11,8 @@ import httpx
 import nats
 import pytest
 
-from shared.deploy.local import LocalCluster
-from shared.protocol.subjects import Subjects
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.protocol.subjects import Subjects
 from tests.e2e.conftest import model_name, start_cluster
 
 FAILURE_DEADLINE_S = 15.0

@@ -15,13 +15,13 @@ import httpx
 import nats
 import pytest
 
-from shared.deploy.local import LocalCluster
-from shared.deploy.topology import SERVICES
-from shared.protocol import codecs
-from shared.protocol.pool import StatsRequest
-from shared.protocol.subjects import Subjects
-from shared.transfer.framing import Op, Request
-from shared.transfer.tcp import TcpTransport
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.topology import SERVICES
+from halfmoon.protocol import codecs
+from halfmoon.protocol.pool import StatsRequest
+from halfmoon.protocol.subjects import Subjects
+from halfmoon.transfer.framing import Op, Request
+from halfmoon.transfer.tcp import TcpTransport
 from tests.e2e.conftest import model_name, reference_text, start_cluster
 
 BLOCK = 16

@@ -11,7 +11,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from shared.deploy.local import LocalCluster
+from halfmoon.deploy.local import LocalCluster
 from tests.e2e.conftest import model_name, reference_text, start_cluster
 
 MAX_TOKENS = 16

@@ -6,9 +6,9 @@ import time
 
 import httpx
 
-from shared.deploy.local import LocalCluster
-from shared.deploy.topology import REQUEST_PATH
-from shared.telemetry.jsonl import read_spans
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.topology import REQUEST_PATH
+from halfmoon.telemetry.jsonl import read_spans
 from tests.e2e.conftest import model_name
 
 

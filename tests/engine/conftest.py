@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli.model_tools import make_tiny_model
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
+from halfmoon.cli.model_tools import make_tiny_model
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.cli.model_tools import train_tokenizer
-from shared.engine.detokenizer import IncrementalDetokenizer
+from halfmoon.cli.model_tools import train_tokenizer
+from halfmoon.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

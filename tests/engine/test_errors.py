@@ -7,11 +7,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError, ModelLoadError,
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError, ModelLoadError,
                                   OutOfKVBlocksError, UnknownRequestError)
-from shared.protocol.sampling import SamplingParams
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 OK = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

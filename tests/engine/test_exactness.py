@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.protocol.sampling import SamplingParams
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 LENGTHS = [1, 3, 15, 16, 17, 40, 75, 130]

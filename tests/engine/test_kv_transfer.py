@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.engine import PREFILL_DONE, LLMEngine
-from shared.engine.errors import KVFormatError
-from shared.engine.hooks import LayerHook
-from shared.kv.block_format import HEADER, decode_block, read_header
-from shared.protocol.sampling import SamplingParams
+from halfmoon.engine.engine import PREFILL_DONE, LLMEngine
+from halfmoon.engine.errors import KVFormatError
+from halfmoon.engine.hooks import LayerHook
+from halfmoon.kv.block_format import HEADER, decode_block, read_header
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.engine.engine import LLMEngine
-from shared.kv.hashing import BlockHasher
-from shared.protocol.sampling import SamplingParams
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.kv.hashing import BlockHasher
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.engine.engine import LLMEngine
-from shared.protocol.sampling import SamplingParams
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shared.cli.main import main as halfmoon
-from shared.protocol.sampling import SamplingParams
+from halfmoon.cli.main import main as halfmoon
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 

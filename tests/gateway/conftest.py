@@ -8,9 +8,9 @@ import httpx
 import pytest
 from fake_engine import IdleDecode, Script, ScriptedPrefill
 
-from services.conductor.service import ConductorConfig, ConductorService
-from services.gateway.service import GatewayConfig, GatewayService
-from shared.service import ServiceConfig, ServiceHost
+from halfmoon.services.conductor.service import ConductorConfig, ConductorService
+from halfmoon.services.gateway.service import GatewayConfig, GatewayService
+from halfmoon.service import ServiceConfig, ServiceHost
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shared.protocol import codecs
-from shared.protocol.base import Ack, ErrorCode, ErrorReply, Message
-from shared.protocol.registry import Load, Role
-from shared.protocol.stream import ErrorEvent, TokenEvent, Usage
-from shared.protocol.work import CancelRequest, PrefillRequest
-from shared.service import Service, ServiceConfig
+from halfmoon.protocol import codecs
+from halfmoon.protocol.base import Ack, ErrorCode, ErrorReply, Message
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.protocol.stream import ErrorEvent, TokenEvent, Usage
+from halfmoon.protocol.work import CancelRequest, PrefillRequest
+from halfmoon.service import Service, ServiceConfig
 
 
 @dataclass

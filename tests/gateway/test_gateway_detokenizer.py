@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.model import Detokenizer
+from halfmoon.services.gateway.model import Detokenizer
 
 SAMPLES = ["plain ascii words", "héllo wörld", "世界 moon 🌙🌕 ok", "mixed 1234 — dash … ellipsis ✓", "🌙" * 5]
 

@@ -11,10 +11,10 @@ import httpx
 from fake_engine import IdleDecode, Script, ScriptedPrefill
 from test_gateway_generation import wait_for
 
-from services.conductor.service import ConductorConfig, ConductorService
-from services.gateway.service import GatewayConfig, GatewayService
-from shared.service import ServiceConfig, ServiceHost
-from shared.telemetry import read_spans, setup_tracing
+from halfmoon.services.conductor.service import ConductorConfig, ConductorService
+from halfmoon.services.gateway.service import GatewayConfig, GatewayService
+from halfmoon.service import ServiceConfig, ServiceHost
+from halfmoon.telemetry import read_spans, setup_tracing
 
 
 async def wait_until_up(http: httpx.AsyncClient, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -37,7 +37,7 @@ class TestGatewayProcess:
         proc = processes.start(
             [
                 "-m",
-                "services.gateway",
+                "halfmoon.services.gateway",
                 "--nats-url",
                 nats_server.url,
                 "--port",
@@ -57,7 +57,7 @@ class TestGatewayProcess:
         assert await asyncio.to_thread(proc.wait, 30) == 0
 
     async def test_missing_model_dir_is_a_usage_error(self, processes):
-        proc = processes.start(["-m", "services.gateway"], stderr=subprocess.PIPE, text=True)
+        proc = processes.start(["-m", "halfmoon.services.gateway"], stderr=subprocess.PIPE, text=True)
         assert await asyncio.to_thread(proc.wait, 60) == 2
         assert "model_dir is required" in proc.stderr.read()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv.hashing import BlockHasher
-from shared.kv.pool_index import PoolIndex
-from shared.kv.pool_types import InventoryItem, NodeSpec, OrderKind, PoolConfig, Tier, UnknownPut
-from shared.policy.eviction import Watermarks
+from halfmoon.kv.hashing import BlockHasher
+from halfmoon.kv.pool_index import PoolIndex
+from halfmoon.kv.pool_types import InventoryItem, NodeSpec, OrderKind, PoolConfig, Tier, UnknownPut
+from halfmoon.policy.eviction import Watermarks
 
 MB = 1 << 20
 KEYS = BlockHasher(4, "test-model").keys(list(range(4 * 64)))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.policy.cost import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from halfmoon.policy.cost import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from shared.policy.cost import CostModelError, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
+from halfmoon.policy.cost import CostModelError, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
 
 
 class TestPrefillFit:

@@ -1,10 +1,10 @@
 import pytest
 
-from shared.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
-from shared.policy.decode import SloAwareDecode
-from shared.policy.prefill import LocalCacheAwarePrefill
-from shared.policy.scheduler import KVCentricScheduler
-from shared.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
+from halfmoon.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
+from halfmoon.policy.decode import SloAwareDecode
+from halfmoon.policy.prefill import LocalCacheAwarePrefill
+from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
 
 SLO_50MS = SLO(ttft_s=30.0, tbt_s=0.050)
 

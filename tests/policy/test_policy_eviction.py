@@ -1,6 +1,6 @@
 import pytest
 
-from shared.policy.eviction import (
+from halfmoon.policy.eviction import (
     EvictionPolicy,
     LengthAwareEviction,
     LFUEviction,

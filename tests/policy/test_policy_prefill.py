@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from shared.policy.prefill import (
+from halfmoon.policy.prefill import (
     GlobalCacheAwarePrefill,
     LeastLoadedPrefill,
     LocalCacheAwarePrefill,
@@ -10,7 +10,7 @@ from shared.policy.prefill import (
     RandomPrefill,
     make_prefill_policy,
 )
-from shared.policy.state import SLO, PrefillInstanceState, RouteRequest, pool_prefix_length, prefix_lengths
+from halfmoon.policy.state import SLO, PrefillInstanceState, RouteRequest, pool_prefix_length, prefix_lengths
 
 KEYS = tuple(f"k{i}" for i in range(10))
 REQUEST = RouteRequest(block_keys=KEYS, prompt_tokens=1000, block_size=100)

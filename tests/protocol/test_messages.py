@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.protocol.pool import (KVEvents, SnapshotRequest, OrderBatch, OrderResults, PoolOrder, PoolStatsReply, RemoveRequest, ReplicaRef,
+from halfmoon.protocol.pool import (KVEvents, SnapshotRequest, OrderBatch, OrderResults, PoolOrder, PoolStatsReply, RemoveRequest, ReplicaRef,
                                   StatsRequest, TierStat)
-from shared.protocol import (
+from halfmoon.protocol import (
     Ack,
     BlockLocation,
     CancelRequest,
@@ -31,7 +31,7 @@ from shared.protocol import (
     Usage,
     codecs,
 )
-from shared.protocol.cache import (
+from halfmoon.protocol.cache import (
     BlockReplicas,
     CacheAck,
     Lookup,

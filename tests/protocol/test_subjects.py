@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import Subjects
+from halfmoon.protocol import Subjects
 
 
 class TestSubjects:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shared.service import ServiceConfig, load_config
+from halfmoon.service import ServiceConfig, load_config
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from shared.protocol import Ack, CancelRequest, ErrorCode, InstanceDown, Load, RemoteError, Role, codecs
-from shared.protocol.base import ErrorReply, Message
-from shared.service import Service, ServiceConfig, ServiceHost, request
-from shared.service.logs import JsonFormatter
+from halfmoon.protocol import Ack, CancelRequest, ErrorCode, InstanceDown, Load, RemoteError, Role, codecs
+from halfmoon.protocol.base import ErrorReply, Message
+from halfmoon.service import Service, ServiceConfig, ServiceHost, request
+from halfmoon.service.logs import JsonFormatter
 
 
 class Echo(Service[ServiceConfig]):
@@ -79,7 +79,7 @@ class TestRpcErrors:
             assert info.value.code is ErrorCode.TIMEOUT and info.value.reply.retryable
 
     async def test_requests_carry_trace_context(self, config, nc, namespace):
-        from shared.telemetry import setup_tracing
+        from halfmoon.telemetry import setup_tracing
 
         seen: list[dict] = []
 

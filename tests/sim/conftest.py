@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.sim.profile import Profile, load_profile
-from shared.sim.trace import TraceRequest, load_trace
+from halfmoon.sim.profile import Profile, load_profile
+from halfmoon.sim.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake-traces" / "conversation_trace.jsonl"
 

@@ -1,7 +1,7 @@
 import argparse
 import json
 
-from shared.cli import sim as sim_cli
+from halfmoon.cli import sim as sim_cli
 
 TRACE = sim_cli.DEFAULT_TRACE  # the same ../shared kit path the replay tests use
 

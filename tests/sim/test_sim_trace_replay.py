@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shared.sim.config import SimConfig
-from shared.sim.metrics import OK, REJECTED_EARLY, REJECTED_LATE
-from shared.sim.run import max_sustainable_scale, simulate
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.metrics import OK, REJECTED_EARLY, REJECTED_LATE
+from halfmoon.sim.run import max_sustainable_scale, simulate
 
 SLICE = slice(0, 3000)
 
@@ -91,7 +91,7 @@ class TestOverload:
 
 class TestCacheOnlyReplay:
     def test_unbounded_cache_reaches_the_traces_published_reuse(self, conversation):
-        from shared.sim.replay import cache_hit_rate
+        from halfmoon.sim.replay import cache_hit_rate
 
         # the trace's README: 182,790 distinct blocks among 288,500 references (36.6% reuse)
         assert cache_hit_rate(conversation, None, "lru") == pytest.approx(1 - 182_790 / 288_500, abs=0.005)

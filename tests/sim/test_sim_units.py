@@ -2,13 +2,13 @@ import json
 
 import pytest
 
-from shared.policy.cost import DecodeCostModel
-from shared.sim.batch import DecodeBatch
-from shared.sim.cache import ClusterCache
-from shared.sim.config import SimConfig, SimConfigError
-from shared.sim.metrics import slowest_decile_mean
-from shared.sim.profile import ProfileError, load_profile, profile_from_dict
-from shared.sim.trace import TraceFormatError, iter_trace, load_trace
+from halfmoon.policy.cost import DecodeCostModel
+from halfmoon.sim.batch import DecodeBatch
+from halfmoon.sim.cache import ClusterCache
+from halfmoon.sim.config import SimConfig, SimConfigError
+from halfmoon.sim.metrics import slowest_decile_mean
+from halfmoon.sim.profile import ProfileError, load_profile, profile_from_dict
+from halfmoon.sim.trace import TraceFormatError, iter_trace, load_trace
 
 COST = DecodeCostModel((0.010, 0.001, 1e-6))
 
@@ -127,7 +127,7 @@ class TestConfig:
 
 class TestRecentSamples:
     def test_old_samples_expire(self):
-        from shared.sim.engine import RecentSamples
+        from halfmoon.sim.engine import RecentSamples
 
         recent = RecentSamples(window_s=10.0)
         recent.add(0.0, 1.0)

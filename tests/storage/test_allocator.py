@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shared.storage.allocator import Extent, ExtentAllocator, OutOfSpace
+from halfmoon.storage.allocator import Extent, ExtentAllocator, OutOfSpace
 
 
 class TestFirstFit:

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.service.config import ServiceConfig, load_config
-from shared.telemetry.metrics import Metrics, MetricsEndpoint
+from halfmoon.service.config import ServiceConfig, load_config
+from halfmoon.telemetry.metrics import Metrics, MetricsEndpoint
 
 NAMES = (
     "halfmoon_ttft_seconds",

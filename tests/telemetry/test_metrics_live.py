@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.deploy.local import LocalCluster
+from halfmoon.deploy.local import LocalCluster
 from tests.e2e.conftest import model_name
 from tests.telemetry.test_metrics import NAMES
 

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from shared.telemetry import extract_context, inject_headers, read_spans, setup_tracing
+from halfmoon.telemetry import extract_context, inject_headers, read_spans, setup_tracing
 
 PEER = "tests/telemetry/trace_peer.py"
 
@@ -40,7 +40,7 @@ class TestJsonlConcurrentAppend:
     def test_many_processes_append_whole_lines(self, tmp_path, processes):
         trace_file = tmp_path / "spans.jsonl"
         code = (
-            "import sys\nfrom shared.telemetry import setup_tracing\n"
+            "import sys\nfrom halfmoon.telemetry import setup_tracing\n"
             "p = setup_tracing('w' + sys.argv[1], sys.argv[1], trace_file=sys.argv[2], env={})\n"
             "t = p.get_tracer('w')\n"
             "for i in range(300):\n"

@@ -11,7 +11,7 @@ import sys
 
 import nats
 
-from shared.telemetry import extract_context, inject_headers, setup_tracing
+from halfmoon.telemetry import extract_context, inject_headers, setup_tracing
 
 
 async def main(mode: str, url: str, subject: str, trace_file: str) -> None:

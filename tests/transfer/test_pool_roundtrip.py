@@ -8,19 +8,19 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.kv.hashing import BlockHasher
-from shared.kv.pool_index import PoolIndex
-from shared.kv.pool_types import NodeSpec, OrderKind, PoolConfig, Tier
-from shared.policy.eviction import Watermarks
-from shared.storage.dram import ShmTier
-from shared.storage.node import NodeStore
-from shared.storage.nvme import DirTier
-from shared.storage.s3 import S3Config, S3Tier
-from shared.transfer.client import TransferClient
-from shared.transfer.orders import execute
-from shared.transfer.server import BlockServer
-from shared.transfer.tcp import TcpTransport
-from shared.transfer.transport import TransferError
+from halfmoon.kv.hashing import BlockHasher
+from halfmoon.kv.pool_index import PoolIndex
+from halfmoon.kv.pool_types import NodeSpec, OrderKind, PoolConfig, Tier
+from halfmoon.policy.eviction import Watermarks
+from halfmoon.storage.dram import ShmTier
+from halfmoon.storage.node import NodeStore
+from halfmoon.storage.nvme import DirTier
+from halfmoon.storage.s3 import S3Config, S3Tier
+from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.orders import execute
+from halfmoon.transfer.server import BlockServer
+from halfmoon.transfer.tcp import TcpTransport
+from halfmoon.transfer.transport import TransferError
 from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
 
 BLOCK = 64 << 10

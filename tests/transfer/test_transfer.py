@@ -14,17 +14,17 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.storage.allocator import Extent
-from shared.storage.base import BlockNotFound, Tier
-from shared.storage.dram import ShmTier
-from shared.storage.node import NodeStore
-from shared.storage.nvme import DirTier
-from shared.transfer.client import TransferClient
-from shared.transfer.framing import Op, Request
-from shared.transfer.server import BlockServer
-from shared.transfer.shm import ShmTransport
-from shared.transfer.tcp import TcpTransport
-from shared.transfer.transport import Transport, TransferError
+from halfmoon.storage.allocator import Extent
+from halfmoon.storage.base import BlockNotFound, Tier
+from halfmoon.storage.dram import ShmTier
+from halfmoon.storage.node import NodeStore
+from halfmoon.storage.nvme import DirTier
+from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.framing import Op, Request
+from halfmoon.transfer.server import BlockServer
+from halfmoon.transfer.shm import ShmTransport
+from halfmoon.transfer.tcp import TcpTransport
+from halfmoon.transfer.transport import Transport, TransferError
 from tests.fixtures.s3 import free_ports
 
 BLOCK = 256 << 10
@@ -216,9 +216,9 @@ class TestErrors:
 SERVER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
-    from shared.storage.dram import ShmTier
-    from shared.storage.node import NodeStore
-    from shared.transfer.server import BlockServer
+    from halfmoon.storage.dram import ShmTier
+    from halfmoon.storage.node import NodeStore
+    from halfmoon.transfer.server import BlockServer
 
     async def main():
         store = NodeStore(ShmTier(16 << 20))

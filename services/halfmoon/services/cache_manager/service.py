@@ -1,0 +1,222 @@
+"""Cache-manager: the KVCache pool's metadata master (Mooncake Store's master).
+
+It knows every transfer node from its heartbeats and rebuilds the block index from their
+inventories (so a restarted manager loses nothing), answers put_start / put_end / lookup /
+release / remove / stats over NATS, and runs housekeeping: revoking puts that never ended,
+expiring leases, and sending tiering orders (demote, promote, replicate, free) to the nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from opentelemetry.trace import TracerProvider
+
+from halfmoon.kv.pool_index import PoolIndex
+from halfmoon.kv.pool_types import InventoryItem, NodeSpec, Order, OrderKind, PoolConfig, Replica
+from halfmoon.kv.pool_wire import executing_node, location, order_to_wire, stats_reply
+from halfmoon.policy.eviction import Watermarks
+from halfmoon.protocol import codecs
+from halfmoon.protocol.base import ErrorCode, ErrorReply, RemoteError
+from halfmoon.protocol.cache import BlockReplicas, CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
+from halfmoon.protocol.pool import OrderBatch, PoolStatsReply, RemoveRequest, StatsRequest
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.service.base import Service
+from halfmoon.service.config import ServiceConfig
+from halfmoon.storage.base import Tier
+from halfmoon.telemetry.metrics import METRICS, Metrics
+from halfmoon.transfer.framing import Op, Request
+from halfmoon.transfer.tcp import TcpTransport
+from halfmoon.transfer.transport import TransferError
+
+ORDER_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class CacheManagerConfig(ServiceConfig):
+    eviction: str = field(default="lru", metadata={"help": "eviction policy: lru, lfu or length"})
+    replicas: int = field(default=1, metadata={"help": "replicas per stored block"})
+    high_watermark: float = field(default=0.9, metadata={"help": "tier fill that starts eviction/demotion"})
+    low_watermark: float = field(default=0.7, metadata={"help": "tier fill eviction/demotion stops at"})
+    put_timeout_s: float = field(default=30.0, metadata={"help": "revoke a put not ended within this"})
+    lease_ttl_s: float = field(default=10.0, metadata={"help": "how long a lookup protects its blocks"})
+    hot_reads_per_s: float = field(default=50.0, metadata={"help": "read rate that earns extra DRAM replicas"})
+    max_hot_replicas: int = field(default=3, metadata={"help": "most DRAM replicas of a hot block"})
+    housekeeping_interval_s: float = field(default=0.25, metadata={"help": "seconds between housekeeping rounds"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pool_config()  # validates
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(eviction=self.eviction, replicas=self.replicas,
+                          watermarks=Watermarks(high=self.high_watermark, low=self.low_watermark),
+                          put_timeout_s=self.put_timeout_s, lease_ttl_s=self.lease_ttl_s,
+                          hot_reads_per_s=self.hot_reads_per_s, max_hot_replicas=self.max_hot_replicas)
+
+
+class NodeInfo(NamedTuple):
+    address: str
+    segment: str
+
+
+class CacheManagerService(Service[CacheManagerConfig]):
+    role = Role.CACHE_MANAGER
+    config_class = CacheManagerConfig
+
+    def __init__(self, config: CacheManagerConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.index = PoolIndex(config.pool_config())
+        self.nodes: dict[str, NodeInfo] = {}
+        self._joining: set[str] = set()
+        self._orders: list[Order] = []
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._unscrape: Callable[[], None] = lambda: None
+
+    def load(self) -> Load:
+        stats = self.index.stats()
+        return Load(running=stats.blocks, queue_len=stats.orders_in_flight)
+
+    async def start(self) -> None:
+        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self._on_heartbeat)
+        await self.listen(self.subjects.down, codecs.DOWN, self._on_down)
+        cache = self.subjects.cache
+        await self.serve(cache("put_start"), codecs.CACHE_PUT_START, self._put_start, span_name="cache.put_start")
+        await self.serve(cache("put_end"), codecs.CACHE_PUT_END, self._put_end, span_name="cache.put_end")
+        await self.serve(cache("lookup"), codecs.CACHE_LOOKUP, self._lookup, span_name="cache.lookup")
+        await self.serve(cache("release"), codecs.CACHE_RELEASE, self._release, span_name="cache.release")
+        await self.serve(cache("remove"), codecs.CACHE_REMOVE, self._remove, span_name="cache.remove")
+        await self.serve(cache("stats"), codecs.CACHE_STATS_REQUEST, self._stats, span_name="cache.stats")
+        self._housekeeping = asyncio.create_task(self._housekeep_forever())
+        self._unscrape = METRICS.on_scrape(self._record_pool)
+
+    def _record_pool(self, metrics: Metrics) -> None:
+        metrics.pool_bytes.clear()  # nodes that left
+        for tier in self.index.stats().tiers:
+            metrics.pool_bytes.labels(tier.node, tier.tier.name.lower()).set(tier.used)
+
+    async def close(self) -> None:
+        self._unscrape()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+
+    # ------------------------------------------------------------------ membership
+    async def _on_heartbeat(self, beat: Heartbeat, _headers: Mapping[str, str]) -> None:
+        node = beat.instance_id
+        if beat.role is not Role.TRANSFER or not beat.address or node in self.nodes or node in self._joining:
+            return
+        self._joining.add(node)
+        transport = TcpTransport(beat.address, pool_size=1)
+        try:
+            hello = await transport.request(Request(Op.HELLO))
+            inventory = await transport.request(Request(Op.INVENTORY))
+        except (TransferError, OSError) as exc:
+            self.log.warning("transfer node unreachable", extra={"node": node, "error": str(exc)})
+            return
+        finally:
+            self._joining.discard(node)
+            await transport.close()
+        capacity = {Tier(t): c for t, c in enumerate(hello.capacities) if c > 0} or {Tier.DRAM: 1 << 30}
+        self.index.add_node(NodeSpec(node, beat.address, hello.segment, capacity))
+        self.nodes[node] = NodeInfo(beat.address, hello.segment)
+        items = [InventoryItem(k, Tier(t), o, s)
+                 for k, t, o, s in zip(inventory.keys, inventory.tiers, inventory.offsets, inventory.sizes)]
+        refused = self.index.rebuild(node, items, time.time())
+        self.log.info("transfer node joined", extra={"node": node, "blocks": len(items) - len(refused),
+                                                      "tiers": [t.name for t in capacity]})
+
+    async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
+        if self.nodes.pop(down.instance_id, None) is not None:
+            lost = self.index.remove_node(down.instance_id, time.time())
+            self.log.info("transfer node left", extra={"node": down.instance_id, "lost_blocks": len(lost)})
+
+    def _location(self, key: bytes, replica: Replica):  # type: ignore[no-untyped-def]
+        info = self.nodes[replica.node]
+        return location(key, replica, info.address, info.segment)
+
+    # -------------------------------------------------------------------- protocol
+    async def _put_start(self, req: PutStart) -> PutPlan:
+        try:
+            placements = self.index.put_start(req.keys, req.sizes, time.time(), req.first_position)
+        except ValueError as exc:
+            raise RemoteError(ErrorReply(code=ErrorCode.BAD_REQUEST, message=str(exc))) from None
+        existing = [p.key for p in placements if p.exists]
+        return PutPlan(
+            placements=tuple(self._location(p.key, r) for p in placements if not p.exists for r in p.replicas),
+            existing=tuple(existing),
+            expires=time.time() + self.config.put_timeout_s,
+            existing_replicas=tuple(self._location(key, replica) for key, replica in self.index.locate(existing)),
+        )
+
+    async def _put_end(self, req: PutEnd) -> CacheAck:
+        self.index.put_end(req.keys, time.time())
+        return CacheAck(count=len(req.keys))
+
+    async def _lookup(self, req: Lookup) -> LookupResult:
+        found = self.index.lookup(req.keys, time.time())
+        METRICS.cache_hit_blocks.labels(self.role.value).inc(len(found.hits))
+        METRICS.cache_miss_blocks.labels(self.role.value).inc(len(req.keys) - len(found.hits))
+        hits = tuple(BlockReplicas(key=key, replicas=tuple(self._location(key, r) for r in replicas))
+                     for key, replicas in zip(req.keys, found.hits))
+        if found.lease is None:
+            return LookupResult(hits=hits)
+        return LookupResult(hits=hits, lease_id=str(found.lease.lease_id), lease_expires=found.lease.expires_at)
+
+    async def _release(self, req: Release) -> CacheAck:
+        return CacheAck(count=int(req.lease_id.isdigit() and self.index.release(int(req.lease_id))))
+
+    async def _remove(self, req: RemoveRequest) -> CacheAck:
+        orders = self.index.remove(req.keys)
+        self._orders.extend(orders)
+        return CacheAck(count=len({o.key for o in orders}))
+
+    async def _stats(self, _req: StatsRequest) -> PoolStatsReply:
+        return stats_reply(self.index.stats())
+
+    # ----------------------------------------------------------------- housekeeping
+    async def _housekeep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.housekeeping_interval_s)
+            now = time.time()
+            orders, self._orders = self._orders + self.index.expire(now) + self.index.plan(now), []
+            if orders:
+                await self._dispatch(orders)
+
+    async def _dispatch(self, orders: list[Order]) -> None:
+        by_node: dict[str, list[Order]] = defaultdict(list)
+        for order in orders:
+            by_node[executing_node(order)].append(order)
+        addresses = {node: info.address for node, info in self.nodes.items()}
+        results = await asyncio.gather(*[self._send(node, batch, addresses) for node, batch in by_node.items()])
+        now = time.time()
+        for batch, outcome in zip(by_node.values(), results):
+            for order, ok in zip(batch, outcome):
+                if order.kind is not OrderKind.FREE:
+                    self._orders.extend(self.index.order_done(order.order_id, ok, now))
+
+    async def _send(self, node: str, batch: list[Order], addresses: dict[str, str]) -> tuple[bool, ...]:
+        if node not in self.nodes:
+            return (False,) * len(batch)
+        try:
+            reply = await self.request(self.subjects.transfer_orders(node),
+                                       OrderBatch(orders=tuple(order_to_wire(o) for o in batch), addresses=addresses),
+                                       codecs.ORDER_RESULTS, ORDER_TIMEOUT_S)
+        except RemoteError as exc:
+            self.log.warning("orders not delivered", extra={"node": node, "error": str(exc)})
+            return (False,) * len(batch)
+        self._note_tiers(node, {Tier(t) for t in reply.unavailable_tiers})
+        return reply.ok
+
+    def _note_tiers(self, node: str, unavailable: set[Tier]) -> None:
+        before = {t.tier for t in self.index.stats().tiers if t.node == node and not t.available}
+        for tier in Tier:
+            self.index.set_tier_available(node, tier, tier not in unavailable)
+        for tier in unavailable - before:
+            self.log.warning("tier unavailable: serving from the others", extra={"node": node, "tier": tier.name})
+        for tier in before - unavailable:
+            self.log.info("tier available again", extra={"node": node, "tier": tier.name})

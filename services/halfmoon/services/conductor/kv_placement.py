@@ -1,0 +1,69 @@
+"""Mooncake's KVCache-centric placement on the live instance set: the shared policy code
+(Algorithm 1, SLO-aware decode choice, early rejection) fed from heartbeats and KV events."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+
+from halfmoon.services.conductor.kv_index import LiveBlockIndex
+from halfmoon.services.conductor.placement import Placement, PlacementPolicy, Rejection
+from halfmoon.services.conductor.registry import InstanceView
+from halfmoon.kv.hashing import BlockHasher
+from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
+from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
+
+
+class KVCentricPlacement(PlacementPolicy):
+    """Contract: pure given its inputs and ``now``; the caller owns the block index, the cost
+    fitter and the per-instance work estimate, and feeds them from events.
+
+    A prefill instance's queue wait is the predicted prefill time of its latest placements, as
+    many as it has queued + running + just-assigned requests (the oldest have finished first);
+    a decode instance's context is its used KV blocks (heartbeat) in tokens.
+    """
+
+    def __init__(self, scheduler: KVCentricScheduler, hasher: Callable[[str | None], BlockHasher],
+                 index: LiveBlockIndex, block_size: int) -> None:
+        self.scheduler = scheduler
+        self.hasher = hasher
+        self.index = index
+        self.block_size = block_size
+        self.placed_prefill_s: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=1024))
+
+    def route(self, request: ScheduleRequest) -> RouteRequest:
+        keys = self.hasher(request.tenant_salt).keys(request.prompt_token_ids)
+        return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size)
+
+    def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
+        waiting = max(0, view.load.queue_len + view.load.running + view.assigned)
+        placed = self.placed_prefill_s[view.instance_id]
+        queue_s = sum(itertools.islice(reversed(placed), waiting))
+        recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
+        return PrefillInstanceState(view.instance_id, queue_s, waiting, recent)
+
+    def _decode_state(self, view: InstanceView) -> DecodeInstanceState:
+        used = view.load.total_kv_blocks - view.load.free_kv_blocks
+        recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
+        return DecodeInstanceState(view.instance_id, max(0, view.load.running + view.assigned), used * self.block_size,
+                                   view.load.total_kv_blocks * self.block_size, recent)
+
+    def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+              now: float = 0.0) -> Placement | Rejection:
+        if not prefill:
+            return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
+        if not decode:
+            return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
+        decision = self.scheduler.schedule(self.route(request), [self._prefill_state(v) for v in prefill],
+                                           [self._decode_state(v) for v in decode], self.index, now)
+        if not decision.accepted:
+            predicted = f" (predicted TTFT {decision.prefill.ttft_s:.2f}s)" if decision.prefill else ""
+            return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s)
+        assert decision.prefill is not None
+        chosen = decision.prefill
+        self.placed_prefill_s[chosen.instance_id].append(chosen.transfer_s + chosen.prefill_s)
+        decode_id = decision.decode.instance_id if decision.decode else min(
+            decode, key=lambda v: (v.load.running + v.assigned, v.instance_id)).instance_id
+        return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size)

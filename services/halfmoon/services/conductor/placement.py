@@ -1,0 +1,62 @@
+"""Placement policies: which prefill and decode instance serve a request. Pure code.
+
+The cache- and SLO-aware policy (shared/halfmoon/policy/) will implement the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from halfmoon.services.conductor.registry import InstanceView
+from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
+
+
+class Placement(NamedTuple):
+    prefill: str
+    decode: str
+    predicted_ttft_ms: float | None = None
+    reused_tokens: int = 0  # prompt tokens the chosen prefill instance is expected to reuse
+
+
+class Rejection(NamedTuple):
+    reason: RejectReason
+    message: str
+    retry_after_s: float | None = None  # None: the conductor's configured default
+
+
+class PlacementPolicy(ABC):
+    """Chooses a (prefill, decode) pair for ``request`` among live, non-draining candidates.
+
+    Contract: no I/O and no clock (``now`` is passed in); the same inputs give the same answer. Returns a
+    :class:`Rejection` (never raises) when no acceptable pair exists, so the caller can
+    reject early instead of wasting prefill.
+    """
+
+    @abstractmethod
+    def place(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        now: float = 0.0,
+    ) -> Placement | Rejection: ...
+
+
+def _pending(view: InstanceView) -> int:
+    return max(0, view.load.queue_len + view.load.running + view.assigned)
+
+
+class LeastLoaded(PlacementPolicy):
+    """Fewest queued + running + just-assigned requests; decode ties go to more free KV blocks,
+    remaining ties to the smallest instance id."""
+
+    def place(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        now: float = 0.0,
+    ) -> Placement | Rejection:
+        if not prefill:
+            return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
+        if not decode:
+            return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
+        p = min(prefill, key=lambda v: (_pending(v), v.instance_id))
+        d = min(decode, key=lambda v: (_pending(v), -v.load.free_kv_blocks, v.instance_id))
+        return Placement(p.instance_id, d.instance_id)

@@ -1,0 +1,106 @@
+"""The live instance set, fed by heartbeats and judged by the conductor's own clock. No I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from halfmoon.protocol.registry import Heartbeat, Load, Role
+
+
+class InstanceView(NamedTuple):
+    """What a placement policy may know about one live instance."""
+
+    instance_id: str
+    role: Role
+    address: str
+    load: Load
+    draining: bool
+    assigned: int  # placed here and not in ``load`` yet, minus those finished since ``load`` (may be < 0)
+
+
+@dataclass(slots=True)
+class _Entry:
+    heartbeat: Heartbeat
+    last_seen: float
+    placed_total: int = 0  # requests this conductor placed here, ever
+    placed_at_beat: int = 0  # placed_total when the last heartbeat arrived
+    done_since_beat: int = 0
+
+    @property
+    def assigned(self) -> int:
+        load = self.heartbeat.load
+        if load.accepted_total:  # exact: the instance says how many requests its report includes
+            unseen = max(0, self.placed_total - load.accepted_total)
+        else:  # instances that do not count: whatever was placed since the report
+            unseen = self.placed_total - self.placed_at_beat
+        return unseen - self.done_since_beat
+
+    def view(self) -> InstanceView:
+        hb = self.heartbeat
+        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.draining, self.assigned)
+
+
+class InstanceTable:
+    """Instances by id. An instance is live until ``max(timeout_s, 3 * its heartbeat interval)``
+    passes without a heartbeat; ``expire`` then removes and returns it.
+
+    ``now`` is any monotonic clock in seconds (receipt time, never the sender's timestamp,
+    so clock skew between machines cannot expire anyone).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._entries: dict[str, _Entry] = {}
+
+    def observe(self, heartbeat: Heartbeat, now: float) -> bool:
+        """Record a heartbeat; True when the instance was not known (new or back from silence)."""
+        entry = self._entries.get(heartbeat.instance_id)
+        if entry is None:
+            self._entries[heartbeat.instance_id] = _Entry(heartbeat, now)
+            return True
+        entry.heartbeat, entry.last_seen = heartbeat, now
+        entry.placed_at_beat, entry.done_since_beat = entry.placed_total, 0
+        return False
+
+    def remove(self, instance_id: str) -> InstanceView | None:
+        entry = self._entries.pop(instance_id, None)
+        return None if entry is None else entry.view()
+
+    def expire(self, now: float) -> list[InstanceView]:
+        """Remove and return every instance silent past its deadline."""
+        silent = [
+            iid
+            for iid, e in self._entries.items()
+            if now - e.last_seen > max(self.timeout_s, 3 * e.heartbeat.interval_s)
+        ]
+        return [self._entries.pop(iid).view() for iid in silent]
+
+    def candidates(self, role: Role) -> list[InstanceView]:
+        """Live instances of ``role`` that take new work, in id order."""
+        return [
+            e.view()
+            for iid, e in sorted(self._entries.items())
+            if e.heartbeat.role is role and not e.heartbeat.draining
+        ]
+
+    def note_assigned(self, instance_id: str) -> None:
+        if (entry := self._entries.get(instance_id)) is not None:
+            entry.placed_total += 1
+
+    def note_done(self, instance_id: str) -> None:
+        """One request here finished its part since the last heartbeat (which still counted it)."""
+        if (entry := self._entries.get(instance_id)) is not None:
+            entry.done_since_beat += 1
+
+    def get(self, instance_id: str) -> InstanceView | None:
+        entry = self._entries.get(instance_id)
+        return None if entry is None else entry.view()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self._entries

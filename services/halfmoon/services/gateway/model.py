@@ -1,0 +1,114 @@
+"""The served model as the gateway sees it: tokenizer, chat template, context length, detokenising."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from halfmoon.services.gateway.errors import ApiError, invalid
+from halfmoon.services.gateway.schemas import ChatMessage
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """Tokenises prompts and checks them against the context length; no I/O after ``load``."""
+
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    context_len: int
+
+    @classmethod
+    def load(cls, model_dir: str, name: str = "", max_model_len: int = 0) -> ServedModel:
+        directory = Path(model_dir)
+        config = json.loads((directory / "config.json").read_text())
+        context = int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+        if max_model_len:
+            context = min(context, max_model_len) if context else max_model_len
+        if context < 2:
+            raise ValueError(f"{model_dir}: cannot tell the context length (set max_model_len)")
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        return cls(name or directory.name, tokenizer, context)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise ApiError(
+                400,
+                f"model {self.name!r} has no chat template; use /v1/completions.",
+                param="messages",
+                code="no_chat_template",
+            )
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # template errors (e.g. role order) are the caller's input problem
+            raise invalid(f"messages do not fit the model's chat template: {exc}", param="messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_ids(self, ids: list[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+
+    def output_budget(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
+        """max_tokens to use, or a context_length_exceeded error."""
+        if prompt_len < 1:
+            raise invalid("The prompt is empty.", param=param, code="empty_prompt")
+        room = self.context_len - prompt_len
+        if room < 1 or (requested is not None and requested > room):
+            asked = f" and {requested} tokens to generate" if requested is not None else ""
+            raise invalid(
+                f"This model's maximum context length is {self.context_len} tokens. However, you requested "
+                f"{prompt_len} prompt tokens{asked}. Please reduce the length of the prompt or max_tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if requested is not None:
+            return requested
+        return room if default is None else min(default, room)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class Detokenizer:
+    """Turns output token ids into text deltas, never splitting a multi-byte character.
+
+    Decodes only a short window (from ``prefix`` to the end) so each step costs O(window),
+    and holds text back while it ends in U+FFFD (an incomplete UTF-8 sequence).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window
+        self._read = 0  # ids up to here are already emitted as text
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
+
+    def push(self, token_ids: tuple[int, ...] | list[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._prefix, self._read)
+        full = self._decode(self._prefix, len(self._ids))
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return ""
+        delta = full[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back (a dangling partial character decodes as U+FFFD)."""
+        prefix_text = self._decode(self._prefix, self._read)
+        full = self._decode(self._prefix, len(self._ids))
+        self._prefix = self._read = len(self._ids)
+        return full[len(prefix_text) :]

@@ -1,0 +1,122 @@
+"""The gateway service: OpenAI HTTP API (uvicorn) on one side, NATS serving path on the other."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from opentelemetry.trace import TracerProvider
+
+from halfmoon.services.gateway.app import ApiLimits, GatewayApi
+from halfmoon.services.gateway.client import Deadlines, ServingClient
+from halfmoon.services.gateway.metrics import GatewayMetrics
+from halfmoon.services.gateway.model import ServedModel
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.service import Service, ServiceConfig
+
+
+@dataclass(frozen=True)
+class GatewayConfig(ServiceConfig):
+    model_dir: str = field(default="", metadata={"help": "model directory (tokenizer, config.json)"})
+    model_name: str = field(default="", metadata={"help": "served model id (default: directory name)"})
+    max_model_len: int = field(default=0, metadata={"help": "cap the context length (0: the model's)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port (0: any free port)"})
+    max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest accepted request body"})
+    schedule_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for the conductor"})
+    submit_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for prefill to accept"})
+    ttft_timeout_s: float = field(default=60.0, metadata={"help": "fail if no first token by then"})
+    itl_timeout_s: float = field(default=30.0, metadata={"help": "fail if no next token by then"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_dir:
+            raise ValueError("model_dir is required (--model-dir or HALFMOON_MODEL_DIR)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: the service host owns SIGTERM/SIGINT; uvicorn must not re-raise them
+        yield
+
+
+class GatewayService(Service[GatewayConfig]):
+    role = Role.GATEWAY
+    config_class = GatewayConfig
+
+    def __init__(self, config: GatewayConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.metrics = GatewayMetrics()
+        self.served: ServedModel | None = None
+        self.client: ServingClient | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._port = config.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self._port}"
+
+    @property
+    def address(self) -> str:
+        return self.url
+
+    @property
+    def model(self) -> str:
+        return self.served.name if self.served else ""
+
+    def load(self) -> Load:
+        return Load(running=self.client.in_flight if self.client else 0)
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.served = await asyncio.to_thread(ServedModel.load, cfg.model_dir, cfg.model_name, cfg.max_model_len)
+        deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s)
+        self.client = ServingClient(self, self.served.name, deadlines)
+        await self.client.start()
+        api = GatewayApi(
+            self.served,
+            self.client,
+            ApiLimits(cfg.max_body_bytes),
+            self.metrics,
+            self.tracer,
+            accepting=lambda: not self.draining,
+        )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+        self._port = sock.getsockname()[1]
+        uv_config = uvicorn.Config(
+            api.build(),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=cfg.drain_timeout_s,
+        )
+        self._server = _Server(uv_config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="uvicorn")
+        self._task.add_done_callback(lambda _t: self.stop_requested.set())
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # raises why it could not start
+                raise RuntimeError("HTTP server exited during startup")
+            await asyncio.sleep(0.01)
+        self.log.info("listening", extra={"url": self.url, "model": self.served.name})
+
+    async def drain(self) -> None:
+        """New requests get 503 (``draining``); uvicorn stops accepting and finishes open responses."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task

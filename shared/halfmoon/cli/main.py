@@ -1,0 +1,33 @@
+"""The `halfmoon` command: one entry point for people running the system."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module exposes register(subparsers); heavy imports stay inside the commands.
+_COMMANDS = ("halfmoon.cli.model", "halfmoon.cli.up", "halfmoon.cli.sim", "halfmoon.cli.trace", "halfmoon.cli.bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="halfmoon", description="KVCache-centric disaggregated LLM serving")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in _COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

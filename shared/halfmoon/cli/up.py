@@ -1,0 +1,71 @@
+"""`halfmoon up`: the whole system on this machine, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "tiny-llama"
+
+
+def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
+    if not (DEFAULT_MODEL / "config.json").exists():
+        from halfmoon.cli.model_tools import make_tiny_model
+
+        with console.status(f"creating a tiny random-initialised Llama in {DEFAULT_MODEL}"):
+            make_tiny_model(DEFAULT_MODEL)
+    return DEFAULT_MODEL
+
+
+def _up(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from halfmoon.deploy.local import LocalCluster
+
+    console = Console()
+    model = Path(args.model) if args.model else ensure_default_model(console)
+    counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer}
+    cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
+                           gateway_port=args.port, metrics=True)
+    with console.status("starting Halfmoon") as status:
+        cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
+    console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
+                  f"[bold]{model.name}[/] ({args.prefill} prefill, {args.decode} decode); logs in {cluster.run_dir}/logs, "
+                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). Ctrl-C stops everything.")
+    table = Table(title="instances", show_edge=False)
+    table.add_column("instance")
+    table.add_column("Prometheus metrics")
+    for instance, url in cluster.metrics_urls().items():
+        table.add_row(instance, url)
+    console.print(table)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            dead = [iid for iid, p in cluster.procs.items() if p.poll() is not None]
+            if dead:
+                console.print(f"[red]{', '.join(dead)} exited[/]; see {cluster.run_dir}/logs")
+                break
+    finally:
+        with console.status("stopping (draining in-flight requests)"):
+            cluster.stop()
+        console.print("stopped; nothing left running")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start NATS and every service on this machine")
+    up.add_argument("--model", help="model directory (default: a tiny random Llama, created on first use)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    up.add_argument("--decode", type=int, default=1, help="decode instances")
+    up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    up.add_argument("--nats-url", help="use this NATS server instead of starting one")
+    up.add_argument("--namespace", default="halfmoon", help="NATS subject namespace")
+    up.add_argument("--run-dir", default=".halfmoon", help="logs, spans, NVMe tier and NATS store")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service")
+    up.set_defaults(func=_up)

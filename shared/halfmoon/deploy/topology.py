@@ -1,0 +1,43 @@
+"""The service list: the one source of truth for `halfmoon up`, the tests and docker-compose.yml."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ServiceSpec(NamedTuple):
+    """One service of a deployment: its module (run as ``python -m``), how many, whether it scales."""
+
+    name: str
+    module: str
+    scalable: bool
+
+    @property
+    def command(self) -> list[str]:
+        return ["python", "-m", self.module]
+
+
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec("conductor", "halfmoon.services.conductor", scalable=False),
+    ServiceSpec("cache-manager", "halfmoon.services.cache_manager", scalable=False),
+    ServiceSpec("transfer", "halfmoon.services.transfer", scalable=True),
+    ServiceSpec("prefill", "halfmoon.services.prefill", scalable=True),
+    ServiceSpec("decode", "halfmoon.services.decode", scalable=True),
+    ServiceSpec("gateway", "halfmoon.services.gateway", scalable=True),
+)
+
+REQUEST_PATH = ("gateway", "conductor", "prefill", "transfer", "decode")
+
+
+def instances(counts: dict[str, int]) -> list[tuple[ServiceSpec, str]]:
+    """(spec, instance id) for every process of a deployment; unnamed services run once."""
+    unknown = set(counts) - {s.name for s in SERVICES}
+    if unknown:
+        raise ValueError(f"unknown services {sorted(unknown)}")
+    result = []
+    for spec in SERVICES:
+        count = counts.get(spec.name, 1)
+        if count < 0 or (count > 1 and not spec.scalable):
+            raise ValueError(f"{spec.name} runs {'once' if not spec.scalable else 'zero or more times'}, not {count}")
+        result.extend((spec, f"{spec.name}-{i}") for i in range(count))
+    return result

@@ -1,0 +1,162 @@
+"""Drive an LLMEngine from asyncio: the engine steps in its own thread, callers await streams."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from typing import Any, NamedTuple, TypeVar
+
+from halfmoon.engine.engine import LLMEngine, RequestOutput
+from halfmoon.engine.errors import EngineError
+from halfmoon.protocol.sampling import SamplingParams
+
+T = TypeVar("T")
+_STOP = object()
+
+
+class StepTiming(NamedTuple):
+    """One engine step: when it ended, how long it took, how many sequences it advanced."""
+
+    ended: float
+    seconds: float
+    num_outputs: int
+
+
+class AsyncEngine:
+    """Contract: every engine call happens on the engine thread, in submission order.
+
+    ``generate`` yields the request's RequestOutputs as steps produce them and ends after
+    the finished one; an engine error while adding surfaces from the first ``anext``. A
+    caller that stops iterating early must ``abort``. ``call(fn)`` runs ``fn(engine)`` on
+    the engine thread between steps (KV export, release, stats).
+    """
+
+    def __init__(self, make_engine: Callable[[], LLMEngine],
+                 on_step: Callable[[StepTiming], None] | None = None) -> None:
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._on_step = on_step
+        self._built = threading.Event()
+        self._failure: BaseException | None = None
+        self.engine: LLMEngine
+        # NOTE: the engine is built and stepped on this one thread. torch's OpenMP pool belongs to
+        # the thread that starts it; a second torch thread in the process halves the first one's speed.
+        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def start(cls, make_engine: Callable[[], LLMEngine],
+                    on_step: Callable[[StepTiming], None] | None = None) -> AsyncEngine:
+        """Build the engine on its thread; raises what building raised (a bad model directory)."""
+        engine = cls(make_engine, on_step)
+        await asyncio.to_thread(engine._built.wait)
+        if engine._failure is not None:
+            raise engine._failure
+        return engine
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's side
+            self._failure = exc
+            return
+        finally:
+            self._built.set()
+        while True:
+            block = not self.engine.has_unfinished()
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command is _STOP:
+                    return
+                command()
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        if self._on_step is not None:
+            self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs)))
+        for out in outputs:
+            self._deliver(out.request_id, out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    # ---------------------------------------------------------------- asyncio
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._commands.put(run)
+        return await future
+
+    async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                       **options: Any) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+
+        def add() -> None:
+            self._streams[request_id] = (loop, stream)
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, **options)
+            except EngineError as exc:
+                self._streams.pop(request_id, None)
+                loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+        self._commands.put(add)
+        while True:
+            item = await stream.get()
+            if isinstance(item, EngineError):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    async def abort(self, request_id: str) -> bool:
+        def abort(engine: LLMEngine) -> bool:
+            self._streams.pop(request_id, None)
+            try:
+                engine.abort(request_id)
+            except KeyError:
+                return False
+            return True
+
+        return await self.call(abort)
+
+    def shutdown(self) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout=10)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,255 @@
+"""LLMEngine: requests in, tokens out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from halfmoon.engine.attention import PagedKVCache
+from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.detokenizer import IncrementalDetokenizer
+from halfmoon.engine.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError,
+                                  OutOfKVBlocksError, UnknownRequestError)
+from halfmoon.engine.loader import load_model
+from halfmoon.engine.model_runner import ModelRunner
+from halfmoon.engine.sampler import Sampler
+from halfmoon.engine.scheduler import Scheduler
+from halfmoon.engine.sequence import Sequence, SequenceStatus
+from halfmoon.kv.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.protocol.sampling import SamplingParams
+
+PREFILL_DONE = "prefill_done"
+
+
+class RequestOutput(NamedTuple):
+    """What one step produced for one request (deltas, not totals, except the counts)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    prefill_only: bool
+
+
+class LLMEngine:
+    """A paged-KV, continuously batching engine over a local Llama-family model.
+
+    Not thread-safe: one caller drives ``step``; services run it in one worker thread.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_model(config.model, config.torch_dtype, config.torch_device)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        hf = self.model.config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.layout = BlockLayout(loaded.fingerprint, config.torch_dtype, hf.num_hidden_layers,
+                                  hf.num_key_value_heads, head_dim)
+        self.vocab_size = hf.vocab_size
+        limits = [hf.max_position_embeddings, getattr(hf, "sliding_window", None) or hf.max_position_embeddings]
+        self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
+        per_block = self.layout.layer_nbytes(config.block_size) * hf.num_hidden_layers
+        num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.cache = PagedKVCache(hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads,
+                                  head_dim, config.torch_dtype, config.torch_device)
+        self.runner = ModelRunner(self.model, self.cache, self.blocks)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_size)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = self._eos_ids()
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = 0
+
+    def _eos_ids(self) -> frozenset[int]:
+        found = getattr(self.model.generation_config, "eos_token_id", None)
+        if found is None and self.tokenizer is not None:
+            found = self.tokenizer.eos_token_id
+        return frozenset([found] if isinstance(found, int) else (found or []))
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.layout.fingerprint
+
+    # ----------------------------------------------------------------- requests
+    def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+        if not tokens:
+            raise InvalidRequestError("prompt is empty: at least one token is required")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model directory has none")
+        if len(tokens) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+        if -(-(len(tokens) + params.max_tokens) // self.config.block_size) > self.blocks.allocator.num_blocks:
+            raise OutOfKVBlocksError(f"request needs more KV blocks than the whole cache holds "
+                                     f"({self.blocks.allocator.num_blocks})")
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
+                    kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False) -> None:
+        """Queue a request.
+
+        ``output_token_ids`` continues a request whose first tokens were produced elsewhere
+        (a prefill instance). ``kv_blocks`` are payloads (see ``export_kv``) holding KV of
+        consecutive blocks from block ``kv_start_block`` on, fetched from the pool; they are
+        used when the local prefix cache reaches that block, and not recomputed.
+        ``block_keys`` are the content keys of the prompt's full blocks: matching ones are
+        reused from the local prefix cache, and computed ones are cached there.
+        ``prefill_only`` stops after the first sampled token and keeps the KV for
+        ``export_kv`` until ``release``.
+        """
+        tokens = [int(t) for t in prompt_token_ids]
+        outputs = [int(t) for t in output_token_ids]
+        self._validate(request_id, tokens + outputs, params)
+        size = self.config.block_size
+        if len(block_keys) > len(tokens) // size:
+            raise InvalidRequestError("more block keys than full prompt blocks")
+        seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys))
+        if kv_blocks:
+            seq.kv_import = torch.cat([decode_block(self.layout, block) for block in kv_blocks], dim=2)
+            seq.kv_import_start = kv_start_block
+            if kv_start_block * size + seq.kv_import.shape[2] >= seq.num_tokens:
+                raise InvalidRequestError("imported KV must leave at least the last token to compute")
+        self._arrivals += 1
+        seq.hold_kv = prefill_only
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
+        self._requests[request_id] = _Request(seq, detok, prefill_only)
+        self.scheduler.add(seq)
+
+    def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
+        """How many leading blocks of ``block_keys`` the local prefix cache holds right now."""
+        cached = self.blocks.allocator.cached
+        return next((i for i, key in enumerate(block_keys) if key not in cached), len(block_keys))
+
+    def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys stored in and evicted from the local prefix cache since the last call."""
+        allocator = self.blocks.allocator
+        stored, evicted = allocator.stored, allocator.evicted
+        allocator.stored, allocator.evicted = [], []
+        return stored, evicted
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        request.seq.hold_kv = False
+        if request.seq.status is SequenceStatus.FINISHED:
+            self.blocks.free(request.seq)
+        else:
+            self.scheduler.finish(request.seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.allocator.num_free
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        chunks.sort(key=lambda c: c.num_tokens != 1)
+        for chunk in chunks:
+            self._load_import(chunk.seq)
+        logits = self.runner.forward(chunks)
+        sampling = [c.seq for c in chunks if c.samples]
+        sampled = self.sampler(logits, sampling) if sampling else None
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.blocks.register_computed(chunk.seq)
+        if sampled is None:
+            return []
+        return [self._append(seq, token, logprob)
+                for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs)]
+
+    def _load_import(self, seq: Sequence) -> None:
+        """Copy the part of the imported KV the local cache did not cover into the sequence's blocks."""
+        if seq.kv_import is not None and seq.kv_load_from is not None:
+            size = self.config.block_size
+            offset = seq.kv_load_from - seq.kv_import_start * size
+            self.cache.load_blocks(seq.block_table[seq.kv_load_from // size:], seq.kv_import[:, :, offset:])
+            self.blocks.register_computed(seq)
+        seq.kv_import = seq.kv_load_from = None
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> RequestOutput:
+        request = self._requests[seq.request_id]
+        params = seq.params
+        seq.token_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        reason: str | None = None
+        text = ""
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        else:
+            text, stopped = request.detokenizer.push(token)
+            reason = "stop" if stopped else None
+        num_out = len(seq.output_token_ids)
+        if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None and request.prefill_only:
+            reason = PREFILL_DONE
+        if reason is not None:
+            if reason != PREFILL_DONE:
+                text += request.detokenizer.flush()
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            if not seq.hold_kv:
+                del self._requests[seq.request_id]
+        return RequestOutput(seq.request_id, [token], [logprob], text, reason is not None, reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, num_out)
+
+    # ------------------------------------------------------------------ KV I/O
+    def export_kv(self, request_id: str) -> list[bytes]:
+        """Payloads of the request's computed KV, ``block_size`` tokens each (the last may be partial)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        seq, size = request.seq, self.config.block_size
+        payloads = []
+        for index in range(-(-seq.num_computed_tokens // size)):
+            tokens = min(size, seq.num_computed_tokens - index * size)
+            kv = self.cache.blocks([seq.block_table[index]], tokens)
+            payloads.append(encode_block(self.layout, kv))
+        return payloads
+
+    def release(self, request_id: str) -> None:
+        """Free the KV a prefill-only request kept for export."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        self.blocks.free(request.seq)
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams) -> list[list[int]]:
+        """Run ``prompts`` to completion together; output token ids per prompt."""
+        ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.add_request(request_id, prompt, params)
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[i] for i in ids]

@@ -1,0 +1,26 @@
+"""Per-layer hooks: load and store KV layer by layer while the model computes."""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Sequence as Seq
+
+from halfmoon.engine.attention import PagedKVCache
+from halfmoon.engine.scheduler import ScheduledChunk
+
+
+class LayerHook(ABC):
+    """Called by the model runner around every decoder layer of every step.
+
+    ``before_layer`` returns once the cached-prefix KV of ``layer`` that the step's chunks
+    attend to is in ``cache`` (a streaming loader waits for that layer here, so later
+    layers keep loading while this one computes). ``after_layer`` runs once the chunks'
+    new KV of ``layer`` is in ``cache`` (a streaming writer copies it out here). Both
+    default to doing nothing; a hook must not change block tables.
+    """
+
+    def before_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
+        return None
+
+    def after_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
+        return None

@@ -1,0 +1,119 @@
+"""Continuous batching: which sequences compute how many tokens in the next step."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledChunk(NamedTuple):
+    """``seq`` computes ``num_tokens`` tokens starting at ``start`` in this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """Running sequences first (decode steps and unfinished prefills), then waiting ones.
+
+    Every step spends at most ``max_num_batched_tokens`` tokens; a single prefill takes at
+    most ``chunk_size`` of them, so long prompts interleave with decodes. When a running
+    sequence cannot get a block, the most recently admitted running sequence is preempted:
+    its blocks are freed and it goes back to the head of the queue to be recomputed.
+    """
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunk_size: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._preempted_this_step = False
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        self._preempted_this_step = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            n = min(seq.num_uncomputed, budget, self.chunk_size)
+            if not self._make_room(seq, seq.num_computed_tokens + n):
+                break
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+            index += 1
+        # Admitting right after a preemption would only thrash the blocks just freed.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted_this_step:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._reuse(seq)
+            n = min(seq.num_uncomputed, budget, self.chunk_size)
+            if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                self.blocks.free(seq)  # give the shared prefix back until there is room
+                seq.num_computed_tokens, seq.kv_load_from = 0, None
+                break
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return chunks
+
+    def _reuse(self, seq: Sequence) -> None:
+        """Start ``seq`` after its locally cached prefix, extended by KV imported for it."""
+        size = self.blocks.block_size
+        covered = self.blocks.reuse_prefix(seq) * size
+        if seq.kv_import is not None and seq.kv_import_start * size <= covered:
+            end = seq.kv_import_start * size + seq.kv_import.shape[2]
+            if end > covered:
+                seq.kv_load_from, covered = covered, end
+        seq.num_computed_tokens = covered
+        seq.num_cached_tokens = max(seq.num_cached_tokens, covered)
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq`` to ``num_tokens`` slots, preempting later sequences; False if ``seq`` itself went."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self._preempted_this_step = True
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished sequence out of the batch; its blocks stay if it holds its KV."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        if not seq.hold_kv:
+            self.blocks.free(seq)

@@ -1,0 +1,64 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from halfmoon.protocol.sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids, how many of them have KV in the cache, and the blocks that hold it.
+
+    ``token_ids`` is prompt + output. A step computes the slice
+    ``[num_computed_tokens, num_computed_tokens + n)``; when that slice reaches the end
+    of ``token_ids`` the step samples one more token.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int, output_token_ids: list[int] | None = None,
+                 block_keys: tuple[bytes, ...] = ()) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids or ())
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.block_keys = block_keys  # content keys of the prompt's full blocks, for the local prefix cache
+        self.num_registered = 0  # leading full blocks already published to the local prefix cache
+        self.kv_import: torch.Tensor | None = None  # KV fetched elsewhere: [layers, 2, tokens, heads, dim]
+        self.kv_import_start = 0  # block index where kv_import begins
+        self.kv_load_from: int | None = None  # token position to copy kv_import from, set at admission
+        self.status = SequenceStatus.WAITING
+        self.arrival = arrival
+        self.finish_reason: str | None = None
+        self.hold_kv = False
+        self.output_logprobs: list[float] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

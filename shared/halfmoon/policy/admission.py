@@ -1,0 +1,101 @@
+"""Admission under overload: none, early rejection, prediction-based early rejection.
+
+Without early rejection a request is prefilled first and may be turned away only when it
+reaches an overloaded decode pool, wasting its prefill. Early rejection moves that check
+before the prefill, judging the decode pool as it is now; the prediction-based variant
+judges it as it will be when this request's prefill finishes, counting only the work that
+will still be running then, which avoids rejecting on load that is about to drain.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from halfmoon.policy.decode import DecodeChoice, SloAwareDecode
+from halfmoon.policy.state import DecodeInstanceState
+
+MIN_RETRY_AFTER_S = 1.0
+
+
+class AdmissionDecision(NamedTuple):
+    """``reason`` is ``"ok"`` when accepted; ``retry_after_s`` is a hint for HTTP 429 Retry-After."""
+
+    accepted: bool
+    reason: str
+    retry_after_s: float
+    decode: DecodeChoice | None
+
+
+def retry_after(instances: Sequence[DecodeInstanceState], after: float) -> float:
+    """Seconds until some decode work is expected to end after ``after`` (at least one second)."""
+    ends = [e for e in (s.earliest_end_after(after) for s in instances) if e is not None]
+    return max(MIN_RETRY_AFTER_S, min(ends) - after) if ends else MIN_RETRY_AFTER_S
+
+
+class AdmissionPolicy(ABC):
+    """Decides before prefill whether the decode pool can take a request.
+
+    Contract: pure; ``now`` is the current time and ``prefill_done_at`` the predicted end of
+    this request's prefill (>= now). An accepted decision carries the decode instance judged
+    best (None means: choose at hand-off). A rejection names its reason and a retry-after.
+    """
+
+    name: str
+
+    def __init__(self, decode: SloAwareDecode) -> None:
+        self.decode = decode
+
+    @abstractmethod
+    def admit(
+        self, instances: Sequence[DecodeInstanceState], context_tokens: int, now: float, prefill_done_at: float
+    ) -> AdmissionDecision: ...
+
+
+class NoAdmission(AdmissionPolicy):
+    """Accept everything before prefill; overload is found only at hand-off."""
+
+    name = "none"
+
+    def admit(self, instances, context_tokens, now, prefill_done_at):
+        return AdmissionDecision(True, "ok", 0.0, self.decode.choose(instances, context_tokens))
+
+
+class EarlyRejection(AdmissionPolicy):
+    """Reject before prefill when no decode instance can take the request within SLO now."""
+
+    name = "early"
+    reason = "decode_overloaded"
+
+    def _judged_at(self, now: float, prefill_done_at: float) -> float | None:
+        return None
+
+    def admit(self, instances, context_tokens, now, prefill_done_at):
+        at = self._judged_at(now, prefill_done_at)
+        choice = self.decode.choose(instances, context_tokens, at=at)
+        if choice is not None:
+            return AdmissionDecision(True, "ok", 0.0, choice)
+        return AdmissionDecision(False, self.reason, retry_after(instances, now), None)
+
+
+class PredictiveEarlyRejection(EarlyRejection):
+    """Reject before prefill when the decode pool is predicted over SLO when the prefill ends."""
+
+    name = "predictive"
+    reason = "decode_overloaded_predicted"
+
+    def _judged_at(self, now: float, prefill_done_at: float) -> float | None:
+        return max(now, prefill_done_at)
+
+
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
+    cls.name: cls for cls in (NoAdmission, EarlyRejection, PredictiveEarlyRejection)
+}
+
+
+def make_admission(name: str, decode: SloAwareDecode) -> AdmissionPolicy:
+    try:
+        return ADMISSION_POLICIES[name](decode)
+    except KeyError:
+        raise ValueError(f"unknown admission policy {name!r}; choose from {sorted(ADMISSION_POLICIES)}") from None

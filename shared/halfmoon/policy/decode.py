@@ -1,0 +1,57 @@
+"""Decode instance choice: keep every instance's TBT within SLO, least loaded first."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from halfmoon.policy.cost import DecodeCostModel
+from halfmoon.policy.state import SLO, DecodeInstanceState, slo_attainment
+
+
+class DecodeChoice(NamedTuple):
+    instance_id: str
+    predicted_tbt_s: float
+
+
+class SloAwareDecode:
+    """Chooses the decode instance for a request of ``context_tokens`` tokens.
+
+    Contract: an instance qualifies when the request fits its KV capacity and the predicted
+    step time with the request added stays within ``headroom * slo.tbt_s``. Among qualifying
+    instances the least loaded wins: load is the recent TBT-SLO violation rate plus the
+    predicted TBT as a share of the SLO (summed, so a lagging violation signal cannot herd).
+    ``at=None`` judges the batch running now; a time judges the work expected to be running
+    then (for prediction-based early rejection). Returns None when none qualify.
+    """
+
+    def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0) -> None:
+        if headroom <= 0:
+            raise ValueError(f"headroom must be positive, got {headroom}")
+        self.cost = cost
+        self.slo = slo
+        self.headroom = headroom
+
+    def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> float:
+        batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
+        return self.cost.predict(batch + 1, context + context_tokens)
+
+    def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
+        context = inst.context_tokens if at is None else inst.load_at(at)[1]
+        return context + context_tokens <= inst.capacity_tokens
+
+    def choose(
+        self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
+    ) -> DecodeChoice | None:
+        limit = self.headroom * self.slo.tbt_s
+        best: tuple[float, float, str] | None = None
+        for inst in instances:
+            if not self.fits(inst, context_tokens, at):
+                continue
+            tbt = self.predicted_tbt(inst, context_tokens, at)
+            if tbt > limit:
+                continue
+            key = (1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + tbt / self.slo.tbt_s, tbt, inst.id)
+            if best is None or key < best:
+                best = key
+        return None if best is None else DecodeChoice(best[2], best[1])

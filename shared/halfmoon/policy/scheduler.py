@@ -1,0 +1,51 @@
+"""The Conductor's decision for one request: Algorithm 1 plus admission, as pure code."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from halfmoon.policy.admission import MIN_RETRY_AFTER_S, AdmissionPolicy
+from halfmoon.policy.decode import DecodeChoice
+from halfmoon.policy.prefill import PrefillChoice, PrefillPolicy
+from halfmoon.policy.state import SLO, BlockIndex, DecodeInstanceState, PrefillInstanceState, RouteRequest
+
+
+class ScheduleDecision(NamedTuple):
+    """Accepted: ``prefill`` is set and ``decode`` may be None (choose at hand-off).
+    Rejected: ``reason`` says why and ``retry_after_s`` feeds the 429 Retry-After header."""
+
+    accepted: bool
+    reason: str
+    retry_after_s: float
+    prefill: PrefillChoice | None
+    decode: DecodeChoice | None
+
+
+class KVCentricScheduler:
+    """Prefill choice, then the TTFT-SLO check (Algorithm 1 line 18), then decode admission.
+
+    Contract: pure; the caller applies the decision (enqueue, pull blocks, reserve decode).
+    """
+
+    def __init__(self, prefill: PrefillPolicy, admission: AdmissionPolicy, slo: SLO = SLO()) -> None:
+        self.prefill = prefill
+        self.admission = admission
+        self.slo = slo
+
+    def schedule(
+        self,
+        request: RouteRequest,
+        prefill_states: Sequence[PrefillInstanceState],
+        decode_states: Sequence[DecodeInstanceState],
+        index: BlockIndex,
+        now: float,
+    ) -> ScheduleDecision:
+        choice = self.prefill.choose(request, prefill_states, index)
+        if choice.ttft_s > self.slo.ttft_s:
+            wait = max(MIN_RETRY_AFTER_S, choice.ttft_s - self.slo.ttft_s)
+            return ScheduleDecision(False, "ttft_slo", wait, choice, None)
+        verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s)
+        if not verdict.accepted:
+            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, None)
+        return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode)

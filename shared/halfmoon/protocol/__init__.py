@@ -1,0 +1,41 @@
+"""The wire protocol: NATS subjects and the msgspec messages they carry (docs/PROTOCOL.md)."""
+
+from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.protocol.scheduling import RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.stream import ErrorEvent, FinishReason, StreamEvent, TokenEvent, Usage
+from halfmoon.protocol.subjects import PROTOCOL_VERSION, Subjects, check_token
+from halfmoon.protocol.work import BlockLocation, CancelRequest, DecodeRequest, KVLocation, PrefillRequest
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Ack",
+    "BlockLocation",
+    "CancelRequest",
+    "Codec",
+    "DecodeRequest",
+    "ErrorCode",
+    "ErrorEvent",
+    "ErrorReply",
+    "FinishReason",
+    "Heartbeat",
+    "InstanceDown",
+    "KVLocation",
+    "Load",
+    "Message",
+    "PrefillRequest",
+    "ProtocolError",
+    "RejectReason",
+    "RemoteError",
+    "Role",
+    "SamplingParams",
+    "ScheduleAccepted",
+    "ScheduleRejected",
+    "ScheduleRequest",
+    "StreamEvent",
+    "Subjects",
+    "TokenEvent",
+    "Usage",
+    "check_token",
+]

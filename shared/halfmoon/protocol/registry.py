@@ -1,0 +1,75 @@
+"""Liveness and load: heartbeats from every instance, and the news that one is gone."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+from halfmoon.protocol.base import Message
+from halfmoon.protocol.subjects import check_token
+
+
+class Role(StrEnum):
+    GATEWAY = "gateway"
+    CONDUCTOR = "conductor"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    CACHE_MANAGER = "cache-manager"
+    TRANSFER = "transfer"
+
+
+class Load(msgspec.Struct, frozen=True, kw_only=True):
+    """What an instance reports about its load; fields a role does not have stay at 0/None.
+
+    ``ttft_ms`` / ``tbt_ms`` are recent averages (prefill / decode), ``None`` until measured.
+    ``accepted_total`` counts every request the instance ever took, so a scheduler can tell
+    which of its own placements this report already includes.
+    """
+
+    queue_len: int = 0
+    running: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    ttft_ms: float | None = None
+    tbt_ms: float | None = None
+    accepted_total: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:
+            raise ValueError("load counts must be >= 0")
+
+
+class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
+    """Periodic "I am alive" with load.
+
+    ``address`` is how peers reach the instance (its submit subject, or ``host:port`` for
+    a transfer node or gateway). ``timestamp`` is the sender's unix time; receivers judge
+    silence by their own clock. ``draining`` instances must not be given new work.
+    """
+
+    instance_id: str
+    role: Role
+    address: str
+    load: Load
+    timestamp: float
+    interval_s: float
+    draining: bool = False
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        check_token(self.instance_id, "instance_id")
+        if self.interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+
+
+class InstanceDown(Message, frozen=True, kw_only=True, tag="down"):
+    """``instance_id`` is gone: ``reason`` is "silent" (conductor noticed) or "shutdown" (it said so).
+
+    Whoever waits on work held by that instance fails it now instead of waiting for a timeout.
+    """
+
+    instance_id: str
+    role: Role
+    reason: str
+    timestamp: float

@@ -1,0 +1,64 @@
+"""Conductor request/reply: where should a request run, or why not at all."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from halfmoon.protocol.base import Message
+from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.protocol.subjects import check_token
+
+
+class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
+    """Ask the conductor for a prefill + decode pair.
+
+    The prompt travels as its length plus, when the sender has them, its token ids and/or
+    its chained block keys (cache-aware policies use either). ``deadline`` is absolute unix
+    time in seconds by which the first token is wanted. ``tenant_salt`` keeps tenants'
+    cache blocks apart.
+    """
+
+    request_id: str
+    model: str
+    prompt_len: int
+    sampling: SamplingParams
+    deadline: float
+    prompt_token_ids: tuple[int, ...] = ()
+    block_keys: tuple[bytes, ...] = ()
+    tenant_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
+        if self.prompt_len < 1:
+            raise ValueError(f"prompt_len must be at least 1, got {self.prompt_len}")
+        if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"prompt_len {self.prompt_len} != {len(self.prompt_token_ids)} prompt_token_ids")
+
+
+class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
+    """The chosen pair; the requester submits a PrefillRequest to ``prefill_instance``."""
+
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    predicted_ttft_ms: float | None = None
+
+
+class RejectReason(StrEnum):
+    NO_PREFILL_INSTANCE = "no_prefill_instance"
+    NO_DECODE_INSTANCE = "no_decode_instance"
+    OVERLOADED = "overloaded"
+    DEADLINE = "deadline"
+
+
+class ScheduleRejected(Message, frozen=True, kw_only=True, tag="rejected"):
+    """Early rejection: nothing was started; try again after ``retry_after_s``."""
+
+    request_id: str
+    reason: RejectReason
+    message: str
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

@@ -1,0 +1,118 @@
+"""Work hand-offs: gateway -> prefill, prefill -> decode, and cancellation."""
+
+from __future__ import annotations
+
+import msgspec
+
+from halfmoon.protocol.base import Message
+from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.protocol.subjects import check_token
+
+
+class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
+    """Compute the prompt's KV and first token, then hand off to ``decode_instance``.
+
+    Tokens go to ``stream_subject`` as TokenEvents numbered from index 0. ``deadline`` is
+    absolute unix time; work past it may be dropped with an ErrorEvent(TIMEOUT). The W3C
+    trace context travels in the NATS headers, not here.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    decode_instance: str
+    stream_subject: str
+    deadline: float
+    tenant_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
+        check_token(self.decode_instance, "decode_instance")
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if not self.stream_subject:
+            raise ValueError("stream_subject must not be empty")
+
+
+class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one KV block's bytes live: a transfer node (``host:port``) and a byte range.
+
+    ``key`` is the chained content key when the block is a cached (full) block, ``None``
+    for scratch data such as the partial last block.
+    """
+
+    node: str
+    offset: int
+    size: int
+    segment: str = ""
+    key: bytes | None = None
+    tier: int = 0  # 0 DRAM (``offset`` valid in ``segment``), 1 NVMe, 2 S3
+
+    def __post_init__(self) -> None:
+        if not self.node:
+            raise ValueError("node must not be empty")
+        if self.offset < 0 or self.size < 1:
+            raise ValueError(f"need offset >= 0 and size >= 1, got offset={self.offset} size={self.size}")
+
+
+class KVLocation(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV of a request's first ``num_tokens`` tokens: full blocks plus the partial tail.
+
+    Invariant: ``len(blocks) == num_tokens // block_size`` and ``partial`` is present
+    exactly when ``num_tokens % block_size != 0``.
+    """
+
+    block_size: int
+    num_tokens: int
+    blocks: tuple[BlockLocation, ...]
+    partial: BlockLocation | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_tokens < 1:
+            raise ValueError(f"block_size and num_tokens must be >= 1, got {self.block_size}, {self.num_tokens}")
+        full, rest = divmod(self.num_tokens, self.block_size)
+        if len(self.blocks) != full:
+            raise ValueError(f"{self.num_tokens} tokens need {full} full blocks, got {len(self.blocks)}")
+        if (rest != 0) != (self.partial is not None):
+            raise ValueError(f"partial block must be present iff num_tokens % block_size != 0 ({rest})")
+
+    @property
+    def partial_tokens(self) -> int:
+        return self.num_tokens % self.block_size
+
+
+class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
+    """Continue a prefilled request: pull its KV from ``kv``, then generate from the first token.
+
+    ``first_token_id`` (and ``first_logprob`` when logprobs were asked for) is the token
+    prefill sampled; prefill has already streamed it as index 0, so decode numbers its
+    TokenEvents from index 1.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_token_id: int
+    sampling: SamplingParams
+    kv: KVLocation
+    stream_subject: str
+    prefill_instance: str
+    deadline: float
+    first_logprob: float | None = None
+    cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
+        if self.kv.num_tokens != len(self.prompt_token_ids):
+            raise ValueError(f"kv covers {self.kv.num_tokens} tokens, prompt has {len(self.prompt_token_ids)}")
+        if not 0 <= self.cached_tokens <= len(self.prompt_token_ids):
+            raise ValueError(f"cached_tokens {self.cached_tokens} out of range")
+
+
+class CancelRequest(Message, frozen=True, kw_only=True, tag="cancel"):
+    """The requester gave up on ``request_id`` (client gone, deadline passed): free its work."""
+
+    request_id: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")

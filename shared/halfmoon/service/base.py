@@ -1,0 +1,114 @@
+"""The service base: what every Halfmoon service is, whatever its role."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar, Generic, TypeVar
+
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
+
+from halfmoon.protocol.base import Codec, Message
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.service import rpc
+from halfmoon.service.config import ServiceConfig
+
+C = TypeVar("C", bound=ServiceConfig)
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+
+class Service(ABC, Generic[C]):
+    """A thin async shell around one role's core.
+
+    Contract with :class:`~halfmoon.service.host.ServiceHost` (which owns the lifecycle):
+    ``start()`` runs once NATS is connected and must return promptly after subscribing and
+    opening listeners; the host then heartbeats ``load()`` every interval. On shutdown the
+    host sets ``draining`` (announced by a heartbeat), awaits ``drain()`` (stop taking work,
+    finish or hand back what is held) bounded by ``drain_timeout_s``, publishes InstanceDown,
+    awaits ``close()`` and closes NATS. A service that must end by itself (a fatal error)
+    sets ``stop_requested``.
+    """
+
+    role: ClassVar[Role]
+    config_class: ClassVar[type[ServiceConfig]] = ServiceConfig
+
+    def __init__(self, config: C, tracer_provider: TracerProvider | None = None) -> None:
+        if not config.instance_id:
+            config = dataclasses.replace(config, instance_id=f"{self.role.value}-{uuid.uuid4().hex[:8]}")
+        self.config: C = config
+        self.instance_id = config.instance_id
+        self.subjects = config.subjects
+        self.log = logging.getLogger(f"halfmoon.{self.role.value}")
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(f"halfmoon.{self.role.value}")
+        self.draining = False
+        self.stop_requested = asyncio.Event()
+        self._nc: NATS | None = None
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise RuntimeError(f"{self.instance_id} is not connected to NATS (start it with ServiceHost)")
+        return self._nc
+
+    def attach(self, nc: NATS) -> None:
+        """Give the service its connection; called by the host before ``start``."""
+        self._nc = nc
+
+    @property
+    def address(self) -> str:
+        """How peers reach this instance (a submit subject, ``host:port``); "" if not addressed."""
+        return ""
+
+    @property
+    def model(self) -> str:
+        """The model this instance serves, if any (reported in heartbeats)."""
+        return ""
+
+    def load(self) -> Load:
+        """Current load figures for the heartbeat; must be cheap and never block."""
+        return Load()
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Subscribe and open listeners."""
+
+    async def drain(self) -> None:
+        """Finish or hand back the work held; ``draining`` is already true."""
+
+    async def close(self) -> None:
+        """Release what ``start`` opened (NATS itself is closed by the host)."""
+
+    # helpers for subclasses
+
+    async def serve(
+        self, subject: str, codec: Codec[Req], handler: rpc.RequestHandler[Req], *, span_name: str, queue: str = ""
+    ) -> Subscription:
+        return await rpc.serve_requests(
+            self.nc, subject, codec, handler, tracer=self.tracer, span_name=span_name, log=self.log, queue=queue
+        )
+
+    async def listen(
+        self, subject: str, codec: Codec[Req], handler: rpc.EventHandler[Req], *, queue: str = ""
+    ) -> Subscription:
+        return await rpc.subscribe_events(self.nc, subject, codec, handler, log=self.log, queue=queue)
+
+    async def publish(self, subject: str, message: Message, headers: Mapping[str, str] | None = None) -> None:
+        await rpc.publish(self.nc, subject, message, headers)
+
+    async def request(
+        self,
+        subject: str,
+        message: Message,
+        reply_codec: Codec[Rep],
+        timeout: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> Rep:
+        return await rpc.request(self.nc, subject, message, reply_codec, timeout, headers)

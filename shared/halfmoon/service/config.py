@@ -1,0 +1,137 @@
+"""One typed config per service, built from defaults, then HALFMOON_* env vars, then flags.
+
+A service declares ``@dataclass(frozen=True) class MyConfig(ServiceConfig)`` with typed,
+defaulted fields (help text in ``field(metadata={"help": ...})``) and validates it in
+``__post_init__``; :func:`load_config` turns every field ``foo_bar`` into the flag
+``--foo-bar`` and the variable ``HALFMOON_FOO_BAR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from halfmoon.protocol.subjects import Subjects, check_token
+
+ENV_PREFIX = "HALFMOON_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Settings every service has; defaults run everything on one machine."""
+
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL(s), comma separated"})
+    namespace: str = field(default="halfmoon", metadata={"help": "subject namespace of this deployment"})
+    instance_id: str = field(default="", metadata={"help": "unique instance id (default: <role>-<random>)"})
+    heartbeat_interval_s: float = field(default=1.0, metadata={"help": "seconds between heartbeats"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "max seconds to finish work on SIGTERM"})
+    connect_timeout_s: float = field(default=30.0, metadata={"help": "give up if NATS is unreachable this long"})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(default="json", metadata={"help": "json (one object per line) or text"})
+    trace_file: str = field(default="", metadata={"help": "append spans to this JSONL file"})
+    metrics_port: int = field(
+        default=0, metadata={"help": "serve Prometheus /metrics on this port (0: off, -1: any free port)"}
+    )
+    metrics_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the /metrics endpoint listens on (0.0.0.0 in containers)"})
+
+    def __post_init__(self) -> None:
+        Subjects(self.namespace)  # validates
+        if self.instance_id:
+            check_token(self.instance_id, "instance_id")
+        for name in ("heartbeat_interval_s", "drain_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be -1 (any free port), 0 (off) or a port, got {self.metrics_port}")
+        if self.log_format not in ("json", "text"):
+            raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.namespace)
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def _base_type(hint: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as ``int`` or ``str | None``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported config field type {hint}")
+        return args[0], True
+    return hint, False
+
+
+def _parse(raw: str, hint: Any, source: str) -> Any:
+    kind, optional = _base_type(hint)
+    if optional and raw.lower() in ("", "none"):
+        return None
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+        return kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{source}: cannot read {raw!r} as {kind.__name__}: {exc}") from None
+
+
+def load_config(
+    cls: type[C], argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None
+) -> C:
+    """Build ``cls`` from its defaults, overridden by ``env``, overridden by ``argv`` flags.
+
+    Raises ``SystemExit(2)`` with a usage message for unknown flags or invalid values.
+    """
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        hint = hints[f.name]
+        var = ENV_PREFIX + f.name.upper()
+        helptext = f"{f.metadata.get('help', '')} (env {var})"
+        flag = "--" + f.name.replace("_", "-")
+        if _base_type(hint)[0] is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=helptext)
+        if var in env:
+            try:
+                values[f.name] = _parse(env[var], hint, var)
+            except ValueError as exc:
+                parser.error(str(exc))
+    args = parser.parse_args(argv)
+    for f in dataclasses.fields(cls):
+        raw = getattr(args, f.name, None)
+        if raw is None:
+            continue
+        try:
+            values[f.name] = (
+                raw if isinstance(raw, bool) else _parse(raw, hints[f.name], "--" + f.name.replace("_", "-"))
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

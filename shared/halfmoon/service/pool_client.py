@@ -1,0 +1,146 @@
+"""A worker's side of the pool protocol: look up a prefix, fetch its blocks, store new ones.
+
+Blocks move straight between this process and the transfer nodes; only keys, locations and
+leases go through the cache-manager. Everything here degrades to a miss: an unreachable
+cache-manager or node, a missing or corrupt block all mean "recompute", never an error.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from halfmoon.kv.block_format import BlockLayout, verify_block
+from halfmoon.protocol import codecs
+from halfmoon.protocol.base import ProtocolError, RemoteError
+from halfmoon.protocol.cache import Lookup, PutEnd, PutStart, Release
+from halfmoon.protocol.pool import RemoveRequest
+from halfmoon.protocol.work import BlockLocation
+from halfmoon.service.base import Service
+from halfmoon.storage.base import StorageError, Tier
+from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.transport import TransferError
+
+CACHE_TIMEOUT_S = 2.0
+_FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
+
+
+class Fetched(NamedTuple):
+    """The verified cached prefix: payloads and where each came from, and the lease to release."""
+
+    payloads: list[memoryview]
+    locations: list[BlockLocation]
+    lease_id: str | None
+
+
+class PoolClient:
+    def __init__(self, service: Service, transfer: TransferClient, layout: BlockLayout) -> None:
+        self.service = service
+        self.transfer = transfer
+        self.layout = layout
+
+    async def fetch_prefix(self, keys: Sequence[bytes]) -> Fetched:
+        """Longest prefix of ``keys`` that is cached, readable and intact."""
+        if not keys:
+            return Fetched([], [], None)
+        svc = self.service
+        try:
+            found = await svc.request(svc.subjects.cache("lookup"), Lookup(keys=tuple(keys)),
+                                      codecs.CACHE_LOOKUP_RESULT, CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool lookup failed; computing the whole prompt", extra={"error": str(exc)})
+            return Fetched([], [], None)
+        first = await self._read_batch([hit.replicas[0] for hit in found.hits])
+        payloads: list[memoryview] = []
+        locations: list[BlockLocation] = []
+        for hit, data in zip(found.hits, first):
+            candidates = [(hit.replicas[0], data)] + [(r, None) for r in hit.replicas[1:]]
+            for replica, payload in candidates:
+                payload = payload if payload is not None else (await self._read_batch([replica]))[0]
+                if payload is not None and verify_block(self.layout, payload):
+                    payloads.append(payload)
+                    locations.append(replica)
+                    break
+                svc.log.warning("cached block unusable; trying another replica",
+                                extra={"key": hit.key.hex()[:16], "node": replica.node})
+            else:
+                break
+        return Fetched(payloads, locations, found.lease_id)
+
+    async def _read_batch(self, replicas: Sequence[BlockLocation]) -> list[memoryview | None]:
+        """One batched read per node into fresh buffers; None where a block is missing or its node unreachable."""
+        out: list[memoryview | None] = [None] * len(replicas)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for index, replica in enumerate(replicas):
+            by_node[replica.node].append(index)
+        for node, indexes in by_node.items():
+            try:
+                transport = await self.transfer.transport(node)
+                views = await transport.read([replicas[i].key or b"" for i in indexes], missing_ok=True)
+            except _FAILURES:
+                continue
+            for index, view in zip(indexes, views):
+                out[index] = view
+        return out
+
+    async def release(self, lease_id: str | None) -> None:
+        if lease_id is None:
+            return
+        svc = self.service
+        try:
+            await svc.request(svc.subjects.cache("release"), Release(lease_id=lease_id), codecs.CACHE_ACK,
+                              CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("lease release failed (it expires by itself)", extra={"error": str(exc)})
+
+    async def remove(self, keys: Sequence[bytes]) -> None:
+        """Drop blocks from the pool (one-off hand-off blocks once read)."""
+        if not keys:
+            return
+        svc = self.service
+        try:
+            await svc.request(svc.subjects.cache("remove"), RemoveRequest(keys=tuple(keys)), codecs.CACHE_ACK,
+                              CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool remove failed", extra={"error": str(exc)})
+
+    async def store(self, keys: Sequence[bytes], payloads: Sequence[bytes], first_position: int) -> dict[bytes, BlockLocation]:
+        """put_start, write the bytes to the chosen nodes, put_end; returns where each key can be read
+        (the ones just stored, and those the pool already held)."""
+        if not keys:
+            return {}
+        svc = self.service
+        try:
+            plan = await svc.request(svc.subjects.cache("put_start"),
+                                     PutStart(writer=svc.instance_id, keys=tuple(keys),
+                                              sizes=tuple(len(p) for p in payloads), first_position=first_position),
+                                     codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
+            return {}
+        payload_of = dict(zip(keys, payloads))
+        known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
+        by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
+        for placement in plan.placements:
+            by_node[(placement.node, Tier(placement.tier))].append(placement)
+        written: dict[bytes, BlockLocation] = {}
+        for (node, tier), placements in by_node.items():
+            try:
+                transport = await self.transfer.transport(node)
+                await transport.write([p.key for p in placements], [payload_of[p.key] for p in placements],
+                                      offsets=[p.offset for p in placements] if tier is Tier.DRAM else None,
+                                      tier=tier)
+            except _FAILURES as exc:
+                svc.log.warning("pool write failed; those blocks stay uncached", extra={"node": node, "error": str(exc)})
+                continue
+            written.update((p.key, p) for p in placements if p.key is not None)
+        if not written:
+            return known
+        try:
+            await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
+                              codecs.CACHE_ACK, CACHE_TIMEOUT_S)
+        except _FAILURES as exc:
+            svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
+            return known
+        return known | written

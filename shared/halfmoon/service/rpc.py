@@ -1,0 +1,132 @@
+"""Typed NATS messaging with trace context: request/reply, publish, and request serving.
+
+Every outgoing message carries the current W3C trace context in its headers; every served
+request runs inside a SERVER span that continues the sender's trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from halfmoon.protocol.base import Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
+from halfmoon.telemetry import extract_context, inject_headers
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+RequestHandler = Callable[[Req], Awaitable[Message]]
+EventHandler = Callable[[Req, Mapping[str, str]], Awaitable[None]]
+
+
+async def publish(nc: NATS, subject: str, message: Message, headers: Mapping[str, str] | None = None) -> None:
+    await nc.publish(subject, Codec.encode(message), headers=inject_headers(dict(headers or {})))
+
+
+async def request(
+    nc: NATS,
+    subject: str,
+    message: Message,
+    reply_codec: Codec[Rep],
+    timeout: float,
+    headers: Mapping[str, str] | None = None,
+) -> Rep:
+    """Send ``message`` and return the decoded reply.
+
+    Raises :class:`RemoteError` when the peer answered ErrorReply, when nobody listens on
+    ``subject`` (UNAVAILABLE) or when no reply came within ``timeout`` (TIMEOUT), and
+    :class:`ProtocolError` when the reply is not one of ``reply_codec``'s kinds.
+    """
+    try:
+        msg = await nc.request(
+            subject, Codec.encode(message), timeout=timeout, headers=inject_headers(dict(headers or {}))
+        )
+    except nats.errors.NoRespondersError:
+        raise RemoteError(
+            ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"no responders on {subject}", retryable=True)
+        ) from None
+    except nats.errors.TimeoutError:
+        raise RemoteError(
+            ErrorReply(code=ErrorCode.TIMEOUT, message=f"no reply on {subject} within {timeout}s", retryable=True)
+        ) from None
+    reply = reply_codec.decode(msg.data)
+    if isinstance(reply, ErrorReply):
+        raise RemoteError(reply)
+    return reply
+
+
+async def serve_requests(
+    nc: NATS,
+    subject: str,
+    codec: Codec[Req],
+    handler: RequestHandler[Req],
+    *,
+    tracer: trace.Tracer,
+    span_name: str,
+    log: logging.Logger,
+    queue: str = "",
+) -> Subscription:
+    """Answer requests on ``subject`` with ``handler``'s reply.
+
+    Undecodable requests get the ProtocolError's ErrorReply, handler RemoteErrors their reply,
+    any other exception ErrorReply(INTERNAL); the subscription keeps serving either way.
+    NOTE: requests of one subscription are handled one after another, so a handler must only
+    validate and enqueue, never run the work itself.
+    """
+
+    async def on_message(msg: Msg) -> None:
+        with tracer.start_as_current_span(
+            span_name, context=extract_context(msg.headers), kind=SpanKind.SERVER
+        ) as span:
+            reply = await _handle(codec, handler, msg.data, log, subject)
+            if isinstance(reply, ErrorReply):
+                span.set_status(Status(StatusCode.ERROR, reply.message))
+                span.set_attribute("halfmoon.error_code", reply.code.value)
+            if msg.reply:
+                await nc.publish(msg.reply, Codec.encode(reply))
+
+    return await nc.subscribe(subject, queue=queue, cb=on_message)
+
+
+async def _handle(
+    codec: Codec[Req], handler: RequestHandler[Req], data: bytes, log: logging.Logger, subject: str
+) -> Message:
+    try:
+        return await handler(codec.decode(data))
+    except ProtocolError as exc:
+        log.warning("refused message", extra={"subject": subject, "code": exc.code.value, "reason": exc.message})
+        return exc.to_reply()
+    except RemoteError as exc:
+        return exc.reply
+    except Exception as exc:  # a handler bug must not kill the subscription
+        log.exception("request handler failed", extra={"subject": subject})
+        return ErrorReply(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+
+
+async def subscribe_events(
+    nc: NATS, subject: str, codec: Codec[Req], handler: EventHandler[Req], *, log: logging.Logger, queue: str = ""
+) -> Subscription:
+    """Deliver decoded pub/sub messages (with their headers) to ``handler``; drop invalid ones with a warning."""
+
+    async def on_message(msg: Msg) -> None:
+        try:
+            event = codec.decode(msg.data)
+        except ProtocolError as exc:
+            log.warning(
+                "dropped message", extra={"subject": msg.subject, "code": exc.code.value, "reason": exc.message}
+            )
+            return
+        try:
+            await handler(event, msg.headers or {})
+        except Exception:
+            log.exception("event handler failed", extra={"subject": msg.subject})
+
+    return await nc.subscribe(subject, queue=queue, cb=on_message)

@@ -1,0 +1,44 @@
+"""``run_service``: the whole ``python -m halfmoon.services.<name>`` entry point in one call."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+import uuid
+from collections.abc import Sequence
+
+from opentelemetry import trace
+
+from halfmoon.service.base import Service
+from halfmoon.service.config import load_config
+from halfmoon.service.host import serve_until_signalled
+from halfmoon.service.logs import setup_logging
+from halfmoon.telemetry import setup_tracing
+
+
+def run_service(service_class: type[Service], argv: Sequence[str] | None = None) -> int:
+    """Build the config from env + flags, set up logging and tracing, run until signalled.
+
+    Returns the process exit code: 0 after a graceful stop, 1 if the service failed.
+    """
+    role = service_class.role.value
+    config = load_config(service_class.config_class, argv, prog=f"python -m halfmoon.services.{role.replace('-', '_')}")
+    if not config.instance_id:
+        config = dataclasses.replace(config, instance_id=f"{role}-{uuid.uuid4().hex[:8]}")
+    setup_logging(role, config.instance_id, config.log_level, config.log_format)
+    provider = setup_tracing(role, config.instance_id, config.trace_file or None)
+    trace.set_tracer_provider(provider)
+    try:
+        asyncio.run(serve_until_signalled(service_class(config, provider)))
+    except Exception:
+        logging.getLogger("halfmoon.service").exception("service failed")
+        return 1
+    finally:
+        provider.shutdown()
+    return 0
+
+
+def main(service_class: type[Service]) -> None:
+    sys.exit(run_service(service_class))

@@ -1,0 +1,30 @@
+"""Engine outputs as stream events: the one place TokenEvents are built from RequestOutputs."""
+
+from __future__ import annotations
+
+import hashlib
+
+from halfmoon.engine.engine import RequestOutput
+from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.protocol.stream import TokenEvent, Usage
+
+
+def token_event(out: RequestOutput, params: SamplingParams, instance_id: str, cached_tokens: int) -> TokenEvent:
+    """The event for one engine output; ``index`` is the position of its first token in the output."""
+    final = out.finished and out.finish_reason in ("stop", "length")
+    return TokenEvent(
+        request_id=out.request_id,
+        index=out.num_output_tokens - len(out.new_token_ids),
+        token_ids=tuple(out.new_token_ids),
+        instance_id=instance_id,
+        logprobs=tuple(out.new_logprobs) if params.logprobs else None,
+        text=out.text_delta,
+        finish_reason=out.finish_reason if final else None,  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                    cached_tokens=cached_tokens) if final else None,
+    )
+
+
+def handoff_key(request_id: str, index: int) -> bytes:
+    """Key of a scratch KV block moving from prefill to decode (not a content key: never shared)."""
+    return hashlib.sha256(f"handoff/{request_id}/{index}".encode()).digest()

@@ -1,0 +1,244 @@
+"""What prefill and decode instances share: the engine settings, the engine thread, load figures,
+and the directory of transfer nodes they move KV through."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from abc import abstractmethod
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+from opentelemetry.trace import TracerProvider
+
+from halfmoon.engine.async_engine import AsyncEngine, StepTiming
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.protocol import codecs
+from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, RemoteError
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.protocol.stream import ErrorEvent
+from halfmoon.protocol.work import CancelRequest
+from halfmoon.service.base import Service
+from halfmoon.service.config import ServiceConfig
+from halfmoon.service.pool_client import PoolClient
+from halfmoon.telemetry.metrics import METRICS
+from halfmoon.transfer.client import TransferClient
+
+
+@dataclass(frozen=True)
+class WorkerConfig(ServiceConfig):
+    """A model-serving instance: which model, how its engine is shaped, which transfer node to use."""
+
+    model_dir: str = field(default="", metadata={"help": "local model directory (required)"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda[:N]"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (all instances must agree)"})
+    kv_cache_bytes: int = field(default=1 << 30, metadata={"help": "bytes of paged KV cache"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per engine step"})
+    prefill_chunk_size: int = field(default=512, metadata={"help": "most prompt tokens one sequence computes per step"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's own)"})
+    transfer_instance: str = field(default="", metadata={"help": "prefer this transfer node (default: any live one)"})
+    local_prefix_cache: bool = field(default=True, metadata={"help": "keep computed blocks in the engine for reuse"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_dir:
+            raise ValueError("a model directory is required (--model-dir or HALFMOON_MODEL_DIR)")
+        self.engine_config()  # validates the engine settings now, not at first use
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model_dir, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=self.prefill_chunk_size,
+            max_model_len=self.max_model_len,
+        )
+
+
+class LoadMeter:
+    """Recent step timings, turned into the load figures a heartbeat carries."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.ttft_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self.step_ms: collections.deque[float] = collections.deque(maxlen=window)
+
+    def on_step(self, timing: StepTiming) -> None:
+        if timing.num_outputs:
+            self.step_ms.append(timing.seconds * 1000)
+
+    def load(self, engine: AsyncEngine, in_flight: int, accepted_total: int) -> Load:
+        """Running: sequences in the engine's batch; queued: every other request taken and not done
+        (waiting in the engine, or still fetching its prefix)."""
+        running = len(engine.engine.scheduler.running)
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return Load(queue_len=max(0, in_flight - running), running=running,
+                    free_kv_blocks=engine.engine.num_free_blocks,
+                    total_kv_blocks=engine.engine.blocks.allocator.num_blocks,
+                    ttft_ms=mean(self.ttft_ms), tbt_ms=mean(self.step_ms), accepted_total=accepted_total)
+
+
+class TransferNode(NamedTuple):
+    instance_id: str
+    address: str
+    seen: float
+    deadline: float
+
+
+class TransferDirectory:
+    """Live transfer nodes from heartbeats; picks the preferred one, else the first live by id."""
+
+    def __init__(self, preferred: str = "") -> None:
+        self.preferred = preferred
+        self._nodes: dict[str, TransferNode] = {}
+        self._changed = asyncio.Event()
+
+    async def on_heartbeat(self, heartbeat: Heartbeat, _headers: Mapping[str, str]) -> None:
+        if heartbeat.role is Role.TRANSFER and not heartbeat.draining:
+            now = time.time()
+            self._nodes[heartbeat.instance_id] = TransferNode(heartbeat.instance_id, heartbeat.address, now,
+                                                              now + 3 * heartbeat.interval_s)
+            self._changed.set()
+        elif heartbeat.role is Role.TRANSFER:
+            self._nodes.pop(heartbeat.instance_id, None)
+
+    async def on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
+        self._nodes.pop(down.instance_id, None)
+
+    def live(self) -> list[TransferNode]:
+        now = time.time()
+        return sorted((n for n in self._nodes.values() if n.deadline >= now), key=lambda n: n.instance_id)
+
+    def ordered(self) -> list[TransferNode]:
+        """Live nodes, the preferred one first."""
+        return sorted(self.live(), key=lambda n: n.instance_id != self.preferred)
+
+    def forget(self, instance_id: str) -> None:
+        """Stop using a node that failed; its next heartbeat brings it back."""
+        self._nodes.pop(instance_id, None)
+
+    async def choose(self, timeout: float) -> TransferNode:
+        """The node to use, the preferred one if live; waits up to ``timeout`` for one to announce itself."""
+        deadline = time.monotonic() + timeout
+        while not (live := self.ordered()):
+            self._changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RemoteError(ErrorReply(code=ErrorCode.UNAVAILABLE, retryable=True,
+                                             message="no live transfer node to move KV through"))
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                continue
+        return live[0]
+
+
+class EngineWorker(Service[WorkerConfig]):
+    """Base of prefill and decode: owns the engine thread and the requests in flight.
+
+    Contract for subclasses: ``submit_subject`` names where work arrives and ``accept``
+    validates one decoded request and returns the coroutine that serves it; the base
+    acks, runs it as a task keyed by request id, cancels it on CancelRequest, refuses new
+    work while draining and waits for the tasks on drain.
+    """
+
+    config_class = WorkerConfig
+    submit_codec: ClassVar[Codec[Any]]
+    pool: PoolClient
+
+    def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.meter = LoadMeter()
+        self.transfer_nodes = TransferDirectory(config.transfer_instance)
+        self.transfer = TransferClient()
+        self.engine: AsyncEngine | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._busy: set[str] = set()  # requests whose engine work is not done (reported as load)
+        self._accepted = 0
+        self._tbt = METRICS.tbt.labels(self.instance_id)
+
+    @property
+    def address(self) -> str:
+        return self.submit_subject
+
+    @property
+    def model(self) -> str:
+        return self.engine.engine.model_name if self.engine else ""
+
+    @property
+    @abstractmethod
+    def submit_subject(self) -> str: ...
+
+    @abstractmethod
+    def accept(self, request: Any) -> Coroutine[Any, Any, None]: ...
+
+    def load(self) -> Load:
+        return self.meter.load(self.engine, len(self._busy), self._accepted) if self.engine else Load()
+
+    async def start(self) -> None:
+        config = self.config.engine_config()
+        self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
+        self.pool = PoolClient(self, self.transfer, self.engine.engine.layout)
+        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
+        await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
+        await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
+        await self.serve(self.submit_subject, self.submit_codec, self._on_submit, span_name=f"{self.role.value}.submit")
+
+    def _on_step(self, timing: StepTiming) -> None:
+        """Runs on the engine thread after every step."""
+        self.meter.on_step(timing)
+        if timing.num_outputs and self.role is Role.DECODE:
+            self._tbt.observe(timing.seconds)
+
+    async def _on_submit(self, request: Any) -> Message:
+        if self.draining:
+            return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{self.instance_id} is draining", retryable=True)
+        if request.request_id in self._tasks:
+            return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"request {request.request_id} already here")
+        task = asyncio.create_task(self._guarded(request))
+        self._busy.add(request.request_id)
+        self._accepted += 1
+        self._tasks[request.request_id] = task
+        task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
+        return Ack(request_id=request.request_id, instance_id=self.instance_id)
+
+    async def _guarded(self, request: Any) -> None:
+        """Run one request; a bug fails that request with an error event, never silently."""
+        try:
+            await self.accept(request)
+        except asyncio.CancelledError:
+            self._busy.discard(request.request_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
+            self.log.exception("request failed", extra={"request_id": request.request_id})
+            await self.send_error(request.stream_subject, request.request_id, ErrorCode.INTERNAL,
+                                  f"{self.instance_id}: {type(exc).__name__}: {exc}")
+        self.done_computing(request.request_id)
+
+    def done_computing(self, request_id: str) -> None:
+        """The engine's part of a request is over (prefill calls it before the hand-off)."""
+        self._busy.discard(request_id)
+
+    async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
+        task = self._tasks.get(cancel.request_id)
+        if task is not None:
+            task.cancel()
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await self.transfer.close()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    async def send_error(self, subject: str, request_id: str, code: ErrorCode, message: str) -> None:
+        METRICS.errors.labels(code.value).inc()
+        await self.publish(subject, ErrorEvent(request_id=request_id, code=code, message=message,
+                                               instance_id=self.instance_id))

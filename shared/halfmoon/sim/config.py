@@ -1,0 +1,73 @@
+"""One validated configuration object per simulator run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from halfmoon.policy.admission import ADMISSION_POLICIES
+from halfmoon.policy.eviction import EVICTION_POLICIES
+from halfmoon.policy.prefill import PREFILL_POLICIES
+from halfmoon.policy.state import SLO
+
+COUPLED_VARIANTS = ("plain", "prefix", "chunked")
+
+
+class SimConfigError(ValueError):
+    """A simulator setting is out of range or names an unknown policy."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """``mode`` is ``disaggregated`` (``prefill_nodes`` + ``decode_nodes``, the Halfmoon design) or
+    ``coupled`` (``prefill_nodes + decode_nodes`` nodes that each prefill and decode, vLLM-like).
+
+    ``pool_blocks`` is the KVCache pool capacity in blocks, split evenly over the nodes that
+    cache (prefill nodes, or every coupled node); None means unbounded. ``time_scale`` > 1
+    replays the trace faster. ``coupled_router`` is the prefill policy coupled nodes are chosen by.
+    """
+
+    mode: str = "disaggregated"
+    prefill_nodes: int = 8
+    decode_nodes: int = 8
+    prefill_policy: str = "global-cache-aware"
+    admission: str = "none"
+    eviction: str = "lru"
+    pool_blocks: int | None = None
+    block_size: int = 512
+    time_scale: float = 1.0
+    seed: int = 0
+    slo: SLO = field(default_factory=SLO)
+    balancing_threshold: float = 1.0
+    coupled_variant: str = "plain"
+    coupled_router: str = "load-balancing"
+    chunk_tokens: int = 512
+    max_batched_tokens: int = 131072
+    expected_decode_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.mode in ("disaggregated", "coupled"), f"mode must be disaggregated or coupled, got {self.mode!r}"),
+            (self.prefill_nodes >= 1, "prefill_nodes must be >= 1"),
+            (self.decode_nodes >= (1 if self.mode == "disaggregated" else 0), "decode_nodes must be >= 1"),
+            (self.prefill_policy in PREFILL_POLICIES, f"unknown prefill policy {self.prefill_policy!r}"),
+            (self.coupled_router in PREFILL_POLICIES, f"unknown coupled router {self.coupled_router!r}"),
+            (self.admission in ADMISSION_POLICIES, f"unknown admission policy {self.admission!r}"),
+            (self.eviction in EVICTION_POLICIES, f"unknown eviction policy {self.eviction!r}"),
+            (self.pool_blocks is None or self.pool_blocks >= 0, "pool_blocks must be >= 0 or None"),
+            (self.block_size >= 1, "block_size must be >= 1"),
+            (self.time_scale > 0, "time_scale must be > 0"),
+            (self.balancing_threshold >= 1.0, "balancing_threshold must be >= 1"),
+            (self.coupled_variant in COUPLED_VARIANTS, f"coupled_variant must be one of {COUPLED_VARIANTS}"),
+            (self.chunk_tokens >= 1 and self.max_batched_tokens >= 1, "token budgets must be >= 1"),
+            (self.expected_decode_s > 0, "expected_decode_s must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SimConfigError(message)
+
+    @property
+    def total_nodes(self) -> int:
+        return self.prefill_nodes + self.decode_nodes
+
+    def per_node_blocks(self, caching_nodes: int) -> int | None:
+        return None if self.pool_blocks is None else self.pool_blocks // caching_nodes

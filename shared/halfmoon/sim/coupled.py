@@ -1,0 +1,177 @@
+"""The coupled baseline: every node prefills and decodes in one continuous batch (vLLM-like).
+
+Variants: ``plain`` (a waiting prompt batch runs as one prefill iteration that stalls the
+decodes, as vLLM does without chunking), ``prefix`` (the same plus a prefix cache in the
+node's HBM KV pool), ``chunked`` (each iteration decodes every running request and prefills
+at most ``chunk_tokens`` of the oldest waiting prompt).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from halfmoon.policy.prefill import make_prefill_policy
+from halfmoon.policy.state import PrefillInstanceState, RouteRequest
+from halfmoon.sim.batch import DecodeBatch
+from halfmoon.sim.cache import ClusterCache
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.engine import RecentSamples, SimBase
+from halfmoon.sim.profile import Profile
+from halfmoon.sim.trace import TraceRequest
+
+ARRIVE, EPOCH = 0, 1
+IDLE, DECODING, PREFILLING = 0, 1, 2
+
+
+class _Node:
+    __slots__ = ("id", "idx", "batch", "waiting", "pending_s", "job", "chunk", "kind", "version", "recent_ttft", "extra", "waiting_tokens")
+
+    def __init__(self, idx: int, batch: DecodeBatch) -> None:
+        self.id = f"n{idx}"
+        self.idx = idx
+        self.batch = batch
+        self.waiting: deque[int] = deque()
+        self.pending_s = 0.0
+        self.waiting_tokens = 0
+        self.job: list[tuple[int, int]] = []  # (rid, cached tokens) prefilled in this iteration
+        self.chunk: list[int] | None = None  # [rid, tokens done, cached tokens] being chunk-prefilled
+        self.kind = IDLE
+        self.version = 0
+        self.recent_ttft = RecentSamples()
+        self.extra = (0.0, 0.0, 0)  # prefill share of the running epoch: (first step, growth per step, chunk)
+
+
+class CoupledSim(SimBase):
+    def __init__(self, config: SimConfig, profile: Profile, trace: Sequence[TraceRequest]) -> None:
+        super().__init__(config, profile, trace)
+        self.nodes = [_Node(i, DecodeBatch(self.cost.decode)) for i in range(config.total_nodes)]
+        self.chunked = config.coupled_variant == "chunked"
+        if config.coupled_variant == "prefix":
+            self.cache = ClusterCache(
+                [n.id for n in self.nodes], profile.hbm_cache_tokens_per_node // config.block_size, config.eviction
+            )
+        kwargs = {"seed": config.seed} if config.coupled_router == "random" else {}
+        self.router = make_prefill_policy(config.coupled_router, self.cost, config.slo, **kwargs)
+        self._predicted: dict[int, float] = {}
+        self._empty_index: dict = {}
+
+    def _dispatch(self, kind: int, a: int, b: int) -> None:
+        if kind == ARRIVE:
+            self._arrive(a)
+        elif self.nodes[a].version == b:
+            self._epoch_end(self.nodes[a])
+
+    def _arrive(self, rid: int) -> None:
+        req = self.trace[rid]
+        # queued tokens include the running batch's context: the tie-breaker that spreads decode load
+        states = [
+            PrefillInstanceState(n.id, n.pending_s, n.batch.context + n.waiting_tokens, n.recent_ttft.values(self.now))
+            for n in self.nodes
+        ]
+        index = self.cache.index if self.cache is not None else self._empty_index
+        choice = self.router.choose(RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size), states, index)
+        node = self.nodes[int(choice.instance_id[1:])]
+        node.pending_s += choice.prefill_s
+        self._predicted[rid] = choice.prefill_s
+        node.waiting.append(rid)
+        node.waiting_tokens += req.input_length
+        if node.kind == PREFILLING:
+            return
+        batch = node.batch
+        if node.kind == DECODING and batch.t0 <= self.now:
+            k, _ = batch.boundary_after(self.now)
+            self.decoded(batch, batch.close(k))
+        elif node.kind == IDLE:
+            batch.t0 = max(batch.t0, self.now)
+        self._next(node)
+
+    def _cached_tokens(self, node: _Node, rid: int) -> int:
+        if self.cache is None:
+            return 0
+        req = self.trace[rid]
+        blocks = 0
+        for key in req.hash_ids:
+            if not self.cache.holds(node.id, key):
+                break
+            blocks += 1
+        self.out.hit_blocks[rid] = blocks
+        if blocks:
+            self.cache.touch(node.id, req.hash_ids[:blocks], self.now)
+        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size).cached_tokens(blocks)
+
+    def _fits(self, node: _Node, extra_context: int, rid: int) -> bool:
+        batch = node.batch
+        return not batch.members and not extra_context or (
+            batch.context + extra_context + self.trace[rid].input_length <= self.profile.decode_capacity_tokens
+        )
+
+    def _next(self, node: _Node) -> None:
+        batch, prefill = node.batch, self.cost.prefill
+        node.version += 1
+        end = None
+        if self.chunked:
+            if node.chunk is None and node.waiting and self._fits(node, 0, node.waiting[0]):
+                rid = node.waiting.popleft()
+                cached = self._cached_tokens(node, rid)
+                node.chunk = [rid, cached, cached]
+            if node.chunk is not None:
+                rid, done, _ = node.chunk
+                left = self.trace[rid].input_length - done
+                size = min(self.cfg.chunk_tokens, left)
+                steps = left // size if left >= self.cfg.chunk_tokens else 1
+                growth = prefill.coef[3] * size * size if steps > 1 else 0.0
+                node.extra = (prefill.predict(size, done), growth, size)
+                end = batch.begin(batch.t0, node.extra[0], growth, steps)
+        elif node.waiting and self._fits(node, 0, node.waiting[0]):
+            budget, total, extra_ctx = self.cfg.max_batched_tokens, 0.0, 0
+            while node.waiting and self._fits(node, extra_ctx, node.waiting[0]):
+                rid = node.waiting[0]
+                if node.job and self.trace[rid].input_length > budget:
+                    break
+                node.waiting.popleft()
+                cached = self._cached_tokens(node, rid)
+                seconds = prefill.predict(self.trace[rid].input_length - cached, cached)
+                self.out.prefill_s[rid] = seconds
+                node.job.append((rid, cached))
+                budget -= self.trace[rid].input_length
+                extra_ctx += self.trace[rid].input_length
+                total += seconds
+            node.extra = (total, 0.0, 0)
+            end = batch.begin(batch.t0, total, 0.0, 1)
+        if end is None:
+            node.kind = DECODING if batch.begin(batch.t0) is not None else IDLE
+            end = batch.t0 + batch.elapsed(batch.kmax) if node.kind == DECODING else None
+        else:
+            node.kind = PREFILLING
+        if end is not None:
+            self.push(end, EPOCH, node.idx, node.version)
+
+    def _epoch_end(self, node: _Node) -> None:
+        batch = node.batch
+        started, k = batch.t0, batch.kmax
+        first, growth, size = node.extra
+        self.decoded(batch, batch.close(k))
+        if node.kind == PREFILLING and self.chunked:
+            rid = node.chunk[0]
+            self.out.prefill_s[rid] += k * first + growth * k * (k - 1) / 2
+            node.chunk[1] += k * size
+            if node.chunk[1] >= self.trace[rid].input_length:
+                node.chunk = None
+                self._prefilled(node, rid, batch.t0)
+        elif node.kind == PREFILLING:
+            for rid, _ in node.job:
+                self._prefilled(node, rid, started + first)
+            node.job = []
+        node.extra = (0.0, 0.0, 0)
+        self._next(node)
+
+    def _prefilled(self, node: _Node, rid: int, t: float) -> None:
+        req = self.trace[rid]
+        node.pending_s -= self._predicted.pop(rid)
+        node.waiting_tokens -= req.input_length
+        node.recent_ttft.add(t, t - self.out.arrival[rid])
+        if self.cache is not None:
+            self.cache.store(node.id, req.hash_ids[: req.input_length // self.cfg.block_size], t)
+        if self.first_token(rid, t):
+            node.batch.add(rid, req.input_length, req.output_length - 1, t)

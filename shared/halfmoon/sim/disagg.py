@@ -1,0 +1,190 @@
+"""Halfmoon's shape: a prefill pool and a decode pool, scheduled by the shared Conductor policies."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from halfmoon.policy.admission import make_admission
+from halfmoon.policy.decode import SloAwareDecode
+from halfmoon.policy.prefill import make_prefill_policy
+from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.state import DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
+from halfmoon.sim.batch import DecodeBatch
+from halfmoon.sim.cache import ClusterCache
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.engine import RecentSamples, SimBase
+from halfmoon.sim.profile import Profile
+from halfmoon.sim.trace import TraceRequest
+
+ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_EPOCH = 0, 1, 2, 3
+
+
+class _PrefillNode:
+    __slots__ = ("id", "busy_until", "queue_tokens", "recent_ttft")
+
+    def __init__(self, id_: str) -> None:
+        self.id = id_
+        self.busy_until = 0.0
+        self.queue_tokens = 0
+        self.recent_ttft = RecentSamples()
+
+
+class _DecodeNode:
+    __slots__ = ("id", "batch", "waiting", "incoming", "version", "recent_tbt", "state", "ready_at")
+
+    def __init__(self, id_: str, batch: DecodeBatch) -> None:
+        self.id = id_
+        self.batch = batch
+        self.waiting: deque[int] = deque()
+        self.incoming: dict[int, DecodeWork] = {}
+        self.version = 0
+        self.recent_tbt = RecentSamples()
+        self.state: DecodeInstanceState | None = None
+        self.ready_at: dict[int, float] = {}
+
+
+class DisaggregatedSim(SimBase):
+    def __init__(self, config: SimConfig, profile: Profile, trace: Sequence[TraceRequest]) -> None:
+        super().__init__(config, profile, trace)
+        self.prefill = [_PrefillNode(f"p{i}") for i in range(config.prefill_nodes)]
+        self.decode = [_DecodeNode(f"d{i}", DecodeBatch(self.cost.decode)) for i in range(config.decode_nodes)]
+        self._prefill_by_id = {n.id: n for n in self.prefill}
+        self._decode_idx = {n.id: i for i, n in enumerate(self.decode)}
+        self.cache = ClusterCache([n.id for n in self.prefill], config.per_node_blocks(config.prefill_nodes), config.eviction)
+        prefill_kwargs = {"seed": config.seed} if config.prefill_policy == "random" else {}
+        if config.prefill_policy == "global-cache-aware":
+            prefill_kwargs = {"balancing_threshold": config.balancing_threshold}
+        self.decode_policy = SloAwareDecode(self.cost.decode, config.slo)
+        self.scheduler = KVCentricScheduler(
+            make_prefill_policy(config.prefill_policy, self.cost, config.slo, **prefill_kwargs),
+            make_admission(config.admission, self.decode_policy),
+            config.slo,
+        )
+        self._jobs: dict[int, tuple[_PrefillNode, int, tuple, int | None, float]] = {}
+
+    def _dispatch(self, kind: int, a: int, b: int) -> None:
+        if kind == ARRIVE:
+            self._arrive(a)
+        elif kind == PREFILL_DONE:
+            self._prefill_done(a)
+        elif kind == DECODE_JOIN:
+            self._decode_join(self.decode[b], a)
+        elif self.decode[a].version == b:
+            self._epoch_end(self.decode[a])
+
+    # -- conductor ---------------------------------------------------------------------------
+    def _decode_state(self, node: _DecodeNode) -> DecodeInstanceState:
+        if node.state is None:
+            batch, horizon = node.batch, self.expected_decode_s
+            work = [DecodeWork(m.context, m.joined_at, m.joined_at + horizon) for m in batch.members.values()]
+            waiting_ctx = 0
+            for rid in node.waiting:
+                ctx = self.trace[rid].input_length
+                waiting_ctx += ctx
+                work.append(DecodeWork(ctx, self.now, self.now + horizon))
+            work.extend(node.incoming.values())
+            node.state = DecodeInstanceState(
+                node.id, len(batch.members) + len(node.waiting), batch.context + waiting_ctx,
+                self.profile.decode_capacity_tokens, node.recent_tbt.values(self.now), tuple(work),
+            )
+        return node.state
+
+    def _arrive(self, rid: int) -> None:
+        req, now = self.trace[rid], self.now
+        sched_req = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+        pstates = [
+            PrefillInstanceState(n.id, max(0.0, n.busy_until - now), n.queue_tokens, n.recent_ttft.values(now))
+            for n in self.prefill
+        ]
+        dstates = [self._decode_state(n) for n in self.decode]
+        decision = self.scheduler.schedule(sched_req, pstates, dstates, self.cache.index, now)
+        if not decision.accepted:
+            self.reject(rid, late=False)
+            return
+        choice = decision.prefill
+        node = self._prefill_by_id[choice.instance_id]
+        local = choice.prefix_blocks - len(choice.pulls)
+        done = max(now, node.busy_until) + choice.transfer_s + choice.prefill_s
+        node.busy_until = done
+        node.queue_tokens += req.input_length
+        self.cache.lease(node.id, req.hash_ids[:local])
+        for key, src in choice.pulls:
+            self.cache.lease(src, (key,))
+        self.pulled_blocks += len(choice.pulls)
+        self.out.hit_blocks[rid] = choice.prefix_blocks
+        self.out.prefill_s[rid] = choice.prefill_s
+        planned = None
+        if decision.decode is not None:
+            planned = self._decode_idx[decision.decode.instance_id]
+            target = self.decode[planned]
+            target.incoming[rid] = DecodeWork(req.input_length, done, done + self.expected_decode_s)
+            target.state = None
+        self._jobs[rid] = (node, local, choice.pulls, planned, done)
+        self.push(done, PREFILL_DONE, rid)
+
+    def _prefill_done(self, rid: int) -> None:
+        node, local, pulls, planned, _ = self._jobs.pop(rid)
+        req, now = self.trace[rid], self.now
+        keys = req.hash_ids
+        node.queue_tokens -= req.input_length
+        self.cache.release(node.id, keys[:local])
+        for key, src in pulls:
+            self.cache.release(src, (key,))
+        self.cache.store(node.id, keys[: req.input_length // self.cfg.block_size], now)
+        node.recent_ttft.add(now, now - self.out.arrival[rid])
+        if planned is not None:
+            self.decode[planned].incoming.pop(rid, None)
+            self.decode[planned].state = None
+        if not self.first_token(rid, now):
+            return
+        target = self._handoff_target(req.input_length, planned)
+        if target is None:
+            self.reject(rid, late=True)
+            return
+        self.decode[target].ready_at[rid] = now
+        self.push(now + self.profile.handoff_seconds(req.input_length), DECODE_JOIN, rid, target)
+
+    def _handoff_target(self, context: int, planned: int | None) -> int | None:
+        if planned is not None and self.decode_policy.choose([self._decode_state(self.decode[planned])], context):
+            return planned
+        choice = self.decode_policy.choose([self._decode_state(n) for n in self.decode], context)
+        return None if choice is None else self._decode_idx[choice.instance_id]
+
+    # -- decode nodes ------------------------------------------------------------------------
+    def _decode_join(self, node: _DecodeNode, rid: int) -> None:
+        node.state = None
+        batch = node.batch
+        if batch.kmax and batch.t0 <= self.now:
+            k, _ = batch.boundary_after(self.now)
+            self._finish(node, batch.close(k))
+        elif not batch.kmax:
+            batch.t0 = max(batch.t0, self.now)
+        node.waiting.append(rid)
+        self._admit_waiting(node)
+        self._restart(node)
+
+    def _epoch_end(self, node: _DecodeNode) -> None:
+        node.state = None
+        self._finish(node, node.batch.close(node.batch.kmax))
+        self._admit_waiting(node)
+        self._restart(node)
+
+    def _finish(self, node: _DecodeNode, members) -> None:
+        for tbt in self.decoded(node.batch, members):
+            node.recent_tbt.add(node.batch.t0, tbt)
+
+    def _admit_waiting(self, node: _DecodeNode) -> None:
+        batch, cap = node.batch, self.profile.decode_capacity_tokens
+        while node.waiting:
+            req = self.trace[node.waiting[0]]
+            if batch.members and batch.context + req.input_length > cap:
+                return
+            rid = node.waiting.popleft()
+            batch.add(rid, req.input_length, req.output_length - 1, node.ready_at.pop(rid))
+
+    def _restart(self, node: _DecodeNode) -> None:
+        node.version += 1
+        end = node.batch.begin(node.batch.t0)
+        if end is not None:
+            self.push(end, DECODE_EPOCH, self._decode_idx[node.id], node.version)

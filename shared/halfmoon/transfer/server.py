@@ -1,0 +1,234 @@
+"""TCP block server: a node's tiers on the data plane, serving batched reads and writes.
+
+Writes to DRAM are received straight into the shared-memory segment at the reserved offset;
+reads from DRAM are sent straight from it. Same-host clients use LOCATE/RESERVE/COMMIT and
+move the bytes themselves through the segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import Counter
+from functools import cache
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from halfmoon.kv.hashing import key_hex
+from halfmoon.storage.base import BlockNotFound, StorageError, Tier
+from halfmoon.storage.node import NodeStore
+from halfmoon.transfer.channel import Channel, ChannelClosed
+from halfmoon.telemetry import extract_context
+from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_request
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("halfmoon.transfer")
+MAX_BLOCK = 1 << 30
+
+
+@cache
+def host_identity() -> str:
+    """Equal on two processes exactly when they share a kernel (and so /dev/shm, normally)."""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        return f"{socket.gethostname()}/{f.read().strip()}"
+    return socket.gethostname()
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class BlockServer:
+    def __init__(self, store: NodeStore, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = store
+        self._bind = (host, port)
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._channels: set[Channel] = set()
+        self.payload_bytes_in = 0  # bytes of blocks received over sockets (not via shared memory)
+        self.payload_bytes_out = 0
+        self.requests: Counter[Op] = Counter()
+
+    @property
+    def address(self) -> str:
+        assert self._listener is not None, "server not started"
+        host, port = self._listener.getsockname()
+        return f"{host}:{port}"
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(self._bind)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._spawn(self._accept_loop())
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            self._spawn(self._serve(Channel(conn)))
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ch in list(self._channels):
+            ch.close()
+
+    async def _serve(self, ch: Channel) -> None:
+        self._channels.add(ch)
+        reserved: set[bytes] = set()  # in-place writes this client has not committed yet
+        try:
+            while True:
+                req = decode_request(await ch.recv_header())
+                await self._handle(ch, req, reserved)
+        except ChannelClosed:
+            pass
+        except (FramingError, OSError) as exc:
+            log.warning("closing connection after %s", exc)
+        finally:
+            for key in reserved:  # the client went away mid-write: its room is free again
+                self.store.dram.abort(key)
+            self._channels.discard(ch)
+            ch.close()
+
+    async def _handle(self, ch: Channel, req: Request, reserved: set[bytes]) -> None:
+        self.requests[req.op] += 1
+        try:
+            _validate(req)
+        except BadRequest as exc:
+            if req.op is Op.WRITE and len(req.sizes) == len(req.keys) and all(0 < s <= MAX_BLOCK for s in req.sizes):
+                await ch.discard(sum(req.sizes))
+            elif req.op is Op.WRITE:
+                raise FramingError(f"unrecoverable write request: {exc}") from None
+            await ch.send(Response(False, error=f"bad request: {exc}"))
+            return
+        context = extract_context({"traceparent": req.traceparent}) if req.traceparent else None
+        with _tracer.start_as_current_span(f"transfer.{req.op.name.lower()}", context=context,
+                                           kind=SpanKind.SERVER) as span:
+            span.set_attribute("halfmoon.blocks", len(req.keys))
+            if req.op is Op.READ:
+                await self._read(ch, req)
+            elif req.op is Op.WRITE:
+                span.set_attribute("halfmoon.bytes", sum(req.sizes))
+                await self._write(ch, req)
+            else:
+                await ch.send(await self._control(req, reserved))
+
+    async def _read(self, ch: Channel, req: Request) -> None:
+        payloads, sizes = [], []
+        for key in req.keys:
+            try:
+                data = await self.store.read(key)
+            except BlockNotFound:
+                sizes.append(MISSING)
+                continue
+            payloads.append(data)
+            sizes.append(memoryview(data).nbytes)
+        await ch.send(Response(True, sizes=sizes), payloads)
+        self.payload_bytes_out += sum(s for s in sizes if s != MISSING)
+
+    async def _write(self, ch: Channel, req: Request) -> None:
+        failed, errors = [], []
+        dram = self.store.dram
+        for i, (key, size) in enumerate(zip(req.keys, req.sizes)):
+            offset = req.offsets[i] if req.offsets else None
+            try:
+                if req.tier == Tier.DRAM:
+                    ext = dram.reserve(key, size, offset)
+                    try:
+                        await ch.recv_into(dram.writable(ext))
+                    except BaseException:
+                        dram.abort(key)
+                        raise
+                    dram.commit(key)
+                else:
+                    buf = bytearray(size)
+                    await ch.recv_into(memoryview(buf))
+                    await self.store.write(key, buf, Tier(req.tier))
+            except (StorageError, ValueError) as exc:
+                if req.tier == Tier.DRAM:
+                    await ch.discard(size)  # refused before the bytes were read
+                failed.append(key)
+                errors.append(f"{key_hex(key)}: {type(exc).__name__}: {exc}")
+            self.payload_bytes_in += size
+        await ch.send(Response(not failed, error="; ".join(errors[:4]), keys=failed, count=len(req.keys) - len(failed)))
+
+    def capacities(self) -> list[int]:
+        """Configured bytes per tier, DRAM first; S3's is its configured quota (no listing)."""
+        out = [0] * len(Tier)
+        for tier, store in self.store.tiers.items():
+            out[tier] = store.capacity  # type: ignore[attr-defined]
+        return out
+
+    async def _control(self, req: Request, reserved: set[bytes]) -> Response:
+        dram = self.store.dram
+        if req.op is Op.HELLO:
+            return Response(True, segment=dram.segment, host=host_identity(), capacities=self.capacities())
+        if req.op is Op.LOCATE:
+            exts = [dram.find(k) for k in req.keys]
+            return Response(
+                True,
+                offsets=[e.offset if e else MISSING for e in exts],
+                sizes=[e.size if e else MISSING for e in exts],
+            )
+        if req.op is Op.RESERVE:
+            try:
+                exts = [
+                    dram.reserve(k, s, req.offsets[i] if req.offsets else None)
+                    for i, (k, s) in enumerate(zip(req.keys, req.sizes))
+                ]
+            except (StorageError, ValueError) as exc:
+                for k in req.keys:
+                    dram.abort(k)
+                return Response(False, error=f"{type(exc).__name__}: {exc}")
+            reserved.update(req.keys)
+            return Response(True, offsets=[e.offset for e in exts], sizes=[e.size for e in exts])
+        if req.op is Op.COMMIT:
+            if req.sizes:  # written in place at offsets the cache-manager chose: claim them now
+                claimed = await self._control(Request(Op.RESERVE, req.keys, req.sizes, req.offsets), reserved)
+                if not claimed.ok:
+                    return claimed
+            missing = [k for k in req.keys if not dram.is_reserved(k)]
+            for k in req.keys:
+                if k not in missing:
+                    dram.commit(k)
+            reserved.difference_update(req.keys)
+            return Response(not missing, error=f"{len(missing)} key(s) were not reserved", keys=missing,
+                            count=len(req.keys) - len(missing))  # fmt: skip
+        if req.op is Op.DELETE:
+            return Response(True, count=sum([await self.store.delete(k) for k in req.keys]))
+        inventory = await self.store.inventory()
+        return Response(
+            True,
+            keys=[b.key for b in inventory],
+            tiers=[int(b.tier) for b in inventory],
+            offsets=[b.offset for b in inventory],
+            sizes=[b.size for b in inventory],
+        )
+
+
+def _validate(req: Request) -> None:
+    if any(len(k) != 32 for k in req.keys):
+        raise BadRequest("keys must be 32 bytes")
+    if req.op in (Op.WRITE, Op.RESERVE) or (req.op is Op.COMMIT and req.sizes):
+        if len(req.sizes) != len(req.keys):
+            raise BadRequest(f"{len(req.keys)} keys but {len(req.sizes)} sizes")
+        if any(not 0 < s <= MAX_BLOCK for s in req.sizes):
+            raise BadRequest(f"block sizes must be in 1..{MAX_BLOCK}")
+        if req.offsets and len(req.offsets) != len(req.keys):
+            raise BadRequest(f"{len(req.keys)} keys but {len(req.offsets)} offsets")
+        if req.tier not in tuple(Tier):
+            raise BadRequest(f"unknown tier {req.tier}")

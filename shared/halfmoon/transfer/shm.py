@@ -1,0 +1,116 @@
+"""Same-host transport: bytes move through the node's shared-memory segment, never a socket.
+
+Only control messages cross the TCP connection: LOCATE before a read, RESERVE (or nothing,
+when the cache-manager already chose the offsets) and COMMIT around a write. Blocks that are
+not in DRAM (demoted to NVMe/S3) are read over TCP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from halfmoon.storage.allocator import Extent
+from halfmoon.storage.base import Buffer, Tier
+from halfmoon.telemetry.metrics import METRICS
+from halfmoon.storage.segment import AttachedSegment
+from halfmoon.transfer.framing import MISSING, Op, Request
+from halfmoon.transfer.tcp import TcpTransport
+from halfmoon.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
+
+_READ = METRICS.transfer_bytes.labels("shm", "read")
+_WRITTEN = METRICS.transfer_bytes.labels("shm", "write")
+
+
+class ShmTransport(Transport):
+    def __init__(self, control: TcpTransport, segment: AttachedSegment) -> None:
+        self.control = control
+        self._shm = segment
+        self._seg = segment.buf
+
+    @property
+    def current(self) -> bool:
+        """False once the node's segment was replaced (node restart): reopen the transport."""
+        return self._shm.is_current()
+
+    def _check_segment(self) -> None:
+        if not self._shm.is_current():
+            raise TransferError(f"{self.control.address}: segment {self._shm.name} is gone (node restarted?)")
+
+    async def read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        missing_ok: bool = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
+    ) -> list[memoryview | None]:
+        self._check_segment()
+        if extents is None:
+            where = await self.control.request(Request(Op.LOCATE, list(keys)))
+            if not where.ok or len(where.offsets) != len(keys):
+                raise TransferError(f"{self.control.address}: locate refused: {where.error}")
+            extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]
+        elif len(extents) != len(keys) or any(o < 0 or o + s > self._shm.size for o, s in extents):
+            raise ValueError("one extent per key, inside the node's DRAM segment")
+        # the segment (or, for blocks not in DRAM, a TCP read by the node from its lower tiers)
+        sources: list[memoryview | None] = [
+            self._seg[offset : offset + size] if size != MISSING else None for offset, size in extents
+        ]
+        _READ.inc(sum(src.nbytes for src in sources if src is not None))  # lower tiers count as TCP
+        lower = [i for i, src in enumerate(sources) if src is None]
+        if lower:
+            for i, view in zip(lower, await self.control.read([keys[i] for i in lower], missing_ok=True)):
+                sources[i] = view
+        out = destination(into, sum(src.nbytes for src in sources if src is not None))
+        views: list[memoryview | None] = []
+        pos = 0
+        for src in sources:
+            if src is None:
+                views.append(None)
+                continue
+            out[pos : pos + src.nbytes] = src
+            views.append(out[pos : pos + src.nbytes])
+            pos += src.nbytes
+        if not missing_ok and None in views:
+            raise missing_error(keys, views)
+        return views
+
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        tier: Tier = Tier.DRAM,
+    ) -> None:
+        if tier is not Tier.DRAM:
+            await self.control.write(keys, payloads, offsets=offsets, tier=tier)
+            return
+        sizes = check_batch(keys, payloads, offsets)
+        self._check_segment()
+        if offsets is None:
+            resp = await self.control.request(Request(Op.RESERVE, list(keys), sizes))
+            if not resp.ok:
+                raise TransferError(f"{self.control.address}: reserve refused: {resp.error}")
+            targets = resp.offsets
+        else:
+            targets = list(offsets)
+        if any(o < 0 or o + s > self._shm.size for o, s in zip(targets, sizes)):
+            raise ValueError("offsets fall outside the node's DRAM segment")
+        for offset, size, payload in zip(targets, sizes, payloads):
+            self._seg[offset : offset + size] = memoryview(payload).cast("B")
+        # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
+        claim = offsets is not None
+        commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [])
+        resp = await self.control.request(commit)
+        if not resp.ok:
+            raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
+        _WRITTEN.inc(sum(sizes))
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await self.control.delete(keys)
+
+    async def close(self) -> None:
+        await self.control.close()
+        self._seg.release()
+        self._shm.close()

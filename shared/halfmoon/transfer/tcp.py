@@ -1,0 +1,108 @@
+"""TCP transport: batched reads and writes over a small pool of connections to one node."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from halfmoon.storage.allocator import Extent
+from halfmoon.storage.base import Buffer, Tier
+from halfmoon.telemetry.metrics import METRICS
+from halfmoon.transfer.channel import Channel
+from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
+from halfmoon.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
+
+_READ = METRICS.transfer_bytes.labels("tcp", "read")
+_WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+class TcpTransport(Transport):
+    """``timeout_s`` bounds each whole request (connect, send, reply); a node that does not
+    answer in time is a ``TransferError`` like one that cannot be reached."""
+
+    def __init__(self, address: str, pool_size: int = 4, timeout_s: float = 30.0) -> None:
+        if pool_size < 1 or timeout_s <= 0:
+            raise ValueError("pool_size must be >= 1 and timeout_s > 0")
+        self.address = address
+        self.timeout_s = timeout_s
+        self._host, self._port = parse_address(address)
+        self._idle: list[Channel] = []
+        self._slots = asyncio.Semaphore(pool_size)
+
+    @asynccontextmanager
+    async def _channel(self) -> AsyncIterator[Channel]:
+        async with self._slots:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    ch = self._idle.pop() if self._idle else await Channel.connect(self._host, self._port)
+                    try:
+                        yield ch
+                    except BaseException:
+                        ch.close()  # the stream may be mid-message: never reuse it
+                        raise
+            except (OSError, FramingError) as exc:  # TimeoutError is an OSError
+                raise TransferError(f"{self.address}: {type(exc).__name__}: {exc}") from exc
+            self._idle.append(ch)
+
+    async def request(self, req: Request, payloads: Sequence[Buffer] = ()) -> Response:
+        """One control round trip (no payloads expected back)."""
+        async with self._channel() as ch:
+            await ch.send(req, payloads)
+            return decode_response(await ch.recv_header())
+
+    async def read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        missing_ok: bool = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
+    ) -> list[memoryview | None]:
+        async with self._channel() as ch:
+            await ch.send(Request(Op.READ, list(keys)))
+            resp = decode_response(await ch.recv_header())
+            if not resp.ok or len(resp.sizes) != len(keys):
+                raise TransferError(f"{self.address}: read refused: {resp.error}")
+            buf = destination(into, sum(s for s in resp.sizes if s != MISSING))
+            await ch.recv_into(buf)
+        _READ.inc(buf.nbytes)
+        views: list[memoryview | None] = []
+        pos = 0
+        for size in resp.sizes:
+            if size == MISSING:
+                views.append(None)
+                continue
+            views.append(buf[pos : pos + size])
+            pos += size
+        if not missing_ok and None in views:
+            raise missing_error(keys, views)
+        return views
+
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        tier: Tier = Tier.DRAM,
+    ) -> None:
+        sizes = check_batch(keys, payloads, offsets)
+        resp = await self.request(Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier)), payloads)
+        if not resp.ok:
+            raise TransferError(f"{self.address}: {len(resp.keys)} block(s) not stored: {resp.error}")
+        _WRITTEN.inc(sum(sizes))
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return (await self.request(Request(Op.DELETE, list(keys)))).count
+
+    async def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()

@@ -1,0 +1,86 @@
+"""The data-plane client contract: batched block reads and writes against one transfer node.
+
+TCP and same-host shared memory implement it today; an RDMA transport (pyverbs) can be added
+as another implementation: it would register the reader's buffers and the node's segment and
+move bytes with one-sided reads/writes at the offsets the control messages report.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from halfmoon.storage.allocator import Extent
+from halfmoon.storage.base import BlockNotFound, Buffer, Tier
+
+__all__ = ["BlockNotFound", "Transport", "TransferError"]
+
+
+class TransferError(Exception):
+    """The node could not be reached or refused the request; nothing is assumed stored."""
+
+
+class Transport(ABC):
+    """Contract: ``read`` returns one view per key, in order, into buffers owned by the caller
+    (valid after later calls); a block the node lacks is ``None`` with ``missing_ok`` and raises
+    ``BlockNotFound`` (naming every missing key) otherwise. ``write`` stores every block or
+    raises ``TransferError`` naming the keys that failed (the others are stored). ``offsets``
+    are DRAM segment offsets chosen by the cache-manager; without them the node chooses.
+    Connection failures raise ``TransferError``. ``into`` is a writable buffer to receive the
+    blocks back to back (e.g. KV cache pages); the views are then slices of it, and a buffer
+    too small for the blocks is a ``ValueError``. ``extents`` are the DRAM (offset, size) of
+    each key from a lookup's replicas (the lease keeps them valid); transports that address the
+    segment directly (shared memory, RDMA) then skip asking the node, others ignore them."""
+
+    @abstractmethod
+    async def read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        missing_ok: bool = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
+    ) -> list[memoryview | None]: ...
+
+    @abstractmethod
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        tier: Tier = Tier.DRAM,
+    ) -> None: ...
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys from every tier of the node; returns how many it held."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+def destination(into: memoryview | None, nbytes: int) -> memoryview:
+    """Where a read lands: the caller's buffer, or a fresh one."""
+    if into is None:
+        return memoryview(bytearray(nbytes))
+    into = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+    if into.readonly or into.nbytes < nbytes:
+        raise ValueError(f"read destination must be writable and hold {nbytes} bytes, got {into.nbytes}")
+    return into[:nbytes]
+
+
+def missing_error(keys: Sequence[bytes], views: list[memoryview | None]) -> BlockNotFound:
+    return BlockNotFound([k for k, v in zip(keys, views) if v is None])
+
+
+def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequence[int] | None) -> list[int]:
+    """Validate a write batch before anything is sent; returns the payload sizes."""
+    if len(keys) != len(payloads) or (offsets is not None and len(offsets) != len(keys)):
+        raise ValueError("keys, payloads and offsets must have the same length")
+    if any(not isinstance(k, bytes) or len(k) != 32 for k in keys):
+        raise ValueError("block keys are 32 bytes")
+    sizes = [memoryview(p).nbytes for p in payloads]
+    if any(s == 0 for s in sizes):
+        raise ValueError("empty blocks cannot be stored")
+    return sizes

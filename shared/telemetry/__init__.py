@@ -1,7 +1,0 @@
-"""Tracing for every service: OpenTelemetry setup, JSONL export, NATS header propagation."""
-
-from shared.telemetry.jsonl import JsonlSpanExporter, read_spans, span_record
-from shared.telemetry.propagation import extract_context, inject_headers
-from shared.telemetry.tracing import setup_tracing
-
-__all__ = ["JsonlSpanExporter", "extract_context", "inject_headers", "read_spans", "setup_tracing", "span_record"]
