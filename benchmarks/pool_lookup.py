@@ -30,7 +30,7 @@ from halfmoon.kv.pool_types import NodeSpec, PoolConfig
 from halfmoon.protocol import codecs
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
 from halfmoon.service.host import ServiceHost
-from halfmoon.storage.base import Tier
+from halfmoon.core.tiers import Tier
 
 BLOCK_BYTES = 4096
 

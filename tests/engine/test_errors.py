@@ -9,7 +9,7 @@ import pytest
 
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.engine.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError, ModelLoadError,
+from halfmoon.core.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError, ModelLoadError,
                                   OutOfKVBlocksError, UnknownRequestError)
 from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from halfmoon.engine.engine import PREFILL_DONE, LLMEngine
-from halfmoon.engine.errors import KVFormatError
+from halfmoon.core.errors import KVFormatError
 from halfmoon.engine.hooks import LayerHook
-from halfmoon.kv.block_format import HEADER, decode_block, read_header
+from halfmoon.core.block_format import HEADER, decode_block, read_header
 from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 

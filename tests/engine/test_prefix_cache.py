@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.kv.hashing import BlockHasher
+from halfmoon.core.keys import BlockHasher
 from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 

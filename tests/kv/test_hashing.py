@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from halfmoon.kv.hashing import ROOT_KEY, BlockHasher, Namespace
+from halfmoon.core.keys import ROOT_KEY, BlockHasher, Namespace
 
 
 class TestChain:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.kv.hashing import BlockHasher
+from halfmoon.core.keys import BlockHasher
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import InventoryItem, NodeSpec, OrderKind, PoolConfig, Tier, UnknownPut
 from halfmoon.policy.eviction import Watermarks

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from halfmoon.kv.hashing import BlockHasher
+from halfmoon.core.keys import BlockHasher
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import NodeSpec, OrderKind, PoolConfig, Tier
 from halfmoon.policy.eviction import Watermarks

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from halfmoon.storage.allocator import Extent
-from halfmoon.storage.base import BlockNotFound, Tier
+from halfmoon.storage.base import BlockNotFound
+from halfmoon.core.tiers import Tier
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.storage.nvme import DirTier

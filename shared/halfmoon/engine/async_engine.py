@@ -9,8 +9,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from typing import Any, NamedTuple, TypeVar
 
-from halfmoon.engine.engine import LLMEngine, RequestOutput
-from halfmoon.engine.errors import EngineError
+from halfmoon.core.block_format import BlockLayout
+from halfmoon.core.kv_spec import KVSpec
+from halfmoon.engine.engine import EngineStats, LLMEngine, RequestOutput
+from halfmoon.core.errors import EngineError
 from halfmoon.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -31,7 +33,9 @@ class AsyncEngine:
     ``generate`` yields the request's RequestOutputs as steps produce them and ends after
     the finished one; an engine error while adding surfaces from the first ``anext``. A
     caller that stops iterating early must ``abort``. ``call(fn)`` runs ``fn(engine)`` on
-    the engine thread between steps (KV export, release, stats).
+    the engine thread between steps (KV export, release). ``stats()``, ``kv_spec``, ``layout`` and
+    ``model_name`` may be read from any thread: the stats are a snapshot taken on the engine
+    thread after every step and command, the rest never change.
     """
 
     def __init__(self, make_engine: Callable[[], LLMEngine],
@@ -41,7 +45,11 @@ class AsyncEngine:
         self._on_step = on_step
         self._built = threading.Event()
         self._failure: BaseException | None = None
-        self.engine: LLMEngine
+        self._engine: LLMEngine
+        self._stats = EngineStats(0, 0, 0, 0)
+        self.kv_spec: KVSpec
+        self.layout: BlockLayout
+        self.model_name = ""
         # NOTE: the engine is built and stepped on this one thread. torch's OpenMP pool belongs to
         # the thread that starts it; a second torch thread in the process halves the first one's speed.
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine", daemon=True)
@@ -60,14 +68,17 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine thread
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
-            self.engine = make_engine()
+            self._engine = make_engine()
+            self.kv_spec, self.layout, self.model_name = (self._engine.kv_spec, self._engine.layout,
+                                                          self._engine.model_name)
+            self._stats = self._engine.stats()
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's side
             self._failure = exc
             return
         finally:
             self._built.set()
         while True:
-            block = not self.engine.has_unfinished()
+            block = not self._engine.has_unfinished()
             try:
                 command = self._commands.get(block=block)
             except queue.Empty:
@@ -80,12 +91,13 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
-            if self.engine.has_unfinished():
+            if self._engine.has_unfinished():
                 self._step()
+            self._stats = self._engine.stats()
 
     def _step(self) -> None:
         started = time.perf_counter()
-        outputs = self.engine.step()
+        outputs = self._engine.step()
         if self._on_step is not None:
             self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs)))
         for out in outputs:
@@ -100,13 +112,16 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
     # ---------------------------------------------------------------- asyncio
+    def stats(self) -> EngineStats:
+        return self._stats
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
         def run() -> None:
             try:
-                result = fn(self.engine)
+                result = fn(self._engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
@@ -123,7 +138,7 @@ class AsyncEngine:
         def add() -> None:
             self._streams[request_id] = (loop, stream)
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, **options)
+                self._engine.add_request(request_id, prompt_token_ids, params, **options)
             except EngineError as exc:
                 self._streams.pop(request_id, None)
                 loop.call_soon_threadsafe(stream.put_nowait, exc)

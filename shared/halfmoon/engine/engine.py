@@ -12,14 +12,15 @@ from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.detokenizer import IncrementalDetokenizer
-from halfmoon.engine.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError,
+from halfmoon.core.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError,
                                   OutOfKVBlocksError, UnknownRequestError)
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus
-from halfmoon.kv.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.core.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.sampling import SamplingParams
 
 PREFILL_DONE = "prefill_done"
@@ -46,6 +47,15 @@ class _Request:
     prefill_only: bool
 
 
+class EngineStats(NamedTuple):
+    """The engine's load at one moment, as the services report it."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+
+
 class LLMEngine:
     """A paged-KV, continuously batching engine over a local Llama-family model.
 
@@ -58,8 +68,10 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.layout = BlockLayout(loaded.fingerprint, config.torch_dtype, hf.num_hidden_layers,
-                                  hf.num_key_value_heads, head_dim)
+        self.kv_spec = KVSpec(model_fingerprint=loaded.fingerprint.hex(), block_size=config.block_size,
+                              dtype=config.dtype, num_layers=hf.num_hidden_layers,
+                              num_kv_heads=hf.num_key_value_heads, head_dim=head_dim)
+        self.layout = BlockLayout.of(self.kv_spec)
         self.vocab_size = hf.vocab_size
         limits = [hf.max_position_embeddings, getattr(hf, "sliding_window", None) or hf.max_position_embeddings]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
@@ -143,6 +155,10 @@ class LLMEngine:
         cached = self.blocks.allocator.cached
         return next((i for i, key in enumerate(block_keys) if key not in cached), len(block_keys))
 
+    def cached_block_keys(self) -> list[bytes]:
+        """Every key the local prefix cache holds (a snapshot for the conductor's index)."""
+        return list(self.blocks.allocator.cached)
+
     def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
         """Keys stored in and evicted from the local prefix cache since the last call."""
         allocator = self.blocks.allocator
@@ -166,6 +182,10 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.allocator.num_free
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.allocator.num_free,
+                           self.blocks.allocator.num_blocks)
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

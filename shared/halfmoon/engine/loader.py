@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from halfmoon.engine.errors import ModelLoadError
+from halfmoon.core.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}

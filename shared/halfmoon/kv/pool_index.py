@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from halfmoon.kv.hashing import key_hex
+from halfmoon.core.keys import key_hex
 from halfmoon.kv.pool_nodes import NodeLedger
 from halfmoon.kv.pool_state import Block, PoolState
 from halfmoon.kv.pool_tiering import Tiering

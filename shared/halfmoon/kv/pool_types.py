@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from halfmoon.policy.eviction import EVICTION_POLICIES, Watermarks
-from halfmoon.storage.base import Tier as Tier  # re-exported: the index speaks the storage tiers' names
+from halfmoon.core.tiers import Tier as Tier  # re-exported: the index speaks the pool's tier names
 
 
 class PoolError(Exception):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from halfmoon.kv.pool_types import Order, OrderKind, PoolStats, Replica
 from halfmoon.protocol.pool import PoolOrder, PoolStatsReply, ReplicaRef, TierStat
 from halfmoon.protocol.work import BlockLocation
-from halfmoon.storage.base import Tier
+from halfmoon.core.tiers import Tier
 
 
 def replica_ref(replica: Replica) -> ReplicaRef:

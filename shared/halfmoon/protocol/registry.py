@@ -6,6 +6,7 @@ from enum import StrEnum
 
 import msgspec
 
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.subjects import check_token
 
@@ -56,6 +57,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     interval_s: float
     draining: bool = False
     model: str = ""
+    kv_spec: KVSpec | None = None  # engine instances: the KV identity their blocks carry
 
     def __post_init__(self) -> None:
         check_token(self.instance_id, "instance_id")

@@ -15,6 +15,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.base import Codec, Message
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.service import rpc
@@ -71,6 +72,11 @@ class Service(ABC, Generic[C]):
     def model(self) -> str:
         """The model this instance serves, if any (reported in heartbeats)."""
         return ""
+
+    @property
+    def kv_spec(self) -> KVSpec | None:
+        """The KV identity of an engine instance (reported in heartbeats); None for other roles."""
+        return None
 
     def load(self) -> Load:
         """Current load figures for the heartbeat; must be cheap and never block."""

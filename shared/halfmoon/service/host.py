@@ -98,6 +98,7 @@ class ServiceHost:
             interval_s=svc.config.heartbeat_interval_s,
             draining=svc.draining,
             model=svc.model,
+            kv_spec=svc.kv_spec,
         )
 
     async def beat(self) -> None:

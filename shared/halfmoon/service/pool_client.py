@@ -11,14 +11,15 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from halfmoon.kv.block_format import BlockLayout, verify_block
+from halfmoon.core.block_format import BlockLayout, verify_block
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
-from halfmoon.storage.base import StorageError, Tier
+from halfmoon.storage.base import StorageError
+from halfmoon.core.tiers import Tier
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
 

@@ -15,6 +15,7 @@ from opentelemetry.trace import TracerProvider
 
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, RemoteError
@@ -73,11 +74,10 @@ class LoadMeter:
     def load(self, engine: AsyncEngine, in_flight: int, accepted_total: int) -> Load:
         """Running: sequences in the engine's batch; queued: every other request taken and not done
         (waiting in the engine, or still fetching its prefix)."""
-        running = len(engine.engine.scheduler.running)
+        stats = engine.stats()
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        return Load(queue_len=max(0, in_flight - running), running=running,
-                    free_kv_blocks=engine.engine.num_free_blocks,
-                    total_kv_blocks=engine.engine.blocks.allocator.num_blocks,
+        return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
+                    free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                     ttft_ms=mean(self.ttft_ms), tbt_ms=mean(self.step_ms), accepted_total=accepted_total)
 
 
@@ -166,7 +166,11 @@ class EngineWorker(Service[WorkerConfig]):
 
     @property
     def model(self) -> str:
-        return self.engine.engine.model_name if self.engine else ""
+        return self.engine.model_name if self.engine else ""
+
+    @property
+    def kv_spec(self) -> KVSpec | None:
+        return self.engine.kv_spec if self.engine else None
 
     @property
     @abstractmethod
@@ -181,7 +185,7 @@ class EngineWorker(Service[WorkerConfig]):
     async def start(self) -> None:
         config = self.config.engine_config()
         self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
-        self.pool = PoolClient(self, self.transfer, self.engine.engine.layout)
+        self.pool = PoolClient(self, self.transfer, self.engine.layout)
         await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
         await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)

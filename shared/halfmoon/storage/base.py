@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
-from halfmoon.kv.hashing import key_hex
+from halfmoon.core.keys import key_hex
 
 Buffer = bytes | bytearray | memoryview
-
-
-class Tier(enum.IntEnum):
-    """Storage tiers, fastest first; demotion goes to the next higher value."""
-
-    DRAM = 0
-    NVME = 1
-    S3 = 2
 
 
 class StorageError(Exception):

@@ -17,8 +17,9 @@ from functools import cache
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from halfmoon.kv.hashing import key_hex
-from halfmoon.storage.base import BlockNotFound, StorageError, Tier
+from halfmoon.core.keys import key_hex
+from halfmoon.storage.base import BlockNotFound, StorageError
+from halfmoon.core.tiers import Tier
 from halfmoon.storage.node import NodeStore
 from halfmoon.transfer.channel import Channel, ChannelClosed
 from halfmoon.telemetry import extract_context

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from halfmoon.storage.allocator import Extent
-from halfmoon.storage.base import Buffer, Tier
+from halfmoon.storage.base import Buffer
+from halfmoon.core.tiers import Tier
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.transfer.framing import MISSING, Op, Request

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from halfmoon.storage.allocator import Extent
-from halfmoon.storage.base import Buffer, Tier
+from halfmoon.storage.base import Buffer
+from halfmoon.core.tiers import Tier
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response

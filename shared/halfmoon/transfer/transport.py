@@ -11,7 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from halfmoon.storage.allocator import Extent
-from halfmoon.storage.base import BlockNotFound, Buffer, Tier
+from halfmoon.storage.base import BlockNotFound, Buffer
+from halfmoon.core.tiers import Tier
 
 __all__ = ["BlockNotFound", "Transport", "TransferError"]
 

@@ -28,7 +28,7 @@ from halfmoon.protocol.pool import OrderBatch, PoolStatsReply, RemoveRequest, St
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
-from halfmoon.storage.base import Tier
+from halfmoon.core.tiers import Tier
 from halfmoon.telemetry.metrics import METRICS, Metrics
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport

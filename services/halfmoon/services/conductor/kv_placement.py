@@ -8,9 +8,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
-from halfmoon.services.conductor.placement import Placement, PlacementPolicy, Rejection
+from halfmoon.services.conductor.placement import LeastLoaded, Placement, PlacementPolicy, Rejection
 from halfmoon.services.conductor.registry import InstanceView
-from halfmoon.kv.hashing import BlockHasher
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
@@ -20,21 +20,36 @@ class KVCentricPlacement(PlacementPolicy):
     """Contract: pure given its inputs and ``now``; the caller owns the block index, the cost
     fitter and the per-instance work estimate, and feeds them from events.
 
+    Block keys need the deployment's KV identity, which the first engine heartbeat brings
+    (``adopt``); until then requests are placed least-loaded.
+
     A prefill instance's queue wait is the predicted prefill time of its latest placements, as
     many as it has queued + running + just-assigned requests (the oldest have finished first);
     a decode instance's context is its used KV blocks (heartbeat) in tokens.
     """
 
-    def __init__(self, scheduler: KVCentricScheduler, hasher: Callable[[str | None], BlockHasher],
-                 index: LiveBlockIndex, block_size: int) -> None:
-        self.scheduler = scheduler
-        self.hasher = hasher
+    def __init__(self, make_scheduler: Callable[[KVSpec], KVCentricScheduler], index: LiveBlockIndex) -> None:
+        self.make_scheduler = make_scheduler
         self.index = index
-        self.block_size = block_size
+        self.spec: KVSpec | None = None
+        self.scheduler: KVCentricScheduler | None = None
         self.placed_prefill_s: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=1024))
+        self._before_spec = LeastLoaded()
+
+    @property
+    def block_size(self) -> int:
+        assert self.spec is not None
+        return self.spec.block_size
+
+    def adopt(self, spec: KVSpec, instance_id: str) -> None:
+        if self.spec is None:
+            self.spec, self.scheduler = spec, self.make_scheduler(spec)
+        else:
+            self.spec.check_shares_blocks_with(spec, instance_id)
 
     def route(self, request: ScheduleRequest) -> RouteRequest:
-        keys = self.hasher(request.tenant_salt).keys(request.prompt_token_ids)
+        assert self.spec is not None
+        keys = self.spec.hasher(request.tenant_salt).keys(request.prompt_token_ids)
         return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size)
 
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
@@ -56,6 +71,8 @@ class KVCentricPlacement(PlacementPolicy):
             return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
         if not decode:
             return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
+        if self.scheduler is None:
+            return self._before_spec.place(request, prefill, decode, now)
         decision = self.scheduler.schedule(self.route(request), [self._prefill_state(v) for v in prefill],
                                            [self._decode_state(v) for v in decode], self.index, now)
         if not decision.accepted:

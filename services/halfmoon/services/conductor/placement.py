@@ -1,6 +1,6 @@
 """Placement policies: which prefill and decode instance serve a request. Pure code.
 
-The cache- and SLO-aware policy (shared/halfmoon/policy/) will implement the same interface.
+The cache- and SLO-aware policy (kv_placement.py, over shared/halfmoon/policy/) implements the same interface.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.services.conductor.registry import InstanceView
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
 
@@ -33,6 +34,13 @@ class PlacementPolicy(ABC):
     :class:`Rejection` (never raises) when no acceptable pair exists, so the caller can
     reject early instead of wasting prefill.
     """
+
+    def adopt(self, spec: KVSpec, instance_id: str) -> None:
+        """Learn the deployment's KV identity from an engine instance's heartbeat.
+
+        Raises :class:`KVSpecMismatch` when ``instance_id`` disagrees with the identity already
+        adopted; the caller then refuses that instance. Policies that ignore block keys accept all.
+        """
 
     @abstractmethod
     def place(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import TracerProvider
 
+from halfmoon.core.kv_spec import KVSpecMismatch
 from halfmoon.services.conductor.placement import Placement, PlacementPolicy
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
@@ -54,6 +55,7 @@ class ConductorService(Service[ConductorConfig]):
         built, self.block_index, self.prefill_cost = build_placement(config)
         self.policy = policy or built
         self._sweeper: asyncio.Task[None] | None = None
+        self._refused: set[str] = set()  # instances whose KV spec disagrees (logged once each)
 
     def load(self) -> Load:
         return Load(running=len(self.table))
@@ -88,6 +90,15 @@ class ConductorService(Service[ConductorConfig]):
                 await self._sweeper
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, _headers: Mapping[str, str]) -> None:
+        if heartbeat.kv_spec is not None:
+            try:
+                self.policy.adopt(heartbeat.kv_spec, heartbeat.instance_id)
+            except KVSpecMismatch as exc:
+                if heartbeat.instance_id not in self._refused:
+                    self._refused.add(heartbeat.instance_id)
+                    self.log.error("instance refused: its KV blocks would not match the others'",
+                                   extra={"instance": heartbeat.instance_id, "why": str(exc)})
+                return
         if self.table.observe(heartbeat, time.monotonic()):
             self.log.info("instance up", extra={"instance": heartbeat.instance_id, "role": heartbeat.role.value})
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from halfmoon.engine.errors import EngineError
-from halfmoon.kv.block_format import verify_block
+from halfmoon.core.errors import EngineError
+from halfmoon.core.block_format import verify_block
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
@@ -57,7 +57,7 @@ class DecodeService(EngineWorker):
                     METRICS.errors.labels("kv_read").inc()
                     continue
                 for (index, _), view in zip(entries, views):
-                    if view is not None and verify_block(self.engine.engine.layout, view):
+                    if view is not None and verify_block(self.engine.layout, view):
                         payloads[index] = bytes(view)
             await self._drop_scratch(by_node, scratch)
             usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))

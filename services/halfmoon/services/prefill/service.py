@@ -8,8 +8,7 @@ import time
 from collections.abc import Mapping
 
 from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
-from halfmoon.engine.errors import EngineError
-from halfmoon.kv.hashing import BlockHasher, Namespace
+from halfmoon.core.errors import EngineError
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.registry import Role
@@ -19,7 +18,7 @@ from halfmoon.service.pool_client import Fetched
 from halfmoon.service.streaming import handoff_key, token_event
 from halfmoon.service.worker import EngineWorker
 from halfmoon.telemetry.metrics import METRICS
-from halfmoon.storage.base import Tier
+from halfmoon.core.tiers import Tier
 from halfmoon.transfer.transport import TransferError
 
 TRANSFER_WAIT_S = 10.0
@@ -43,8 +42,7 @@ class PrefillService(EngineWorker):
 
     def block_keys(self, req: PrefillRequest) -> list[bytes]:
         assert self.engine is not None
-        namespace = Namespace(self.engine.engine.fingerprint.hex(), req.tenant_salt)
-        return BlockHasher(self.config.block_size, namespace).keys(req.prompt_token_ids)
+        return self.engine.kv_spec.hasher(req.tenant_salt).keys(req.prompt_token_ids)
 
     async def _serve(self, req: PrefillRequest) -> None:
         started = time.perf_counter()
@@ -123,7 +121,7 @@ class PrefillService(EngineWorker):
 
     async def _on_snapshot_request(self, _request: SnapshotRequest, _headers: Mapping[str, str]) -> None:
         assert self.engine is not None
-        held = await self.engine.call(lambda e: list(e.blocks.allocator.cached))
+        held = await self.engine.call(lambda e: e.cached_block_keys())
         await self.publish(self.subjects.kv_events, KVEvents(instance_id=self.instance_id, stored=tuple(held),
                                                              snapshot=True))
 

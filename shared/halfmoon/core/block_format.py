@@ -19,10 +19,11 @@ from typing import NamedTuple
 
 import torch
 
-from halfmoon.engine.errors import KVFormatError
+from halfmoon.core.errors import KVFormatError
+from halfmoon.core.kv_spec import LAYOUT_VERSION as VERSION
+from halfmoon.core.kv_spec import KVSpec
 
 MAGIC = b"HMKV"
-VERSION = 1
 # magic, version, dtype code, layers, kv heads, head dim, tokens, fingerprint(32), crc32
 HEADER = struct.Struct("<4sHBHHHH32sI")
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -37,6 +38,12 @@ class BlockLayout(NamedTuple):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+    @classmethod
+    def of(cls, spec: KVSpec) -> BlockLayout:
+        """The payload layout of an instance's blocks (its layer range, in the spec's dtype)."""
+        return cls(bytes.fromhex(spec.model_fingerprint), getattr(torch, spec.dtype),
+                   spec.layers_end - spec.layer_start, spec.num_kv_heads, spec.head_dim)
 
     def layer_nbytes(self, num_tokens: int) -> int:
         return 2 * num_tokens * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
