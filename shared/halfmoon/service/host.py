@@ -103,7 +103,7 @@ class ServiceHost:
 
     async def beat(self) -> None:
         assert self._nc is not None
-        await self._nc.publish(self.service.subjects.heartbeat, HEARTBEAT.encode(self.heartbeat()))
+        await self._nc.publish(self.service.subjects.heartbeat_from(self.service.role.value), HEARTBEAT.encode(self.heartbeat()))
 
     async def _beat_forever(self) -> None:
         while True:
@@ -130,7 +130,7 @@ class ServiceHost:
         assert self._nc is not None
         down = InstanceDown(instance_id=svc.instance_id, role=svc.role, reason="shutdown", timestamp=time.time())
         with contextlib.suppress(nats.errors.Error, OSError):
-            await self._nc.publish(svc.subjects.down, DOWN.encode(down))
+            await self._nc.publish(svc.subjects.down_from(svc.role.value), DOWN.encode(down))
         await svc.close()
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._nc.drain()
