@@ -16,6 +16,8 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from halfmoon.protocol.permissions import rate_limit_bucket
+from halfmoon.protocol.subjects import Subjects
 from halfmoon.services.gateway.auth import Tenant
 
 WINDOW_S = 60.0
@@ -49,11 +51,6 @@ def decide(tenant: Tenant, usage: Usage, tokens: int, now: float) -> Verdict:
     return Verdict(True, Usage(usage.requests + 1, usage.tokens + tokens))
 
 
-def bucket_name(namespace: str) -> str:
-    """The rate-limit bucket of a deployment namespace (subject permissions name it too)."""
-    return "halfmoon_ratelimit_" + namespace.replace(".", "_")
-
-
 class SharedRateLimiter:
     """Shell over :func:`decide`: reads, decides and compare-and-sets the tenant's window key."""
 
@@ -62,9 +59,9 @@ class SharedRateLimiter:
         self._clock = clock
 
     @classmethod
-    async def open(cls, nc, namespace: str, clock) -> SharedRateLimiter:  # type: ignore[no-untyped-def]
+    async def open(cls, nc, subjects: Subjects, clock) -> SharedRateLimiter:  # type: ignore[no-untyped-def]
         js = nc.jetstream()
-        name = bucket_name(namespace)
+        name = rate_limit_bucket(subjects)
         try:
             kv = await js.key_value(name)
         except BucketNotFoundError:

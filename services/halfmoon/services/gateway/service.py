@@ -117,7 +117,7 @@ class GatewayService(Service[GatewayConfig]):
         await self.client.start()
         keys, salts = await asyncio.to_thread(cfg.guard_parts)
         limited = keys is not None and keys.limited
-        limiter = await SharedRateLimiter.open(self.nc, cfg.namespace, time.time) if limited else None
+        limiter = await SharedRateLimiter.open(self.nc, self.subjects, time.time) if limited else None
         if keys is None:
             self.log.warning("no API keys: every request is anonymous", extra={"host": cfg.host})
         api = GatewayApi(
