@@ -7,9 +7,8 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
-from schemathesis.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                         status_code_conformance)
+from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
+                                 status_code_conformance)
 
 from halfmoon.deploy.local import LocalCluster
 from tests.security.conftest import bearer
@@ -36,6 +35,7 @@ class TestContractIsPublished:
 
 
 class TestFuzzedApiKeepsItsContract:
+    @pytest.mark.timeout(900)
     @schema.parametrize()
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     def test_every_response_matches_the_schema(self, case, secure_cluster: LocalCluster) -> None:  # type: ignore[no-untyped-def]
