@@ -93,7 +93,7 @@ class GatewayApi:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
-        document = openapi_document(authenticated=self.guard.keys is not None)
+        document = openapi_document(self.guard.keys is not None, self.model.name)
         app.add_api_route("/openapi.json", lambda: JSONResponse(document), methods=["GET"])
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)

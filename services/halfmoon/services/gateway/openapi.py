@@ -145,9 +145,12 @@ def _generation(request: str, response: str, summary: str, secured: list) -> dic
     }}
 
 
-def openapi_document(authenticated: bool) -> dict[str, Any]:
-    """OpenAPI 3.1 for the routes this gateway serves; with keys, /v1 routes need a bearer key."""
+def openapi_document(authenticated: bool, model: str) -> dict[str, Any]:
+    """OpenAPI 3.1 for the routes this gateway serves; with keys, /v1 routes need a bearer key.
+    ``model`` is the one model it serves (any other name is a documented 404)."""
     _, components = msgspec.json.schema_components(_TYPES, ref_template="#/components/schemas/{name}")
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        components[request]["properties"]["model"] = {"type": "string", "enum": [model]}
     secured = [{"bearerAuth": []}] if authenticated else []
     return {
         "openapi": "3.1.0",
