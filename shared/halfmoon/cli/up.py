@@ -20,10 +20,9 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
 
 
 def _up(args: argparse.Namespace) -> int:
+    from halfmoon.deploy.local import LocalCluster
     from rich.console import Console
     from rich.table import Table
-
-    from halfmoon.deploy.local import LocalCluster
 
     console = Console()
     model = Path(args.model) if args.model else ensure_default_model(console)

@@ -20,8 +20,19 @@ from halfmoon.kv.pool_nodes import NodeLedger
 from halfmoon.kv.pool_state import Block, PoolState
 from halfmoon.kv.pool_tiering import Tiering
 from halfmoon.kv.pool_types import (
-    InventoryItem, Lease, LookupResult, NodeSpec, Order, Placement, PoolConfig, PoolStats, Replica, Tier,
-    TierStats, UnknownNode, UnknownPut,
+    InventoryItem,
+    Lease,
+    LookupResult,
+    NodeSpec,
+    Order,
+    Placement,
+    PoolConfig,
+    PoolStats,
+    Replica,
+    Tier,
+    TierStats,
+    UnknownNode,
+    UnknownPut,
 )  # fmt: skip
 
 

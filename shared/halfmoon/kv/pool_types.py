@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from halfmoon.policy.eviction import EVICTION_POLICIES, Watermarks
 from halfmoon.core.tiers import Tier as Tier  # re-exported: the index speaks the pool's tier names
+from halfmoon.policy.eviction import EVICTION_POLICIES, Watermarks
 
 
 class PoolError(Exception):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_types import Order, OrderKind, PoolStats, Replica
 from halfmoon.protocol.pool import PoolOrder, PoolStatsReply, ReplicaRef, TierStat
 from halfmoon.protocol.work import BlockLocation
-from halfmoon.core.tiers import Tier
 
 
 def replica_ref(replica: Replica) -> ReplicaRef:

@@ -9,14 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
-from opentelemetry.trace import TracerProvider
-
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.service import Service, ServiceConfig
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
-from halfmoon.protocol.registry import Load, Role
-from halfmoon.service import Service, ServiceConfig
+from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
