@@ -15,7 +15,7 @@ def replica_ref(replica: Replica) -> ReplicaRef:
 
 
 def replica_of(ref: ReplicaRef) -> Replica:
-    return Replica(ref.node, Tier(ref.tier), ref.offset, ref.size)
+    return Replica(ref.node, ref.tier, ref.offset, ref.size)
 
 
 def order_to_wire(order: Order) -> PoolOrder:
@@ -36,7 +36,7 @@ def executing_node(order: Order) -> str:
 def location(key: bytes, replica: Replica, address: str, segment: str) -> BlockLocation:
     """Where a reader finds one replica; ``offset`` is the DRAM offset, 0 in lower tiers."""
     return BlockLocation(node=address, offset=max(0, replica.offset), size=replica.size,
-                         segment=segment if replica.tier is Tier.DRAM else "", key=key, tier=int(replica.tier))
+                         segment=segment if replica.tier is Tier.DRAM else "", key=key, tier=replica.tier)
 
 
 def stats_reply(stats: PoolStats, node_of: Callable[[str], str] = str) -> PoolStatsReply:

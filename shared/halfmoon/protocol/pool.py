@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+from halfmoon.core.tiers import Tier
 from halfmoon.protocol.base import Message
 
 
@@ -10,7 +11,7 @@ class ReplicaRef(msgspec.Struct, frozen=True, array_like=True):
     """One copy of a block: node id, tier (0 DRAM, 1 NVMe, 2 S3), DRAM offset (-1 elsewhere), bytes."""
 
     node: str
-    tier: int
+    tier: Tier
     offset: int
     size: int
 

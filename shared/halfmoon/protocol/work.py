@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+from halfmoon.core.tiers import Tier
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.subjects import check_token
@@ -45,7 +46,7 @@ class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
     size: int
     segment: str = ""
     key: bytes | None = None
-    tier: int = 0  # 0 DRAM (``offset`` valid in ``segment``), 1 NVMe, 2 S3
+    tier: Tier = Tier.DRAM  # ``offset`` is valid in ``segment`` for DRAM only
 
     def __post_init__(self) -> None:
         if not self.node:

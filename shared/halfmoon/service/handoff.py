@@ -66,7 +66,7 @@ class KVHandOff:
                 node = await self._park([k for _, k in fallback], [payloads[i] for i, _ in fallback])
                 for index, key in fallback:
                     locations[index] = BlockLocation(node=node, offset=0, size=len(payloads[index]), key=key,
-                                                     tier=int(Tier.NVME))
+                                                     tier=Tier.NVME)
             span.set_attribute("halfmoon.blocks_stored", len(stored))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
             span.set_attribute("halfmoon.bytes", sum(len(payloads[i]) for i in range(local, len(payloads))))

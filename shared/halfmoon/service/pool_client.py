@@ -127,7 +127,7 @@ class PoolClient:
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
         for placement in plan.placements:
-            by_node[(placement.node, Tier(placement.tier))].append(placement)
+            by_node[(placement.node, placement.tier)].append(placement)
         written: dict[bytes, BlockLocation] = {}
         for (node, tier), placements in by_node.items():
             try:
