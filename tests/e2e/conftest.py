@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from halfmoon.deploy.local import LocalCluster
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None, **counts: int) -> LocalCluster:

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol.subjects import Subjects
+
 from tests.e2e.conftest import model_name, start_cluster
 
 FAILURE_DEADLINE_S = 15.0
