@@ -10,9 +10,8 @@ import httpx
 import nats
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from halfmoon.deploy.local import LocalCluster
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 API_KEY = "sk-e2e-0123456789abcdef"

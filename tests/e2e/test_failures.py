@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol.subjects import Subjects
+
 from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 FAILURE_DEADLINE_S = 15.0

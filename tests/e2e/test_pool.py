@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
@@ -22,6 +21,7 @@ from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
+
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 
 BLOCK = 16

@@ -8,7 +8,6 @@ import logging
 import time
 
 import pytest
-
 from halfmoon.protocol import Ack, CancelRequest, ErrorCode, InstanceDown, Load, RemoteError, Role, codecs
 from halfmoon.protocol.base import ErrorReply, Message
 from halfmoon.service import Service, ServiceConfig, ServiceHost, request

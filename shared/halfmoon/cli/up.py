@@ -46,11 +46,10 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
 
 
 def _up(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from halfmoon.deploy.local import LocalCluster
     from halfmoon.deploy.nats_auth import NatsAuth
+    from rich.console import Console
+    from rich.table import Table
 
     console = Console()
     run_dir = Path(args.run_dir)

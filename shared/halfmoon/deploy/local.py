@@ -14,10 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import nats
-
 import halfmoon.services
-
+import nats
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.topology import ServiceSpec, instances
 from halfmoon.protocol import codecs

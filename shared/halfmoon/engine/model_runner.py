@@ -10,12 +10,11 @@ from collections.abc import Sequence as Seq
 from itertools import accumulate
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
-
 from halfmoon.engine.attention import AttentionBatch, PagedKVCache, paged_attention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.scheduler import ScheduledChunk
+from transformers.models.llama.modeling_llama import rotate_half
 
 
 class ModelRunner:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from enum import StrEnum
 
 import msgspec
-
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.subjects import check_token

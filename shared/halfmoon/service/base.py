@@ -10,11 +10,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar, Generic, TypeVar
 
-from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
-from opentelemetry import trace
-from opentelemetry.trace import TracerProvider
-
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Codec, Message
@@ -22,6 +17,10 @@ from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, down
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.service import rpc
 from halfmoon.service.config import ServiceConfig
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
 
 C = TypeVar("C", bound=ServiceConfig)
 Req = TypeVar("Req")

@@ -11,14 +11,13 @@ from collections.abc import Callable
 
 import nats
 import nats.errors
-from nats.aio.client import Client as NATS
-
 from halfmoon.protocol.codecs import DOWN, HEARTBEAT
 from halfmoon.protocol.permissions import inbox_prefix
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
 from halfmoon.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
+from nats.aio.client import Client as NATS
 
 log = logging.getLogger("halfmoon.service")
 

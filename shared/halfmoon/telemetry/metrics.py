@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
-    ProcessCollector,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST

@@ -8,18 +8,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from opentelemetry.trace import TracerProvider
-
 from halfmoon.core.kv_spec import KVSpecMismatch
-from halfmoon.services.conductor.placement import Placement, PlacementPolicy
-from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
-from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.services.conductor.registry import InstanceTable
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
+from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.scheduling import RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.service import Service, ServiceConfig
+from halfmoon.services.conductor.placement import Placement, PlacementPolicy
+from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
+from halfmoon.services.conductor.registry import InstanceTable
+from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)

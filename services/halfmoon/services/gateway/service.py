@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
-from opentelemetry.trace import TracerProvider
-
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.service import Service, ServiceConfig
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
 from halfmoon.services.gateway.auth import KeyRing, TenantSalts
 from halfmoon.services.gateway.guard import Guard
@@ -21,8 +21,7 @@ from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
-from halfmoon.protocol.registry import Load, Role
-from halfmoon.service import Service, ServiceConfig
+from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
