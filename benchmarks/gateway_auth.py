@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import httpx
-from rich.console import Console
-from rich.table import Table
-
 from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.deploy.topology import SERVICES
+from rich.console import Console
+from rich.table import Table
 
 CASES = ("no keys", "key check", "key check + rate limit")
 

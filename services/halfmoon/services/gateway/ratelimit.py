@@ -12,13 +12,12 @@ import math
 from dataclasses import dataclass
 
 import msgspec
-from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
-
 from halfmoon.protocol.permissions import rate_limit_bucket
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.services.gateway.auth import Tenant
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 WINDOW_S = 60.0
 _CAS_ATTEMPTS = 8  # replicas racing for one tenant's key; beyond this the request is told to retry
