@@ -159,7 +159,10 @@ def _errors(*statuses: str) -> dict[str, Any]:
 
 
 def _generation(request: str, response: str, summary: str, secured: list) -> dict[str, Any]:
-    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    event = {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "description": "one JSON chunk, an error body, or [DONE] at the end"}}}
+    sse = {"text/event-stream": {"schema": event}}  # each server-sent event
     return {"post": {
         "summary": summary,
         "security": secured,
