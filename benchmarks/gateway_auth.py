@@ -52,18 +52,19 @@ def start_plain_gateway(cluster: LocalCluster) -> tuple[object, str]:
     env = cluster.env_for(spec, "gateway-plain")
     env = {k: v for k, v in env.items() if k not in ("HALFMOON_API_KEYS_FILE", "HALFMOON_AUTH_SECRET_FILE")}
     env["HALFMOON_PORT"] = str(port)
-    proc = subprocess.Popen([sys.executable, "-m", spec.module], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    with open(cluster.run_dir / "logs" / "gateway-plain.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", spec.module], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
-    raise TimeoutError("the gateway without keys did not come up")
+    tail = (cluster.run_dir / "logs" / "gateway-plain.log").read_text()[-2000:]
+    raise TimeoutError(f"the gateway without keys did not come up:\n{tail}")
 
 
 def timed(client: httpx.Client, url: str, headers: dict[str, str], body: dict) -> float:
