@@ -21,6 +21,7 @@ NAMES = (
     "halfmoon_transfer_bytes",
     "halfmoon_rejections",
     "halfmoon_errors",
+    "halfmoon_auth_rejections",
 )
 
 
