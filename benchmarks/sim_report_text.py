@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from benchmarks.sim_cpp import section_f
 from benchmarks.sim_plots import PAPER_FIG5
 from halfmoon.sim.profile import PROFILE_DIR, DEFAULT_PROFILE, load_profile
 
@@ -266,5 +267,6 @@ def render(results: dict, plots: dict[str, str]) -> str:
         section_c(results["c"], plots["c"]),
         section_d(results["d"], plots["d"]),
         section_e(results["e"], plots["e"]),
+        *([section_f(results["f"], table)] if "f" in results else []),
         section_perf(results),
     ]) + "\n"
