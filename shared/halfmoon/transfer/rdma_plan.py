@@ -181,7 +181,7 @@ class Completions:
     Contract: ``reserve(post)`` returns the ids to give each request (the last one is the
     signalled one) if the send queue has room for the whole post, else ``None`` (poll first);
     ``complete(wr_id, ok, status)`` retires the post whose signalled id it is, frees its queue
-    entries and records a failure; ``done`` is true once nothing is in flight. An error
+    entries and records the first failure (later ones are the flushes it caused); ``done`` is true once nothing is in flight. An error
     completion fails the whole transfer: on RC the queue pair moves to the error state and
     flushes every later request, so partial results are never trusted.
     """
@@ -210,15 +210,12 @@ class Completions:
 
     def complete(self, wr_id: int, ok: bool, status: str = "") -> None:
         post = self._inflight.pop(wr_id, None)
-        if post is None:
-            # unsignalled requests only complete (flushed) after an error; count the error once
-            if not ok and not self.errors:
-                self.errors.append(f"wr {wr_id}: {status}")
-            return
-        self._entries -= len(post.wrs)
-        if ok:
-            self.bytes_done += post.nbytes
-        else:
+        if post is not None:
+            self._entries -= len(post.wrs)
+            if ok:
+                self.bytes_done += post.nbytes
+        # unsignalled requests complete only with an error; the first error is the cause, later ones are flushes
+        if not ok and not self.errors:
             self.errors.append(f"wr {wr_id}: {status}")
 
     @property
