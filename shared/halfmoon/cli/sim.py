@@ -58,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpp-min-tokens", type=int, default=32768, help="shortest prompt CPP is considered for")
     p.add_argument("--cpp-hop-bytes", type=int, default=16384,
                    help="hidden-state bytes per token passed between CPP stages (hidden size x dtype bytes)")
+    p.add_argument("--cpp-when-slower-than", type=float, default=0.0, metavar="SECONDS",
+                   help="pipeline only prompts whose best single node would take at least this long (0: whenever faster)")
     p.add_argument("--max-scale", action="store_true",
                    help="also search the largest time scale keeping >= 90%% of requests within both SLOs")
     p.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
@@ -82,7 +84,7 @@ def build_config(args: argparse.Namespace, dram_tokens_per_node: int):
         slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), balancing_threshold=args.balancing_threshold,
         coupled_variant=args.coupled_variant, coupled_router=router, chunk_tokens=args.chunk_tokens,
         cpp_stages=args.cpp, cpp_chunk_tokens=args.cpp_chunk_tokens, cpp_min_tokens=args.cpp_min_tokens,
-        cpp_hop_bytes_per_token=args.cpp_hop_bytes,
+        cpp_hop_bytes_per_token=args.cpp_hop_bytes, cpp_min_single_ttft_s=args.cpp_when_slower_than,
     )
 
 

@@ -23,15 +23,19 @@ from halfmoon.policy.state import PrefillInstanceState
 class CppSettings(NamedTuple):
     """``stages`` instances per pipeline, prompts of at least ``min_tokens`` are candidates, cut
     into chunks of ``chunk_tokens``; ``hop_bytes_per_token`` is the hidden state passed between
-    stages (hidden size x dtype bytes: 8192 x 2 for a 70B model in BF16)."""
+    stages (hidden size x dtype bytes: 8192 x 2 for a 70B model in BF16). With
+    ``min_single_ttft_s`` > 0 a pipeline is used only for prompts whose best single node would
+    take at least that long (e.g. the TTFT SLO: CPP as a rescue, never taking nodes otherwise)."""
 
     stages: int = 4
     chunk_tokens: int = 4096
     min_tokens: int = 32768
     hop_bytes_per_token: int = 16384
+    min_single_ttft_s: float = 0.0
 
     def check(self) -> None:
-        if self.stages < 2 or self.chunk_tokens < 1 or self.min_tokens < 1 or self.hop_bytes_per_token < 0:
+        if self.stages < 2 or self.chunk_tokens < 1 or self.min_tokens < 1 or min(self.hop_bytes_per_token,
+                                                                                  self.min_single_ttft_s) < 0:
             raise ValueError(f"CPP needs >= 2 stages and positive sizes, got {self}")
 
 
@@ -70,8 +74,9 @@ def pipeline_seconds(
 
 class CppPolicy:
     """Contract: pure; ``plan`` returns a pipeline for a prompt of at least ``min_tokens`` when
-    the pool has ``stages`` instances and the pipeline's predicted TTFT beats ``single``'s
-    (waiting for the busiest stage included); otherwise None, and the single node prefills."""
+    the pool has ``stages`` instances, ``single`` takes at least ``min_single_ttft_s`` and the
+    pipeline's predicted TTFT beats it (waiting for the busiest stage included); otherwise None,
+    and the single node prefills."""
 
     def __init__(self, cost: CostModels, settings: CppSettings = CppSettings()) -> None:
         settings.check()
@@ -83,6 +88,8 @@ class CppPolicy:
     ) -> CppPlan | None:
         k = self.settings.stages
         if prompt_tokens < self.settings.min_tokens or len(instances) < k:
+            return None
+        if single.ttft_s < self.settings.min_single_ttft_s:
             return None
         head = next(s for s in instances if s.id == single.instance_id)
         others = sorted((s for s in instances if s.id != head.id), key=lambda s: (s.queue_seconds, s.queue_tokens))

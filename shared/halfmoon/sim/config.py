@@ -51,6 +51,7 @@ class SimConfig:
     cpp_chunk_tokens: int = 4096
     cpp_min_tokens: int = 32768
     cpp_hop_bytes_per_token: int = 16384
+    cpp_min_single_ttft_s: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,7 +72,8 @@ class SimConfig:
             (self.cpp_stages == 0 or 2 <= self.cpp_stages <= self.prefill_nodes,
              "cpp_stages must be 0 (off) or between 2 and the number of prefill nodes"),
             (self.cpp_stages == 0 or self.mode == "disaggregated", "CPP needs the disaggregated mode"),
-            (self.cpp_chunk_tokens >= 1 and self.cpp_min_tokens >= 1 and self.cpp_hop_bytes_per_token >= 0,
+            (self.cpp_chunk_tokens >= 1 and self.cpp_min_tokens >= 1 and self.cpp_hop_bytes_per_token >= 0
+             and self.cpp_min_single_ttft_s >= 0,
              "CPP sizes must be positive"),
         ]
         for ok, message in checks:
@@ -85,7 +87,8 @@ class SimConfig:
     def cpp_settings(self) -> CppSettings | None:
         if not self.cpp_stages:
             return None
-        return CppSettings(self.cpp_stages, self.cpp_chunk_tokens, self.cpp_min_tokens, self.cpp_hop_bytes_per_token)
+        return CppSettings(self.cpp_stages, self.cpp_chunk_tokens, self.cpp_min_tokens, self.cpp_hop_bytes_per_token,
+                           self.cpp_min_single_ttft_s)
 
     def per_node_blocks(self, caching_nodes: int) -> int | None:
         return None if self.pool_blocks is None else self.pool_blocks // caching_nodes
