@@ -30,17 +30,17 @@ def emit(name: str, **values: object) -> None:
 
 
 def exactness(model: str, prompts: int = 8, tokens: int = 16) -> None:
-    from transformers import AutoModelForCausalLM
-
     from halfmoon.engine.config import EngineConfig
     from halfmoon.engine.engine import LLMEngine
     from halfmoon.protocol.sampling import SamplingParams
+    from transformers import AutoModelForCausalLM
 
     engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
                                     prefill_chunk_size=512, kv_cache_bytes=1 << 30))
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).to("cuda").eval()
     gen = torch.Generator().manual_seed(0)
-    batch = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 16, 33, 100, 257, 600, 1500)]
+    lengths = (1, 7, 16, 33, 100, 257, 600, 1500)
+    batch = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     ours = engine.generate(batch[:prompts], params)
     equal = 0
@@ -53,11 +53,11 @@ def exactness(model: str, prompts: int = 8, tokens: int = 16) -> None:
 
 
 def decode_throughput(model: str) -> None:
+    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.engine import LLMEngine
     from transformers import AutoModelForCausalLM
 
     from benchmarks.engine_throughput import _prompts, engine_decode_tps
-    from halfmoon.engine.config import EngineConfig
-    from halfmoon.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
                                     prefill_chunk_size=2048, kv_cache_bytes=2 << 30))
@@ -68,9 +68,10 @@ def decode_throughput(model: str) -> None:
         emit("decode", batch=batch, engine_tok_s=round(tps), hf_b1_tok_s=round(base), ratio=round(tps / base, 2))
 
 
-def hf_decode_tps(hf, prompt: list[int], tokens: int) -> float:  # noqa: ANN001
+def hf_decode_tps(hf, prompt: list[int], tokens: int) -> float:
     ids = torch.tensor([prompt], device="cuda")
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": tokens, "min_new_tokens": tokens,
+              "do_sample": False}
     hf.generate(ids, **kwargs)  # warm-up: kernels, allocator
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -79,7 +80,7 @@ def hf_decode_tps(hf, prompt: list[int], tokens: int) -> float:  # noqa: ANN001
     return tokens / (time.perf_counter() - start)
 
 
-def best_gbps(fn, nbytes: int, rounds: int = 10) -> float:  # noqa: ANN001
+def best_gbps(fn, nbytes: int, rounds: int = 10) -> float:
     times = []
     for _ in range(rounds):
         torch.cuda.synchronize()
@@ -131,7 +132,6 @@ def ipc_handoff() -> None:
         mine = torch.empty_like(shared)
         ipc = best_gbps(lambda: mine.copy_(shared), HANDOFF_BYTES)
         local = best_gbps(lambda: mine.copy_(expect), HANDOFF_BYTES)
-        del shared
         emit("cuda_ipc", device_copy_from_peer_gbps=round(ipc, 1), same_process_device_copy_gbps=round(local, 1),
              handle_bytes=len(msgspec.json.encode(handle)))
     finally:
@@ -157,7 +157,7 @@ def main() -> None:
         for check in (lambda: exactness(model), lambda: decode_throughput(model), pinned_handoff, ipc_handoff):
             try:
                 check()
-            except Exception as exc:  # one broken check must not hide the others' results
+            except Exception as exc:  # noqa: BLE001 (one broken check must not hide the others' results)
                 failures += 1
                 emit("error", error=f"{type(exc).__name__}: {exc}")
     sys.exit(1 if failures else 0)

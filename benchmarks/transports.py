@@ -25,19 +25,25 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import numpy as np
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks.pool_throughput import Raw, _raw_server, key, timed
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.local_memory import address_of
-from halfmoon.transfer.mooncake import MooncakeEngine, MooncakeOffer, MooncakePath, MooncakeSegment, MooncakeUnavailable
+from halfmoon.transfer.mooncake import (
+    MooncakeEngine,
+    MooncakeOffer,
+    MooncakePath,
+    MooncakeSegment,
+    MooncakeUnavailable,
+)
 from halfmoon.transfer.onesided import OneSidedTransport
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.pool_throughput import Raw, _raw_server, key, timed
 
 SHAPES = ((16, 1 << 20), (128, 64 << 10))  # (blocks per batch, block bytes)
 Case = tuple[Callable[[], Awaitable[object] | object], Callable[[], Awaitable[object] | object], str]
@@ -112,10 +118,11 @@ async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engin
             engine.transfer(offer.session, True, local, remote, [block] * batch)
 
         pinned = [dest[i * block:(i + 1) * block] for i in range(batch)]  # payloads already in registered memory
+        engine_name = "mooncake engine, one batch"
         cases |= {
-            "mooncake get": (lambda: mc.read(keys, into=dest), engine_get, "mooncake engine, one batch"),
-            "mooncake put (registered payloads)": (lambda: mc.write(keys, pinned), engine_put, "mooncake engine, one batch"),
-            "mooncake put (staged payloads)": (lambda: mc.write(keys, payloads), engine_put, "mooncake engine, one batch"),
+            "mooncake get": (lambda: mc.read(keys, into=dest), engine_get, engine_name),
+            "mooncake put (registered payloads)": (lambda: mc.write(keys, pinned), engine_put, engine_name),
+            "mooncake put (staged payloads)": (lambda: mc.write(keys, payloads), engine_put, engine_name),
             "mooncake get (engine) vs raw socket": (engine_get, lambda: raw.get(dest), "raw socket"),
         }
         closers.append(mc)
@@ -124,7 +131,7 @@ async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engin
 
 async def run(rounds: int) -> list[tuple[str, str, str, float, float, float]]:
     biggest = max(b * n for b, n in SHAPES)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transports", "--serve", str(biggest)],
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transports", "--serve", str(biggest)],  # noqa: ASYNC220
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         address, raw_port, offer_json = proc.stdout.readline().split()  # type: ignore[union-attr]
@@ -160,7 +167,8 @@ def main() -> None:
     for col in ("blocks", "path", "GB/s", "baseline", "baseline GB/s", "ratio", "ratio of medians"):
         table.add_column(col, justify="left" if col in ("blocks", "path", "baseline") else "right")
     for shape, name, base_name, gbps, base_gbps, med in rows:
-        table.add_row(shape, name, f"{gbps:.2f}", base_name, f"{base_gbps:.2f}", f"{gbps / base_gbps:.0%}", f"{med:.0%}")
+        ratio = f"{gbps / base_gbps:.0%}"
+        table.add_row(shape, name, f"{gbps:.2f}", base_name, f"{base_gbps:.2f}", ratio, f"{med:.0%}")
     Console(width=160).print(table)
     print("command:", " ".join(["python -m benchmarks.transports", *sys.argv[1:]]))
 

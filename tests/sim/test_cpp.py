@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from halfmoon.cli import sim as sim_cli
 from halfmoon.policy.admission import make_admission
-from halfmoon.policy.cost import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from halfmoon.policy.cost import (
+    CostModels,
+    DecodeCostModel,
+    PrefillCostModel,
+    TransferModel,
+)
 from halfmoon.policy.cpp import CppPolicy, CppSettings, pipeline_seconds
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import PrefillChoice, make_prefill_policy
@@ -18,6 +21,7 @@ from halfmoon.policy.state import SLO, PrefillInstanceState, RouteRequest
 from halfmoon.sim.config import SimConfig, SimConfigError
 from halfmoon.sim.run import simulate
 from halfmoon.sim.trace import TraceRequest
+
 from tests.sim.test_sim_cli import TRACE, parse
 
 # 1 ms per new token, no fixed cost, no attention term; hops: 10 ms + bytes at 1 GB/s

@@ -12,8 +12,13 @@ import textwrap
 import msgspec
 import pytest
 import torch
-
-from halfmoon.transfer.cuda_ipc import CudaIpcHandle, CudaUnavailable, PinnedStaging, export_ipc, import_ipc
+from halfmoon.transfer.cuda_ipc import (
+    CudaIpcHandle,
+    CudaUnavailable,
+    PinnedStaging,
+    export_ipc,
+    import_ipc,
+)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none here); run benchmarks/gpu_check.sh on one")

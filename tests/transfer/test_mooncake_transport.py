@@ -13,17 +13,21 @@ from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import pytest
-
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.storage.nvme import DirTier
-from halfmoon.transfer.mooncake import MooncakeEngine, MooncakeOffer, MooncakePath, MooncakeUnavailable
+from halfmoon.transfer.mooncake import (
+    MooncakeEngine,
+    MooncakeOffer,
+    MooncakePath,
+    MooncakeUnavailable,
+)
 from halfmoon.transfer.onesided import OneSidedTransport, SegmentRange
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
-from tests.transfer.test_transfer import BLOCK, key
 
+from tests.transfer.test_transfer import BLOCK, key
 
 # the node's side in its own process: attach the segment by name, register it once, publish the offer
 NODE = textwrap.dedent("""
@@ -70,7 +74,9 @@ def offer(engine: MooncakeEngine, server: BlockServer) -> Iterator[MooncakeOffer
 
 
 @pytest.fixture
-async def mooncake(engine: MooncakeEngine, server: BlockServer, offer: MooncakeOffer) -> AsyncIterator[OneSidedTransport]:
+async def mooncake(
+    engine: MooncakeEngine, server: BlockServer, offer: MooncakeOffer
+) -> AsyncIterator[OneSidedTransport]:
     t = OneSidedTransport(TcpTransport(server.address), MooncakePath(engine, offer))
     yield t
     await t.close()

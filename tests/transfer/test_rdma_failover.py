@@ -9,22 +9,29 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
-
 from halfmoon.storage.base import BlockNotFound
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.transfer.chooser import Offers, TransportChooser, path_kinds
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.failover import FailoverReader, Path, PathHealth, Replica, attempt_order
+from halfmoon.transfer.failover import (
+    FailoverReader,
+    Path,
+    PathHealth,
+    Replica,
+    attempt_order,
+)
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
+
 from tests.transfer.test_transfer import blocks
 
 
 class TestPathChoice:
     def test_paths_both_ends_have_fastest_first_and_tcp_always_last(self) -> None:
-        assert path_kinds({"rdma", "mooncake"}, {"rdma", "mooncake"}, same_host=True) == ["shm", "rdma", "mooncake", "tcp"]
+        both = {"rdma", "mooncake"}
+        assert path_kinds(both, both, same_host=True) == ["shm", "rdma", "mooncake", "tcp"]
         assert path_kinds({"mooncake"}, {"rdma", "mooncake"}, same_host=False) == ["mooncake", "tcp"]
         assert path_kinds({"rdma"}, {"mooncake"}, same_host=False) == ["tcp"]
         assert path_kinds(set(), set(), same_host=True) == ["shm", "tcp"]
@@ -132,7 +139,11 @@ class TestPathFailover:
     async def test_a_node_whose_mooncake_engine_is_gone_is_read_and_written_over_tcp(
         self, servers: list[BlockServer]
     ) -> None:
-        from halfmoon.transfer.mooncake import MooncakeEngine, MooncakeUnavailable, mooncake_opener
+        from halfmoon.transfer.mooncake import (
+            MooncakeEngine,
+            MooncakeUnavailable,
+            mooncake_opener,
+        )
 
         try:
             engine = MooncakeEngine()
@@ -141,7 +152,7 @@ class TestPathFailover:
         srv = servers[0]
         dead = Offers(mooncake={"session": dead_address(), "segment_addr": 1 << 40, "segment_size": 8 << 20})
         chooser = TransportChooser([mooncake_opener(engine)], TransferClient(same_host=False))
-        paths = lambda address: chooser.paths(address, dead)  # noqa: E731
+        paths = lambda address: chooser.paths(address, dead)
         reader = FailoverReader(paths)
         keys, data = blocks(2)
         assert await reader.write(srv.address, keys, data) == "tcp"

@@ -7,8 +7,13 @@ import os
 import random
 
 import pytest
-
-from halfmoon.transfer.rdma import RdmaUnavailable, VerbsDevice, VerbsPath, VerbsSegment, rdma_devices
+from halfmoon.transfer.rdma import (
+    RdmaUnavailable,
+    VerbsDevice,
+    VerbsPath,
+    VerbsSegment,
+    rdma_devices,
+)
 from halfmoon.transfer.rdma_plan import (
     CompletionError,
     Completions,

@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpp-hop-bytes", type=int, default=16384,
                    help="hidden-state bytes per token passed between CPP stages (hidden size x dtype bytes)")
     p.add_argument("--cpp-when-slower-than", type=float, default=0.0, metavar="SECONDS",
-                   help="pipeline only prompts whose best single node would take at least this long (0: whenever faster)")
+                   help="pipeline only prompts whose best single node would take at least this long "
+                        "(0: whenever a pipeline is faster)")
     p.add_argument("--max-scale", action="store_true",
                    help="also search the largest time scale keeping >= 90%% of requests within both SLOs")
     p.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")

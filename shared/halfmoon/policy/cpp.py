@@ -39,6 +39,9 @@ class CppSettings(NamedTuple):
             raise ValueError(f"CPP needs >= 2 stages and positive sizes, got {self}")
 
 
+DEFAULT_SETTINGS = CppSettings()
+
+
 class CppPlan(NamedTuple):
     """A pipelined prefill: its stages (first = the instance the single-node choice picked),
     the predicted TTFT split in parts, and the TTFT it saves against the single-node choice."""
@@ -78,7 +81,7 @@ class CppPolicy:
     pipeline's predicted TTFT beats it (waiting for the busiest stage included); otherwise None,
     and the single node prefills."""
 
-    def __init__(self, cost: CostModels, settings: CppSettings = CppSettings()) -> None:
+    def __init__(self, cost: CostModels, settings: CppSettings = DEFAULT_SETTINGS) -> None:
         settings.check()
         self.cost = cost
         self.settings = settings

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
-
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.failover import Path
 from halfmoon.transfer.shm import ShmTransport
@@ -31,6 +30,9 @@ class Offers(msgspec.Struct, frozen=True):
 
     def kinds(self) -> set[str]:
         return {k for k in ("rdma", "mooncake") if getattr(self, k) is not None}
+
+
+NO_OFFERS = Offers()
 
 
 def path_kinds(local: set[str], offered: set[str], same_host: bool) -> list[str]:
@@ -59,7 +61,7 @@ class TransportChooser:
         self._paths: dict[str, list[Path]] = {}
         self.open_errors: dict[tuple[str, str], str] = {}
 
-    async def paths(self, address: str, offers: Offers = Offers()) -> list[Path]:
+    async def paths(self, address: str, offers: Offers = NO_OFFERS) -> list[Path]:
         cached = self._paths.get(address)
         if cached is not None:
             return cached
@@ -76,12 +78,13 @@ class TransportChooser:
                 elif kind == "tcp":
                     out.append(Path(kind, control))
                 continue
+            # NOTE: each path gets its own control connection pool: closing one path never closes another's
+            own = TcpTransport(address, timeout_s=control.timeout_s)
             try:
-                # NOTE: each path gets its own control connection pool: closing one path never closes another's
-                own = TcpTransport(address, timeout_s=control.timeout_s)
                 out.append(Path(kind, await self._openers[kind].open(address, own, getattr(offers, kind))))
-            except (TransferError, OSError, RuntimeError) as exc:
-                self.open_errors[(address, kind)] = str(exc)
+            except (TransferError, OSError, RuntimeError, ValueError, msgspec.ValidationError) as exc:
+                await own.close()
+                self.open_errors[(address, kind)] = f"{type(exc).__name__}: {exc}"
         self._paths[address] = out
         return out
 

@@ -123,7 +123,8 @@ class FailoverReader:
             return views  # type: ignore[return-value]
         if missing is not None and all(outcome.startswith("missing") for *_, outcome in self.attempts):
             raise missing
-        raise TransferError("every path to every replica failed: " + "; ".join(f"{a} {k}: {o}" for a, k, o in self.attempts))
+        tried = "; ".join(f"{a} {k}: {o}" for a, k, o in self.attempts)
+        raise TransferError(f"every path to every replica failed: {tried}")
 
     async def write(
         self,

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-
 from halfmoon.storage.base import Buffer
 from halfmoon.transfer.rdma_plan import Region, Registrations
 

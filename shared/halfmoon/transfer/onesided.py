@@ -23,7 +23,13 @@ from halfmoon.transfer.framing import MISSING, Op, Request
 from halfmoon.transfer.local_memory import LocalMemory, address_of, stage_out
 from halfmoon.transfer.rdma_plan import Copy
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import TransferError, Transport, check_batch, destination, missing_error
+from halfmoon.transfer.transport import (
+    TransferError,
+    Transport,
+    check_batch,
+    destination,
+    missing_error,
+)
 
 
 class SegmentRange(NamedTuple):

@@ -18,14 +18,21 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 
 import msgspec
-
+from halfmoon.transfer.chooser import Opener
 from halfmoon.transfer.local_memory import LocalMemory
-from halfmoon.transfer.onesided import OneSidedPath
-from halfmoon.transfer.rdma_plan import Completions, Copy, PostLimits, Region, plan_posts
+from halfmoon.transfer.onesided import OneSidedPath, OneSidedTransport
+from halfmoon.transfer.rdma_plan import (
+    Completions,
+    Copy,
+    PostLimits,
+    Region,
+    plan_posts,
+)
+from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
 
 SYSTEM_DIST = os.environ.get("HALFMOON_PYVERBS_PATH", "/usr/lib/python3/dist-packages")
@@ -157,8 +164,8 @@ class VerbsSegment:
         qp, cq, local = self.device.queue_pair()
         self.device.connect(qp, local, client)
         self._qps += [qp, cq]
-        mr = self.mr
-        return msgspec.structs.replace(local, segment_addr=self.region.addr, segment_rkey=mr.rkey,  # type: ignore[attr-defined]
+        rkey = self.mr.rkey  # type: ignore[attr-defined]
+        return msgspec.structs.replace(local, segment_addr=self.region.addr, segment_rkey=rkey,
                                        segment_size=self.region.length)
 
     def close(self) -> None:
@@ -172,7 +179,9 @@ class VerbsPath(OneSidedPath):
 
     kind = "rdma"
 
-    def __init__(self, device: VerbsDevice, qp: object, cq: object, node: RdmaEndpoint, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, device: VerbsDevice, qp: object, cq: object, node: RdmaEndpoint, timeout_s: float = 30.0
+    ) -> None:
         self.device, self.qp, self.cq, self.node = device, qp, cq, node
         self.segment_size = node.segment_size
         self.memory = LocalMemory(device)
@@ -221,3 +230,25 @@ class VerbsPath(OneSidedPath):
         self.memory.close()
         self.qp.close()  # type: ignore[attr-defined]
         self.cq.close()  # type: ignore[attr-defined]
+
+
+Exchange = Callable[[TcpTransport, RdmaEndpoint], Awaitable[RdmaEndpoint]]
+
+
+def rdma_opener(device: VerbsDevice, exchange: Exchange) -> Opener:
+    """The chooser's opener for nodes that offer RDMA. ``exchange`` sends this end's endpoint over
+    the node's control connection and returns the node's (its ``VerbsSegment.accept`` answer);
+    the block server needs a control op for it (see docs/POOL.md)."""
+
+    async def open_(address: str, control: TcpTransport, info: dict) -> OneSidedTransport:
+        qp, cq, local = device.queue_pair()
+        try:
+            node = await exchange(control, local)
+            device.connect(qp, local, node)
+        except BaseException:
+            qp.close()  # type: ignore[attr-defined]
+            cq.close()  # type: ignore[attr-defined]
+            raise
+        return OneSidedTransport(control, VerbsPath(device, qp, cq, node))
+
+    return Opener("rdma", open_)

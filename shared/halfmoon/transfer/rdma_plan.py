@@ -67,6 +67,9 @@ class PostLimits(NamedTuple):
             raise ValueError(f"post limits must be positive with max_wr <= queue_depth, got {self}")
 
 
+DEFAULT_LIMITS = PostLimits()
+
+
 def _split(copies: Iterable[Copy], max_message: int) -> Iterable[Copy]:
     for c in copies:
         if c.length <= 0:
@@ -75,7 +78,7 @@ def _split(copies: Iterable[Copy], max_message: int) -> Iterable[Copy]:
             yield Copy(c.local + start, c.remote + start, min(max_message, c.length - start))
 
 
-def plan_work_requests(copies: Iterable[Copy], limits: PostLimits = PostLimits()) -> list[WorkRequest]:
+def plan_work_requests(copies: Iterable[Copy], limits: PostLimits = DEFAULT_LIMITS) -> list[WorkRequest]:
     """Coalesce copies in order into work requests (order matters to callers that slice views)."""
     limits.check()
     wrs: list[WorkRequest] = []
@@ -97,7 +100,7 @@ def plan_work_requests(copies: Iterable[Copy], limits: PostLimits = PostLimits()
     return wrs
 
 
-def plan_posts(copies: Iterable[Copy], limits: PostLimits = PostLimits()) -> list[Post]:
+def plan_posts(copies: Iterable[Copy], limits: PostLimits = DEFAULT_LIMITS) -> list[Post]:
     wrs = plan_work_requests(copies, limits)
     return [Post(tuple(wrs[i : i + limits.max_wr])) for i in range(0, len(wrs), limits.max_wr)]
 
@@ -181,9 +184,10 @@ class Completions:
     Contract: ``reserve(post)`` returns the ids to give each request (the last one is the
     signalled one) if the send queue has room for the whole post, else ``None`` (poll first);
     ``complete(wr_id, ok, status)`` retires the post whose signalled id it is, frees its queue
-    entries and records the first failure (later ones are the flushes it caused); ``done`` is true once nothing is in flight. An error
-    completion fails the whole transfer: on RC the queue pair moves to the error state and
-    flushes every later request, so partial results are never trusted.
+    entries and records the first failure (later ones are the flushes it caused); ``done`` is
+    true once nothing is in flight. An error fails the whole transfer: on RC the queue pair
+    moves to the error state and flushes every later request, so partial results are never
+    trusted.
     """
 
     def __init__(self, queue_depth: int) -> None:
