@@ -30,10 +30,11 @@ def emit(name: str, **values: object) -> None:
 
 
 def exactness(model: str, prompts: int = 8, tokens: int = 16) -> None:
+    from transformers import AutoModelForCausalLM
+
     from halfmoon.engine.config import EngineConfig
     from halfmoon.engine.engine import LLMEngine
     from halfmoon.protocol.sampling import SamplingParams
-    from transformers import AutoModelForCausalLM
 
     engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
                                     prefill_chunk_size=512, kv_cache_bytes=1 << 30))
@@ -53,11 +54,11 @@ def exactness(model: str, prompts: int = 8, tokens: int = 16) -> None:
 
 
 def decode_throughput(model: str) -> None:
-    from halfmoon.engine.config import EngineConfig
-    from halfmoon.engine.engine import LLMEngine
     from transformers import AutoModelForCausalLM
 
     from benchmarks.engine_throughput import _prompts, engine_decode_tps
+    from halfmoon.engine.config import EngineConfig
+    from halfmoon.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
                                     prefill_chunk_size=2048, kv_cache_bytes=2 << 30))

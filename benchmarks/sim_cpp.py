@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from halfmoon.policy.cpp import CppSettings
-
 from benchmarks.sim_experiments import LONG_PROMPT, Runner, halfmoon
+from halfmoon.policy.cpp import CppSettings
 
 DEFAULTS = CppSettings()
 CPP_RUNS = {

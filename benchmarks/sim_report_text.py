@@ -7,7 +7,7 @@ from typing import Any
 
 from benchmarks.sim_cpp import section_f
 from benchmarks.sim_plots import PAPER_FIG5
-from halfmoon.sim.profile import PROFILE_DIR, DEFAULT_PROFILE, load_profile
+from halfmoon.sim.profile import DEFAULT_PROFILE, PROFILE_DIR, load_profile
 
 PAPER_FIG1 = {"I": 4.98, "II": 1.57, "III": 0.59}
 PAPER_TABLE3 = {"none": 4183, "early": 3771, "predictive": 3589}

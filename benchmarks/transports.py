@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import statistics
 import subprocess
 import sys
-import threading
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import numpy as np
-from halfmoon.storage.dram import ShmTier
-from halfmoon.storage.node import NodeStore
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.pool_throughput import (
+    Raw,
+    Result,
+    Step,
+    key,
+    measure,
+    serve_until_stdin_closes,
+    start_node,
+)
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.local_memory import address_of
@@ -38,46 +44,23 @@ from halfmoon.transfer.mooncake import (
     MooncakeUnavailable,
 )
 from halfmoon.transfer.onesided import OneSidedTransport
-from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks.pool_throughput import Raw, _raw_server, key, timed
 
 SHAPES = ((16, 1 << 20), (128, 64 << 10))  # (blocks per batch, block bytes)
-Case = tuple[Callable[[], Awaitable[object] | object], Callable[[], Awaitable[object] | object], str]
+Case = tuple[Step, Step, str]
 
 
 async def serve(batch_bytes: int) -> None:
-    store = NodeStore(ShmTier(4 * batch_bytes))
-    server = BlockServer(store)
-    await server.start()
-    listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(listener, batch_bytes), daemon=True).start()
+    """The node of ``pool_throughput`` that also registers its DRAM segment with a Mooncake engine."""
+    server, raw_port = await start_node(batch_bytes)
     offer = "-"
     try:
-        segment = AttachedSegment(store.dram.segment)
+        segment = AttachedSegment(server.store.dram.segment)
         exported = MooncakeSegment(MooncakeEngine(), segment.buf)
         offer = msgspec.json.encode(exported.offer()).decode()
     except MooncakeUnavailable as exc:
         print(f"mooncake rows skipped: {exc}", file=sys.stderr)
-    print(server.address, listener.getsockname()[1], offer, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
-    await server.stop()
-    await store.close()
-
-
-async def measure(cases: dict[str, Case], rounds: int, nbytes: int) -> list[tuple[str, str, float, float, float]]:
-    rows = []
-    for name, (ours, base, base_name) in cases.items():
-        t_ours, t_base = [], []
-        for _ in range(rounds):  # interleaved so drift hits both sides alike
-            t_base += await timed(base, 1)
-            t_ours += await timed(ours, 1)
-        ratio_of_medians = statistics.median(t_base) / statistics.median(t_ours)
-        rows.append((name, base_name, nbytes / min(t_ours) / 1e9, nbytes / min(t_base) / 1e9, ratio_of_medians))
-    return rows
+    await serve_until_stdin_closes(server, raw_port, offer)
 
 
 async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engine: MooncakeEngine | None,
@@ -129,7 +112,7 @@ async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engin
     return cases, closers
 
 
-async def run(rounds: int) -> list[tuple[str, str, str, float, float, float]]:
+async def run(rounds: int) -> list[tuple[str, Result]]:
     biggest = max(b * n for b, n in SHAPES)
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transports", "--serve", str(biggest)],  # noqa: ASYNC220
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -143,7 +126,7 @@ async def run(rounds: int) -> list[tuple[str, str, str, float, float, float]]:
         for batch, block in SHAPES:
             cases, closers = await shape_cases(address, raw, offer, engine, batch, block, client)
             shape = f"{batch} x {block >> 10} KiB" if block < (1 << 20) else f"{batch} x {block >> 20} MiB"
-            out += [(shape, *row) for row in await measure(cases, rounds, batch * block)]
+            out += [(shape, r) for r in await measure(cases, rounds, batch * block, batch)]
             for c in closers:
                 await c.close()  # type: ignore[attr-defined]
         await client.close()
@@ -166,9 +149,9 @@ def main() -> None:
     table = Table(title=f"Data-plane transports, best of {args.rounds} rounds (GB/s of block payload)")
     for col in ("blocks", "path", "GB/s", "baseline", "baseline GB/s", "ratio", "ratio of medians"):
         table.add_column(col, justify="left" if col in ("blocks", "path", "baseline") else "right")
-    for shape, name, base_name, gbps, base_gbps, med in rows:
-        ratio = f"{gbps / base_gbps:.0%}"
-        table.add_row(shape, name, f"{gbps:.2f}", base_name, f"{base_gbps:.2f}", ratio, f"{med:.0%}")
+    for shape, r in rows:
+        ratio = f"{r.gbps / r.base_gbps:.0%}"
+        table.add_row(shape, r.name, f"{r.gbps:.2f}", r.baseline, f"{r.base_gbps:.2f}", ratio, f"{r.median_ratio:.0%}")
     Console(width=160).print(table)
     print("command:", " ".join(["python -m benchmarks.transports", *sys.argv[1:]]))
 

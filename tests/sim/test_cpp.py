@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from halfmoon.policy.admission import make_admission
 from halfmoon.policy.cost import (
     CostModels,
@@ -21,7 +22,6 @@ from halfmoon.policy.state import SLO, PrefillInstanceState, RouteRequest
 from halfmoon.sim.config import SimConfig, SimConfigError
 from halfmoon.sim.run import simulate
 from halfmoon.sim.trace import TraceRequest
-
 from tests.sim.test_sim_cli import TRACE, parse
 
 # 1 ms per new token, no fixed cost, no attention term; hops: 10 ms + bytes at 1 GB/s

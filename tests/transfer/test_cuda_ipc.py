@@ -12,6 +12,7 @@ import textwrap
 import msgspec
 import pytest
 import torch
+
 from halfmoon.transfer.cuda_ipc import (
     CudaIpcHandle,
     CudaUnavailable,

@@ -13,10 +13,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import pytest
+
 from halfmoon.core.tiers import Tier
-from halfmoon.storage.dram import ShmTier
-from halfmoon.storage.node import NodeStore
-from halfmoon.storage.nvme import DirTier
 from halfmoon.transfer.mooncake import (
     MooncakeEngine,
     MooncakeOffer,
@@ -26,8 +24,7 @@ from halfmoon.transfer.mooncake import (
 from halfmoon.transfer.onesided import OneSidedTransport, SegmentRange
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
-
-from tests.transfer.test_transfer import BLOCK, key
+from tests.transfer.test_transfer import BLOCK, key, server  # noqa: F401 (the block server fixture)
 
 # the node's side in its own process: attach the segment by name, register it once, publish the offer
 NODE = textwrap.dedent("""
@@ -47,16 +44,6 @@ def engine() -> MooncakeEngine:
         return MooncakeEngine()
     except MooncakeUnavailable as exc:
         pytest.skip(str(exc))
-
-
-@pytest.fixture
-async def server(tmp_path) -> AsyncIterator[BlockServer]:
-    store = NodeStore(ShmTier(16 << 20), DirTier(tmp_path / "nvme", 64 << 20))
-    srv = BlockServer(store)
-    await srv.start()
-    yield srv
-    await srv.stop()
-    await store.close()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
+
 from halfmoon.storage.base import BlockNotFound
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
@@ -24,7 +25,6 @@ from halfmoon.transfer.failover import (
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
-
 from tests.transfer.test_transfer import blocks
 
 

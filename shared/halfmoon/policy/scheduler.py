@@ -9,7 +9,13 @@ from halfmoon.policy.admission import MIN_RETRY_AFTER_S, AdmissionPolicy
 from halfmoon.policy.cpp import CppPlan, CppPolicy
 from halfmoon.policy.decode import DecodeChoice
 from halfmoon.policy.prefill import PrefillChoice, PrefillPolicy
-from halfmoon.policy.state import SLO, BlockIndex, DecodeInstanceState, PrefillInstanceState, RouteRequest
+from halfmoon.policy.state import (
+    SLO,
+    BlockIndex,
+    DecodeInstanceState,
+    PrefillInstanceState,
+    RouteRequest,
+)
 
 
 class ScheduleDecision(NamedTuple):

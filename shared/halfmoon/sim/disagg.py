@@ -10,7 +10,12 @@ from halfmoon.policy.cpp import CppPolicy
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
-from halfmoon.policy.state import DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
+from halfmoon.policy.state import (
+    DecodeInstanceState,
+    DecodeWork,
+    PrefillInstanceState,
+    RouteRequest,
+)
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
+
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.failover import Path
 from halfmoon.transfer.shm import ShmTransport

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+
 from halfmoon.storage.base import Buffer
 from halfmoon.transfer.rdma_plan import Region, Registrations
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 import msgspec
+
 from halfmoon.transfer.chooser import Opener
 from halfmoon.transfer.local_memory import LocalMemory, address_of
 from halfmoon.transfer.onesided import OneSidedPath, OneSidedTransport

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 
 import msgspec
+
 from halfmoon.transfer.chooser import Opener
 from halfmoon.transfer.local_memory import LocalMemory
 from halfmoon.transfer.onesided import OneSidedPath, OneSidedTransport
