@@ -135,6 +135,32 @@ class TestReplicaFailover:
         assert all(r.address in str(err.value) for r in replicas)
 
 
+class TestChooser:
+    async def test_a_same_host_node_gets_shared_memory_then_tcp_both_working(self, servers: list[BlockServer]) -> None:
+        chooser = TransportChooser()
+        keys, data = blocks(2)
+        await write(servers[0].address, keys, data)
+        paths = await chooser.paths(servers[0].address)
+        assert [p.kind for p in paths] == ["shm", "tcp"]
+        for p in paths:
+            assert [bytes(v) for v in await p.transport.read(keys)] == data
+        assert await chooser.paths(servers[0].address) is paths  # cached per node
+        await chooser.close()
+
+    async def test_a_path_that_cannot_open_is_left_out_with_the_reason(self, servers: list[BlockServer]) -> None:
+        from halfmoon.transfer.mooncake import MooncakeEngine, MooncakeUnavailable, mooncake_opener
+
+        try:
+            engine = MooncakeEngine()
+        except MooncakeUnavailable as exc:
+            pytest.skip(str(exc))
+        chooser = TransportChooser([mooncake_opener(engine)], TransferClient(same_host=False))
+        paths = await chooser.paths(servers[0].address, Offers(mooncake={"session": 5}))  # malformed offer
+        assert [p.kind for p in paths] == ["tcp"]
+        assert "ValidationError" in chooser.open_errors[(servers[0].address, "mooncake")]
+        await chooser.close()
+
+
 class TestPathFailover:
     async def test_a_node_whose_mooncake_engine_is_gone_is_read_and_written_over_tcp(
         self, servers: list[BlockServer]
