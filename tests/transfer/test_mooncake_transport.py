@@ -106,6 +106,9 @@ class TestEngineRoundTrip:
         await tcp.write(keys[1:2], data[1:2], tier=Tier.NVME)
         await mooncake.write(keys[:1] + keys[2:], data[:1] + data[2:])
         assert [bytes(v) for v in await mooncake.read(keys)] == data
+        dest = memoryview(bytearray(3 * BLOCK))
+        await mooncake.read(keys, into=dest)
+        assert bytes(dest) == b"".join(data)  # back to back in key order, whichever tier each came from
         first, missing = await mooncake.read([keys[0], key(10_000)], missing_ok=True)
         assert bytes(first) == data[0] and missing is None
 

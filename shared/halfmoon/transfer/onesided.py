@@ -39,6 +39,10 @@ class SegmentRange(NamedTuple):
     length: int
 
 
+def _nbytes(view: memoryview | None) -> int:
+    return 0 if view is None else view.nbytes
+
+
 class OneSidedPath(ABC):
     """Moves bytes between registered local memory and one node's registered DRAM segment.
 
@@ -144,22 +148,28 @@ class OneSidedTransport(Transport):
             extents = await self.locate(keys)
         elif len(extents) != len(keys):
             raise ValueError("one extent per key")
-        in_dram = [i for i, e in enumerate(extents) if e.size != MISSING]
-        total = sum(extents[i].size for i in in_dram)
-        lower = [i for i, e in enumerate(extents) if e.size == MISSING]
-        fetched = await self.control.read([keys[i] for i in lower], missing_ok=True) if lower else []
-        out = destination(into, total + sum(v.nbytes for v in fetched if v is not None))
-        ranges = [SegmentRange(*extents[i]) for i in in_dram]
+        lower = [i for i, e in enumerate(extents) if e.size == MISSING]  # demoted (or absent): over TCP
+        fetched: dict[int, memoryview | None] = {}
+        if lower:
+            fetched = dict(zip(lower, await self.control.read([keys[i] for i in lower], missing_ok=True)))
+        sizes = [e.size if i not in fetched else _nbytes(fetched[i]) for i, e in enumerate(extents)]
+        out = destination(into, sum(sizes))
         views: list[memoryview | None] = [None] * len(keys)
+        ranges, targets, pos = [], [], 0
+        for i, size in enumerate(sizes):  # back to back in key order, whichever tier a block comes from
+            if size == 0:
+                continue
+            views[i] = view = out[pos : pos + size]
+            pos += size
+            if (src := fetched.get(i)) is not None:
+                view[:] = src
+            else:
+                ranges.append(SegmentRange(*extents[i]))
+                targets.append(view)
         if ranges:
-            for i, view in zip(in_dram, await self.read_ranges(ranges, into=out[:total])):
-                views[i] = view
-        pos = total
-        for i, src in zip(lower, fetched):
-            if src is not None:
-                out[pos : pos + src.nbytes] = src
-                views[i] = out[pos : pos + src.nbytes]
-                pos += src.nbytes
+            self._check(ranges)
+            await asyncio.to_thread(self._move, False, ranges, targets)
+            self._read_bytes.inc(sum(r.length for r in ranges))
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views
