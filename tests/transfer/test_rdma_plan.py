@@ -7,7 +7,6 @@ import os
 import random
 
 import pytest
-
 from halfmoon.transfer.rdma import (
     RdmaUnavailable,
     VerbsDevice,
@@ -25,7 +24,6 @@ from halfmoon.transfer.rdma_plan import (
     Registrations,
     Sge,
     WorkRequest,
-    copies_for,
     plan_posts,
     plan_work_requests,
 )
@@ -101,11 +99,6 @@ class TestWorkRequestBatching:
             plan_work_requests([Copy(0, 0, 0)])
         with pytest.raises(ValueError):
             plan_posts([Copy(0, 0, 1)], PostLimits(max_wr=8, queue_depth=4))
-        with pytest.raises(ValueError):
-            copies_for([0, 1], [0], [1, 1], 0)
-
-    def test_copies_for_offsets_against_the_segment_base(self) -> None:
-        assert copies_for([10, 20], [0, 4096], [5, 6], 1 << 20) == [Copy(10, 1 << 20, 5), Copy(20, (1 << 20) + 4096, 6)]
 
 
 class TestRegistrations:

@@ -13,7 +13,7 @@ Nothing here touches a device: the verbs layer (``rdma.py``) only executes these
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Generic, NamedTuple, TypeVar
 
 PAGE = 4096
@@ -234,11 +234,3 @@ class Completions:
         if self.errors:
             raise CompletionError("; ".join(self.errors))
 
-
-def copies_for(
-    local_addrs: Sequence[int], remote_offsets: Sequence[int], sizes: Sequence[int], remote_base: int
-) -> list[Copy]:
-    """One copy per block: local buffer address to the remote segment's base plus offset."""
-    if not len(local_addrs) == len(remote_offsets) == len(sizes):
-        raise ValueError("one local address, remote offset and size per block")
-    return [Copy(a, remote_base + o, n) for a, o, n in zip(local_addrs, remote_offsets, sizes)]
