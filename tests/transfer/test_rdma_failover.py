@@ -16,10 +16,10 @@ from halfmoon.storage.node import NodeStore
 from halfmoon.transfer.chooser import Offers, TransportChooser, path_kinds
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.failover import (
+    BatchSource,
     FailoverReader,
     Path,
     PathHealth,
-    Replica,
     attempt_order,
 )
 from halfmoon.transfer.server import BlockServer
@@ -56,7 +56,7 @@ class TestPathHealth:
     def test_cooling_paths_are_tried_last_never_dropped(self) -> None:
         health = PathHealth()
         health.failed("a", "rdma", now=0.0)
-        reps = [Replica("a"), Replica("b")]
+        reps = [BatchSource("a"), BatchSource("b")]
         order = attempt_order(reps, lambda _: ["rdma", "tcp"], health, now=0.1)
         assert order == [(0, "tcp"), (1, "rdma"), (1, "tcp"), (0, "rdma")]
 
@@ -105,7 +105,7 @@ class TestReplicaFailover:
         for srv in servers:
             await write(srv.address, keys, data)
         first, second = servers
-        replicas = [Replica(first.address), Replica(second.address)]
+        replicas = [BatchSource(first.address), BatchSource(second.address)]
         await first.stop()
         assert [bytes(v) for v in await reader.read(keys, replicas)] == data
         assert [(a, o == "ok") for a, _, o in reader.attempts] == [(r.address, r is replicas[1]) for r in replicas]
@@ -120,16 +120,16 @@ class TestReplicaFailover:
         keys, data = blocks(3)
         opened, reader = tcp_paths()
         await write(servers[1].address, keys, data)
-        views = await reader.read(keys, [Replica(servers[0].address), Replica(servers[1].address)])
+        views = await reader.read(keys, [BatchSource(servers[0].address), BatchSource(servers[1].address)])
         assert [bytes(v) for v in views] == data
         with pytest.raises(BlockNotFound):
-            await reader.read(keys, [Replica(servers[0].address)])
+            await reader.read(keys, [BatchSource(servers[0].address)])
         for t in opened.values():
             await t.close()
 
     async def test_when_every_replica_fails_the_error_names_each(self) -> None:
         _, reader = tcp_paths()
-        replicas = [Replica(dead_address()), Replica(dead_address())]
+        replicas = [BatchSource(dead_address()), BatchSource(dead_address())]
         with pytest.raises(TransferError) as err:
             await reader.read(blocks(1)[0], replicas)
         assert all(r.address in str(err.value) for r in replicas)
@@ -148,7 +148,11 @@ class TestChooser:
         await chooser.close()
 
     async def test_a_path_that_cannot_open_is_left_out_with_the_reason(self, servers: list[BlockServer]) -> None:
-        from halfmoon.transfer.mooncake import MooncakeEngine, MooncakeUnavailable, mooncake_opener
+        from halfmoon.transfer.mooncake import (
+            MooncakeEngine,
+            MooncakeUnavailable,
+            mooncake_opener,
+        )
 
         try:
             engine = MooncakeEngine()
@@ -185,8 +189,8 @@ class TestPathFailover:
         assert [k for _, k, _ in reader.attempts] == ["mooncake"]
         assert srv.payload_bytes_in == sum(map(len, data))  # the blocks came over the socket
         fresh = FailoverReader(paths)  # no memory of the failure: mooncake first, then tcp
-        assert [bytes(v) for v in await fresh.read(keys, [Replica(srv.address)])] == data
+        assert [bytes(v) for v in await fresh.read(keys, [BatchSource(srv.address)])] == data
         assert [(k, o == "ok") for _, k, o in fresh.attempts] == [("mooncake", False), ("tcp", True)]
-        await reader.read(keys, [Replica(srv.address)])  # mooncake is cooling down: tcp straight away
+        await reader.read(keys, [BatchSource(srv.address)])  # mooncake is cooling down: tcp straight away
         assert [(k, o) for _, k, o in reader.attempts] == [("tcp", "ok")]
         await chooser.close()

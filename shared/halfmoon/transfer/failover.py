@@ -17,7 +17,7 @@ from halfmoon.storage.base import BlockNotFound, Buffer
 from halfmoon.transfer.transport import TransferError, Transport
 
 
-class Replica(NamedTuple):
+class BatchSource(NamedTuple):
     """A node holding the blocks, with their DRAM extents there when a lookup reported them."""
 
     address: str
@@ -54,7 +54,7 @@ class PathHealth:
 
 
 def attempt_order(
-    replicas: Sequence[Replica], kinds: Callable[[str], Sequence[str]], health: PathHealth, now: float
+    replicas: Sequence[BatchSource], kinds: Callable[[str], Sequence[str]], health: PathHealth, now: float
 ) -> list[tuple[int, str]]:
     """(replica index, path kind) to try, in order: each replica's healthy paths in preference
     order, replicas in the given order; paths in cool-down go last, so a request is never
@@ -85,7 +85,7 @@ class FailoverReader:
         self._clock = clock or time.monotonic
         self.attempts: list[tuple[str, str, str]] = []  # (address, kind, outcome) of the last call
 
-    async def _kinds(self, replicas: Sequence[Replica]) -> dict[str, dict[str, Transport]]:
+    async def _kinds(self, replicas: Sequence[BatchSource]) -> dict[str, dict[str, Transport]]:
         opened: dict[str, dict[str, Transport]] = {}
         for rep in replicas:
             if rep.address in opened:
@@ -98,7 +98,7 @@ class FailoverReader:
         return opened
 
     async def read(
-        self, keys: Sequence[bytes], replicas: Sequence[Replica], *, into: memoryview | None = None
+        self, keys: Sequence[bytes], replicas: Sequence[BatchSource], *, into: memoryview | None = None
     ) -> list[memoryview]:
         if not replicas:
             raise ValueError("no replica to read from")
@@ -137,8 +137,8 @@ class FailoverReader:
     ) -> str:
         """Store on one node through its first path that works; returns the path kind used."""
         self.attempts = []
-        opened = (await self._kinds([Replica(address)]))[address]
-        order = attempt_order([Replica(address)], lambda a: list(opened), self.health, self._clock())
+        opened = (await self._kinds([BatchSource(address)]))[address]
+        order = attempt_order([BatchSource(address)], lambda a: list(opened), self.health, self._clock())
         for _, kind in order:
             try:
                 await opened[kind].write(keys, payloads, offsets=offsets, tier=tier)
