@@ -38,7 +38,7 @@ def exactness(model: str, prompts: int = 8, tokens: int = 16) -> None:
 
     engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
                                     prefill_chunk_size=512, kv_cache_bytes=1 << 30))
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).to("cuda").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model).to("cuda").eval()  # float32, as the engine
     gen = torch.Generator().manual_seed(0)
     lengths = (1, 7, 16, 33, 100, 257, 600, 1500)
     batch = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist() for n in lengths]
