@@ -4,6 +4,7 @@ a transfer node would), and this process reads and writes it through another eng
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
@@ -92,6 +93,14 @@ class TestEngineRoundTrip:
         assert (server.payload_bytes_in, server.payload_bytes_out) == socket_bytes  # no block crossed the socket
         assert [bytes(v) for v in await tcp.read(keys)] == data  # they really are in the node's segment
         assert await mooncake.delete(keys) == 16
+        # 4 MiB went through the staging buffer (1 MiB at first): it grew, and only the grown one stays registered
+        assert len(mooncake.path.memory.registrations) == 1
+
+    async def test_concurrent_batches_share_the_staging_buffer_safely(self, mooncake: OneSidedTransport) -> None:
+        batches = [fresh(4, f"concurrent-{i}") for i in range(4)]
+        await asyncio.gather(*(mooncake.write(k, d) for k, d in batches))
+        results = await asyncio.gather(*(mooncake.read(k) for k, _ in batches))
+        assert [[bytes(v) for v in r] for r in results] == [d for _, d in batches]
 
     async def test_reads_from_pinned_memory_land_in_place(self, mooncake: OneSidedTransport) -> None:
         keys, data = fresh(4, "pinned")
