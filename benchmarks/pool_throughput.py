@@ -37,7 +37,6 @@ from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 
 
-
 class Result(NamedTuple):
     name: str
     baseline: str
@@ -71,16 +70,26 @@ def _raw_server(listener: socket.socket, nbytes: int) -> None:
         conn.sendall(b"k")
 
 
-async def serve(batch_bytes: int) -> None:
+async def start_node(batch_bytes: int) -> tuple[BlockServer, int]:
+    """A block server with room for a few batches, and the raw-socket baseline's server; returns its port."""
     store = NodeStore(ShmTier(4 * batch_bytes))
     server = BlockServer(store)
     await server.start()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(listener, batch_bytes), daemon=True).start()
-    print(server.address, listener.getsockname()[1], flush=True)
+    return server, listener.getsockname()[1]
+
+
+async def serve_until_stdin_closes(server: BlockServer, *announce: object) -> None:
+    print(server.address, *announce, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
     await server.stop()
-    await store.close()
+    await server.store.close()
+
+
+async def serve(batch_bytes: int) -> None:
+    server, raw_port = await start_node(batch_bytes)
+    await serve_until_stdin_closes(server, raw_port)
 
 
 # ---- measurements --------------------------------------------------------------------
@@ -111,6 +120,24 @@ async def timed(fn: Callable[[], Awaitable[object]] | Callable[[], object], roun
             await result
         out.append(time.perf_counter() - t0)
     return out
+
+
+Step = Callable[[], Awaitable[object] | object]
+
+
+async def measure(cases: dict[str, tuple[Step, Step, str]], rounds: int, nbytes: int, batch: int) -> list[Result]:
+    """Each case is (ours, baseline, baseline's name); rounds alternate the two."""
+    results = []
+    for name, (ours, base, base_name) in cases.items():
+        t_ours, t_base = [], []
+        for _ in range(rounds):  # interleaved so drift hits both sides alike
+            t_base += await timed(base, 1)
+            t_ours += await timed(ours, 1)
+        best, base_best = min(t_ours), min(t_base)
+        median_ratio = statistics.median(t_base) / statistics.median(t_ours)
+        gbps, base_gbps = nbytes / best / 1e9, nbytes / base_best / 1e9
+        results.append(Result(name, base_name, gbps, base_gbps, batch / best, median_ratio))
+    return results
 
 
 async def run(block: int, batch: int, rounds: int) -> list[Result]:
@@ -148,16 +175,7 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
             "tcp get": (lambda: tcp.read(keys, into=dest), lambda: raw.get(dest), "raw socket"),
             "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket"),
         }
-        results = []
-        for name, (ours, base, base_name) in cases.items():
-            t_ours, t_base = [], []
-            for _ in range(rounds):  # interleaved so drift hits both sides alike
-                t_base += await timed(base, 1)
-                t_ours += await timed(ours, 1)
-            best, base_best = min(t_ours), min(t_base)
-            median_ratio = statistics.median(t_base) / statistics.median(t_ours)
-            gbps, base_gbps = nbytes / best / 1e9, nbytes / base_best / 1e9
-            results.append(Result(name, base_name, gbps, base_gbps, batch / best, median_ratio))
+        results = await measure(cases, rounds, nbytes, batch)
         await client.close()
         await tcp.close()
         raw.sock.close()
