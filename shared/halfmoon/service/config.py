@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from halfmoon.core.cluster_keys import ClusterKeys, load_secret
 from halfmoon.protocol.subjects import Subjects, check_token
 
 ENV_PREFIX = "HALFMOON_"
@@ -42,6 +43,10 @@ class ServiceConfig:
     )
     metrics_host: str = field(default="127.0.0.1", metadata={
         "help": "address the /metrics endpoint listens on (0.0.0.0 in containers)"})
+    cluster_secret: str = field(default="", repr=False, metadata={
+        "help": "secret shared by a deployment's services: data-plane handshake, capabilities, KV block MACs "
+                "(empty, and no file: a public development key, insecure)"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the cluster secret"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates
@@ -56,6 +61,10 @@ class ServiceConfig:
             raise ValueError(f"metrics_port must be -1 (any free port), 0 (off) or a port, got {self.metrics_port}")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
+        self.cluster_keys()  # validates (readable file, long enough)
+
+    def cluster_keys(self) -> ClusterKeys:
+        return ClusterKeys.from_secret(load_secret(self.cluster_secret, self.cluster_secret_file))
 
     @property
     def subjects(self) -> Subjects:
