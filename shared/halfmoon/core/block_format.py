@@ -103,7 +103,7 @@ def encode_block(layout: BlockLayout, kv: torch.Tensor, key: bytes | None = None
     FIXED.pack_into(out, 0, MAGIC, VERSION, _DTYPE_CODES[layout.dtype], layout.num_layers, layout.num_kv_heads,
                     layout.head_dim, int(kv.shape[2]), layout.fingerprint, bytes(16))
     if body.numel():
-        memoryview(out)[layout.header_nbytes:] = body.view(torch.uint8).numpy().data
+        memoryview(out)[layout.header_nbytes:] = body.view(torch.uint8).reshape(-1).numpy().data
     return seal_block(layout, out, key) if key is not None else out
 
 
