@@ -145,9 +145,9 @@ class BlockServer:
             authorize(self.checker, req)
         except CapabilityError as exc:
             self.refused_requests += 1
+            if req.op is Op.WRITE:  # its payload follows: read it into scratch (never allocated), drop it
+                await ch.discard(sum(req.sizes))
             await ch.send(Response(False, error=f"forbidden: {exc}"))
-            if req.op is Op.WRITE:  # its payload follows, sized by an unauthorised header: never read it
-                raise
             return
         context = extract_context({"traceparent": req.traceparent}) if req.traceparent else None
         with _tracer.start_as_current_span(f"transfer.{req.op.name.lower()}", context=context,
