@@ -24,7 +24,7 @@ from halfmoon.transfer.framing import LEN, Op, Request, decode_response, encode
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
-from tests.fixtures.dataplane import ALL, cap, caps
+from tests.fixtures.dataplane import cap, caps
 from tests.security.conftest import KEYS, NODE
 
 BLOCK = 64 << 10

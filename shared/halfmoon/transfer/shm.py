@@ -3,8 +3,9 @@
 The segment's name is only told over an authenticated connection, and the segment is private
 to the node's user (mode 0600): a weaker boundary than the socket by nature, since a client
 that maps it can read and write any byte (the KV MACs still catch what it forges). Only
-control messages cross the TCP connection: LOCATE before a read, RESERVE (or nothing, when the cache-manager already chose the offsets) and COMMIT around a write. Blocks that are
-not in DRAM (demoted to NVMe/S3) are read over TCP.
+control messages cross the TCP connection: LOCATE before a read, RESERVE (or nothing, when the
+cache-manager already chose the offsets) and COMMIT around a write. Blocks that are not in DRAM
+(demoted to NVMe/S3) are read over TCP.
 """
 
 from __future__ import annotations

@@ -227,7 +227,8 @@ class CacheManagerService(Service[CacheManagerConfig]):
             return (False,) * len(batch)
         try:
             reply = await self.request(self.subjects.transfer_orders(node),
-                                       OrderBatch(orders=tuple(self.grants.order(o) for o in batch), addresses=addresses),
+                                       OrderBatch(orders=tuple(self.grants.order(o) for o in batch),
+                                                  addresses=addresses),
                                        codecs.ORDER_RESULTS, ORDER_TIMEOUT_S)
         except RemoteError as exc:
             self.log.warning("orders not delivered", extra={"node": node, "error": str(exc)})
