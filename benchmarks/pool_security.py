@@ -1,10 +1,11 @@
 """The hand-off path with and without the KV block MAC, for ``benchmarks.pool_throughput``.
 
 One round puts a batch (prefill: seal each block under its key, write) and gets it back (decode:
-read into one buffer, verify each block under its key). The baseline does the same moves with
-layout v1's integrity check instead (a CRC-32 of each body on both sides); both carry the
-node's capabilities over an authenticated connection (the handshake is once per pooled
-connection, so it is not in the rounds), so the difference is what the MAC costs.
+read into one buffer, verify each block under its key). Two baselines do the same moves: with
+layout v1's integrity check instead (a CRC-32 of each body on both sides, what the hand-off did
+before), and with no check at all. All carry the node's capabilities over an authenticated
+connection (the handshake is once per pooled connection, so it is not in the rounds; checking a
+capability is one HMAC of ~100 bytes per block), so the difference is what the MAC costs.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def layout_for(block: int) -> BlockLayout:
     return BlockLayout(hashlib.sha256(b"bench").digest(), torch.float16, LAYERS, heads, 64, DEV_KEYS.kv_mac)
 
 
-def handoff_cases(transport: Transport, block: int, batch: int, seed: int
-                  ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]], int]:
-    """(MAC round, CRC round, bytes per round) for ``batch`` blocks of about ``block`` bytes."""
+Round = Callable[[], Awaitable[None]]
+
+
+def handoff_cases(transport: Transport, block: int, batch: int, seed: int) -> tuple[Round, Round, Round, int]:
+    """(MAC round, CRC round, unchecked round, bytes per round) for ``batch`` blocks of about ``block`` bytes."""
     layout = layout_for(block)
     keys = [hashlib.sha256(f"handoff-{seed}-{i}".encode()).digest() for i in range(batch)]
     gen = torch.Generator().manual_seed(seed)
@@ -56,4 +59,8 @@ def handoff_cases(transport: Transport, block: int, batch: int, seed: int
         views = await transport.read(keys, caps=caps, into=dest)
         assert [zlib.crc32(v[body:]) for v in views] == sums
 
-    return with_mac, with_crc, nbytes
+    async def unchecked() -> None:
+        await transport.write(keys, payloads, caps=caps)
+        await transport.read(keys, caps=caps, into=dest)
+
+    return with_mac, with_crc, unchecked, nbytes
