@@ -157,8 +157,8 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
         for transport_name, transport in (("tcp", tcp_raw), ("shm", shm_raw)):
             for size, label in ((1 << 20, "1 MiB"), (64 << 10, "64 KiB")):
                 mac, crc, unchecked, moved = handoff_cases(transport, size, batch, seed=size)
-                cases[f"{transport_name} hand-off {label}, MAC"] = (mac, crc, "CRC-32 (v1)", moved)
-                cases[f"{transport_name} hand-off {label}, MAC "] = (mac, unchecked, "no check", moved)
+                cases[f"{transport_name} hand-off {label} (MAC vs v1)"] = (mac, crc, "CRC-32 (v1)", moved)
+                cases[f"{transport_name} hand-off {label} (MAC vs none)"] = (mac, unchecked, "no check", moved)
         results = []
         for name, (ours, base, base_name, case_bytes) in cases.items():
             t_ours, t_base = [], []
