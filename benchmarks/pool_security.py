@@ -34,6 +34,11 @@ def layout_for(block: int) -> BlockLayout:
 Round = Callable[[], Awaitable[None]]
 
 
+def grants(keys: list[bytes]) -> list[bytes]:
+    """READ and WRITE of each key, as a put_start answer grants them (the server's default node id)."""
+    return [sign(DEV_KEYS.grant, Capability(int(Right.READ | Right.WRITE), "node", k, float("inf"))) for k in keys]
+
+
 def handoff_cases(transport: Transport, block: int, batch: int, seed: int) -> tuple[Round, Round, Round, int]:
     """(MAC round, CRC round, unchecked round, bytes per round) for ``batch`` blocks of about ``block`` bytes."""
     layout = layout_for(block)
@@ -42,7 +47,7 @@ def handoff_cases(transport: Transport, block: int, batch: int, seed: int) -> tu
     shape = (LAYERS, 2, TOKENS, layout.num_kv_heads, layout.head_dim)
     payloads = [encode_block(layout, torch.randn(shape, generator=gen)) for _ in keys]
     nbytes = sum(len(p) for p in payloads)
-    caps = [sign(DEV_KEYS.grant, Capability(int(Right.READ | Right.WRITE), "node", k, float("inf"))) for k in keys]
+    caps = grants(keys)
     dest = memoryview(bytearray(nbytes))
     body = layout.header_nbytes
 

@@ -39,8 +39,7 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 
-from benchmarks.pool_security import handoff_cases
-from tests.fixtures.dataplane import Granted
+from benchmarks.pool_security import grants, handoff_cases
 
 
 class Result(NamedTuple):
@@ -130,12 +129,12 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
         payloads = [os.urandom(block) for _ in range(batch)]
         src = np.frombuffer(b"".join(payloads), dtype=np.uint8)
         client = TransferClient()
-        shm_raw, tcp_raw = await client.transport(address), TcpTransport(address)
-        shm, tcp = Granted(shm_raw), Granted(tcp_raw)  # capabilities as a put_start / lookup grants them
+        shm, tcp = await client.transport(address), TcpTransport(address)
+        caps = grants(keys)  # as a put_start / lookup answer grants them
         raw = Raw(int(raw_port))
-        await tcp.write(keys, payloads)
-        assert [bytes(v) for v in await shm.read(keys)] == payloads  # correctness before speed
-        where = await tcp.request(Request(Op.LOCATE, keys))
+        await tcp.write(keys, payloads, caps=caps)
+        assert [bytes(v) for v in await shm.read(keys, caps=caps)] == payloads  # correctness before speed
+        where = await tcp.request(Request(Op.LOCATE, keys, caps=caps))
         extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]  # as a lookup reports them
         put_offsets = [nbytes + i * block for i in range(batch)]  # as put_start would choose them
 
@@ -146,15 +145,16 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
             np.copyto(dest_array, src)
 
         cases = {  # gets before puts: the puts move the blocks away from ``extents``
-            "shm get (lookup offsets)": (lambda: shm.read(keys, extents=extents, into=dest), memcpy, "memcpy", nbytes),
-            "shm get (LOCATE)": (lambda: shm.read(keys, into=dest), memcpy, "memcpy", nbytes),
-            "shm put (put_start offsets)": (lambda: shm.write(keys, payloads, offsets=put_offsets), memcpy, "memcpy",
-                                            nbytes),
-            "shm put (RESERVE)": (lambda: shm.write(keys, payloads), memcpy, "memcpy", nbytes),
-            "tcp get": (lambda: tcp.read(keys, into=dest), lambda: raw.get(dest), "raw socket", nbytes),
-            "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket", nbytes),
+            "shm get (lookup offsets)": (lambda: shm.read(keys, caps=caps, extents=extents, into=dest),
+                                         memcpy, "memcpy", nbytes),
+            "shm get (LOCATE)": (lambda: shm.read(keys, caps=caps, into=dest), memcpy, "memcpy", nbytes),
+            "shm put (put_start offsets)": (lambda: shm.write(keys, payloads, caps=caps, offsets=put_offsets),
+                                            memcpy, "memcpy", nbytes),
+            "shm put (RESERVE)": (lambda: shm.write(keys, payloads, caps=caps), memcpy, "memcpy", nbytes),
+            "tcp get": (lambda: tcp.read(keys, caps=caps, into=dest), lambda: raw.get(dest), "raw socket", nbytes),
+            "tcp put": (lambda: tcp.write(keys, payloads, caps=caps), lambda: raw.put(payloads), "raw socket", nbytes),
         }
-        for transport_name, transport in (("tcp", tcp_raw), ("shm", shm_raw)):
+        for transport_name, transport in (("tcp", tcp), ("shm", shm)):
             for size, label in ((1 << 20, "1 MiB"), (64 << 10, "64 KiB")):
                 mac, crc, unchecked, moved = handoff_cases(transport, size, batch, seed=size)
                 cases[f"{transport_name} hand-off {label} (MAC vs v1)"] = (mac, crc, "CRC-32 (v1)", moved)
