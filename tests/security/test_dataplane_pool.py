@@ -79,6 +79,8 @@ class TestGrantedCapabilities:
             await pool.peer.write([key(1)], [os.urandom(BLOCK)], caps=[replica.capability], offsets=[replica.offset])
         with pytest.raises(TransferError, match="forbidden"):  # nor reach another key
             await pool.peer.read([key(2)], caps=[replica.capability])
+        again = await pool.ask("lookup", Lookup(keys=(key(1),)), codecs.CACHE_LOOKUP_RESULT)
+        assert again.hits[0].replicas[0].capability == replica.capability  # reused while fresh, not re-signed
 
 
 class TestTenantQuotas:

@@ -4,6 +4,7 @@ orders and for listing a node's inventory. Transfer nodes check them without ask
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_types import Order, OrderKind, Replica
@@ -17,12 +18,29 @@ WRITE = Right.READ | Right.WRITE | Right.DELETE  # a writer hands the location o
 
 
 class Grants:
-    """``ttl_s`` bounds every capability: long enough for a queued decode to read its hand-off."""
+    """``ttl_s`` bounds every capability: long enough for a queued decode to read its hand-off.
 
-    def __init__(self, grant_key: bytes, ttl_s: float) -> None:
-        if ttl_s <= 0:
-            raise ValueError("capability ttl must be > 0")
+    Read capabilities name only a node and a key, so one is reused for every lookup of that
+    block while at least half its lifetime is left: a hot prefix's lookups sign nothing."""
+
+    def __init__(self, grant_key: bytes, ttl_s: float, cached: int = 1 << 16) -> None:
+        if ttl_s <= 0 or cached < 1:
+            raise ValueError("capability ttl must be > 0 and the cache hold at least one")
         self._key, self.ttl_s = grant_key, ttl_s
+        self._reads: OrderedDict[tuple[str, bytes], tuple[bytes, float]] = OrderedDict()
+        self._cached = cached
+
+    def _read(self, node: str, key: bytes) -> bytes:
+        now = time.time()
+        hit = self._reads.get((node, key))
+        if hit is not None and hit[1] - now > self.ttl_s / 2:
+            self._reads.move_to_end((node, key))
+            return hit[0]
+        token = self._sign(Right.READ, node, key)
+        self._reads[(node, key)] = (token, now + self.ttl_s)
+        if len(self._reads) > self._cached:
+            self._reads.popitem(last=False)
+        return token
 
     def _sign(self, rights: Right, node: str, key: bytes, replica: Replica | None = None) -> bytes:
         tier = int(replica.tier) if replica is not None else ANY
@@ -32,15 +50,16 @@ class Grants:
 
     def location(self, key: bytes, replica: Replica, address: str, segment: str, rights: Right) -> BlockLocation:
         """Where to find a replica, with a capability for ``rights`` on exactly that block there."""
-        bound = replica if rights & Right.WRITE else None  # a reader names no place; a writer only its own
-        return location(key, replica, address, segment, self._sign(rights, replica.node, key, bound))
+        if rights == READ:  # a reader names no place
+            return location(key, replica, address, segment, self._read(replica.node, key))
+        return location(key, replica, address, segment, self._sign(rights, replica.node, key, replica))
 
     def order(self, order: Order) -> PoolOrder:
         target = order.dst if order.dst is not None else order.src
         wire = order_to_wire(order)
         source = b""
         if order.kind is OrderKind.REPLICATE:
-            source = self._sign(Right.READ, order.src.node, order.key)
+            source = self._read(order.src.node, order.key)
         return PoolOrder(order_id=wire.order_id, kind=wire.kind, key=wire.key, src=wire.src, dst=wire.dst,
                          capability=self._sign(Right.ORDER, executing_node(order), order.key, target),
                          source_capability=source)
