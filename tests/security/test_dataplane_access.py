@@ -25,7 +25,7 @@ from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
 from tests.fixtures.dataplane import cap, caps
-from tests.security.conftest import KEYS, NODE
+from tests.security.dataplane_node import KEYS, NODE, node  # noqa: F401  (fixture)
 
 BLOCK = 64 << 10
 

@@ -16,7 +16,7 @@ from halfmoon.kv.pool_types import NodeSpec, PoolConfig
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from tests.fixtures.dataplane import caps
-from tests.security.conftest import KEYS, NODE
+from tests.security.dataplane_node import KEYS, NODE, node  # noqa: F401  (fixture)
 
 LAYOUT = BlockLayout(hashlib.sha256(b"model").digest(), torch.float16, 4, 2, 8, KEYS.kv_mac)
 

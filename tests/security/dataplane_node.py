@@ -1,4 +1,5 @@
-"""A real transfer node (DRAM segment + NVMe directory) behind a real socket, under a cluster secret."""
+"""A real transfer node (DRAM segment + NVMe directory) behind a real socket, under a cluster secret
+(a fixture module rather than conftest.py, which holds the control-plane fixtures)."""
 
 from __future__ import annotations
 
