@@ -16,6 +16,7 @@ from pathlib import Path
 
 import halfmoon.services
 import nats
+from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.topology import ServiceSpec, instances
 from halfmoon.protocol import codecs
@@ -69,6 +70,7 @@ class LocalCluster:
         self.namespace = namespace
         self.gateway_port = gateway_port or free_port()
         self.extra_env = env or {}
+        self.cluster_secret = new_secret()  # one per run, for every service's data-plane keys
         self.metrics = metrics
         self.metrics_ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -92,7 +94,8 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join((*SOURCE_ROOTS, env.get("PYTHONPATH", "")))
         env.update(HALFMOON_NATS_URL=self.nats_url or "", HALFMOON_NAMESPACE=self.namespace,
                    HALFMOON_INSTANCE_ID=instance_id, HALFMOON_MODEL_DIR=self.model_dir,
-                   HALFMOON_TRACE_FILE=str(self.trace_file), HALFMOON_LOG_FORMAT="text")
+                   HALFMOON_TRACE_FILE=str(self.trace_file), HALFMOON_LOG_FORMAT="text",
+                   HALFMOON_CLUSTER_SECRET=self.cluster_secret)
         if self.nats_auth is not None:
             env.update(self.nats_auth.env(spec.name))
         if spec.name == "gateway":

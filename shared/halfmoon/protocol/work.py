@@ -24,6 +24,7 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     stream_subject: str
     deadline: float
     tenant_salt: str | None = None
+    tenant: str = ""  # whose pool quota the request's blocks count against ("": none)
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
@@ -48,6 +49,7 @@ class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
     segment: str = ""
     key: bytes | None = None
     tier: Tier = Tier.DRAM  # ``offset`` is valid in ``segment`` for DRAM only
+    capability: bytes = b""  # what the holder may do to this block on ``address``, until when (PROTOCOL.md)
 
     def __post_init__(self) -> None:
         if not self.address:

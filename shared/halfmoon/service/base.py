@@ -49,6 +49,10 @@ class Service(ABC, Generic[C]):
         self.instance_id = config.instance_id
         self.subjects = config.subjects
         self.log = logging.getLogger(f"halfmoon.{self.role.value}")
+        self.cluster_keys = config.cluster_keys()
+        if self.cluster_keys.insecure:
+            self.log.warning("no cluster secret (HALFMOON_CLUSTER_SECRET[_FILE]): the data plane uses the public "
+                             "development key, so anyone can connect to transfer nodes and forge KV blocks")
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(f"halfmoon.{self.role.value}")
         self.draining = False
         self.stop_requested = asyncio.Event()

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from halfmoon.core.cluster_keys import ClusterKeys, load_secret
 from halfmoon.protocol.subjects import Subjects, check_token
 
 ENV_PREFIX = "HALFMOON_"
@@ -48,6 +49,10 @@ class ServiceConfig:
     nats_tls_ca: str = field(default="", metadata={"help": "CA certificate (PEM) to verify the NATS server with"})
     nats_tls_cert: str = field(default="", metadata={"help": "client certificate (PEM) presented to NATS"})
     nats_tls_key: str = field(default="", metadata={"help": "private key (PEM) of nats_tls_cert"})
+    cluster_secret: str = field(default="", repr=False, metadata={
+        "help": "secret shared by a deployment's services: data-plane handshake, capabilities, KV block MACs "
+                "(empty, and no file: a public development key, insecure)"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the cluster secret"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates
@@ -71,6 +76,7 @@ class ServiceConfig:
         for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
             if getattr(self, name) and not os.path.isfile(getattr(self, name)):
                 raise ValueError(f"{name}: no such file {getattr(self, name)!r}")
+        self.cluster_keys()  # validates (readable file, long enough)
 
     def nats_tls(self) -> ssl.SSLContext | None:
         """The TLS context for NATS: verify the server against nats_tls_ca, present the client cert if set."""
@@ -80,6 +86,9 @@ class ServiceConfig:
         if self.nats_tls_cert:
             context.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
         return context
+
+    def cluster_keys(self) -> ClusterKeys:
+        return ClusterKeys.from_secret(load_secret(self.cluster_secret, self.cluster_secret_file))
 
     @property
     def subjects(self) -> Subjects:

@@ -99,7 +99,7 @@ class EngineWorker(Service[WorkerConfig]):
         super().__init__(config, tracer_provider)
         self.meter = LoadMeter()
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
-        self.transfer = TransferClient()
+        self.transfer = TransferClient(keys=self.cluster_keys)
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._busy: set[str] = set()  # requests whose engine work is not done (reported as load)
@@ -131,9 +131,10 @@ class EngineWorker(Service[WorkerConfig]):
     async def start(self) -> None:
         config = self.config.engine_config()
         self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
-        self.pool = PoolClient(self, self.transfer, self.engine.layout)
-        self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, self.engine.layout, self.tracer,
-                                 self.log)
+        layout = self.engine.layout.keyed(self.cluster_keys.kv_mac)  # seals and verifies the pool's blocks
+        self.pool = PoolClient(self, self.transfer, layout)
+        self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, layout, self.tracer, self.log,
+                                 self.cluster_keys.park)
         await self.listen_heartbeats(self.transfer_nodes.on_heartbeat)
         await self.listen_downs(self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)

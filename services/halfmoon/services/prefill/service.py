@@ -123,7 +123,7 @@ class PrefillService(EngineWorker):
         finally:
             await self.engine.call(lambda e: e.release(rid))
         kv = await self.handoff.send(rid, len(req.prompt_token_ids), self.config.block_size, keys, payloads, local,
-                                     fetched)
+                                     fetched, tenant=req.tenant)
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
