@@ -21,19 +21,27 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
 
 def _up(args: argparse.Namespace) -> int:
     from halfmoon.deploy.local import LocalCluster
+    from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer}
+    policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
-                           gateway_port=args.port, metrics=True)
-    with console.status("starting Halfmoon") as status:
-        cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
+                           gateway_port=args.port, metrics=True, supervised=True, policy=policy,
+                           events=lambda line: console.print(f"[yellow]supervisor[/]: {line}"))
+    try:
+        with console.status("starting Halfmoon") as status:
+            cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
+    except CrashLoop as exc:
+        console.print(f"[red]{exc}[/]\nstopped everything; logs in {cluster.run_dir}/logs")
+        return 1
     console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
                   f"[bold]{model.name}[/] ({args.prefill} prefill, {args.decode} decode); logs in {cluster.run_dir}/logs, "
-                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). Ctrl-C stops everything.")
+                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). A process that exits is "
+                  f"restarted; Ctrl-C stops everything.")
     table = Table(title="instances", show_edge=False)
     table.add_column("instance")
     table.add_column("Prometheus metrics")
@@ -43,17 +51,19 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    code = 0
     try:
         while not stop.wait(1.0):
-            dead = [iid for iid, p in cluster.procs.items() if p.poll() is not None]
-            if dead:
-                console.print(f"[red]{', '.join(dead)} exited[/]; see {cluster.run_dir}/logs")
-                break
+            cluster.supervise()
+    except CrashLoop as exc:
+        console.print(f"[red]{exc}[/]")
+        code = 1
     finally:
         with console.status("stopping (draining in-flight requests)"):
             cluster.stop()
-        console.print("stopped; nothing left running")
-    return 0
+        restarts = {name: rec.restarts for name, rec in cluster.supervision.records.items() if rec.restarts}
+        console.print("stopped; nothing left running" + (f" (restarts: {restarts})" if restarts else ""))
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,9 +72,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--prefill", type=int, default=1, help="prefill instances")
     up.add_argument("--decode", type=int, default=1, help="decode instances")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
-    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free one)")
     up.add_argument("--nats-url", help="use this NATS server instead of starting one")
     up.add_argument("--namespace", default="halfmoon", help="NATS subject namespace")
     up.add_argument("--run-dir", default=".halfmoon", help="logs, spans, NVMe tier and NATS store")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service")
+    up.add_argument("--crash-loop-exits", type=int, default=5, help="this many exits of one process ...")
+    up.add_argument("--crash-loop-window", type=float, default=60.0, help="... within this many seconds stop all")
     up.set_defaults(func=_up)
