@@ -268,6 +268,13 @@ class LocalCluster:
         finally:
             await nc.close()
 
+    def pids(self) -> dict[str, int]:
+        """The live process of every instance, and of NATS when this cluster runs it."""
+        pids = {iid: p.pid for iid, p in self.procs.items() if p.poll() is None}
+        if self._nats is not None and self._nats.poll() is None:
+            pids["nats"] = self._nats.pid
+        return pids
+
     def kill(self, instance_id: str) -> None:
         """SIGKILL one instance (no drain, no goodbye), as a crash would."""
         proc = self.procs[instance_id]

@@ -116,8 +116,9 @@ class GatewayApi:
         if not self.accepting():
             return JSONResponse({"status": "draining"}, status_code=503)
         ok, reason = self.client.service.liveness.status()
-        return JSONResponse({"status": "ok" if ok else "nats_unreachable", "detail": reason},
-                            status_code=200 if ok else 503)
+        if not ok:
+            return JSONResponse({"status": "nats_unreachable", "detail": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)

@@ -10,7 +10,7 @@ import msgspec
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.services.gateway.errors import ApiError, invalid
 
-MAX_JSON_DEPTH = 64  # the deepest real request (chat message content parts) nests 4 levels
+MAX_JSON_DEPTH = 64  # the deepest real request (a chat message's content parts) nests 5 levels
 
 # A JSON string, or an unterminated one up to the end; possessive, so a scan never backtracks and
 # every byte is looked at once.
