@@ -37,7 +37,7 @@ from halfmoon.kv.pool_types import (
 )  # fmt: skip
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lease:
     keys: list[bytes]
     expires_at: float

@@ -9,7 +9,7 @@ from halfmoon.kv.pool_nodes import NodeLedger
 from halfmoon.kv.pool_types import Order, OrderKind, PoolConfig, Replica, Tier
 
 
-@dataclass
+@dataclass(slots=True)  # one per indexed block: no per-instance dict
 class Block:
     replicas: list[Replica]
     visible: bool

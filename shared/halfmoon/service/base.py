@@ -17,6 +17,7 @@ from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, down
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.service import rpc
 from halfmoon.service.config import ServiceConfig
+from halfmoon.service.liveness import NatsLiveness
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
@@ -56,6 +57,8 @@ class Service(ABC, Generic[C]):
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(f"halfmoon.{self.role.value}")
         self.draining = False
         self.stop_requested = asyncio.Event()
+        # NOTE: the host feeds it from the NATS connection; services read it (the gateway's /health)
+        self.liveness = NatsLiveness(config.nats_lost_deadline_s, config.nats_give_up_s)
         self._nc: NATS | None = None
 
     @property

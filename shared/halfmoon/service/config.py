@@ -53,14 +53,23 @@ class ServiceConfig:
         "help": "secret shared by a deployment's services: data-plane handshake, capabilities, KV block MACs "
                 "(empty, and no file: a public development key, insecure)"})
     cluster_secret_file: str = field(default="", metadata={"help": "file holding the cluster secret"})
+    nats_lost_deadline_s: float = field(default=10.0, metadata={
+        "help": "health checks fail once NATS has been unreachable this long"})
+    nats_give_up_s: float = field(default=60.0, metadata={
+        "help": "exit non-zero (for the supervisor to restart) once NATS has been unreachable this long"})
+    ready_file: str = field(default="", metadata={
+        "help": "once serving, write this instance's pid and the ports it bound (JSON) to this file"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates
         if self.instance_id:
             check_token(self.instance_id, "instance_id")
-        for name in ("heartbeat_interval_s", "drain_timeout_s", "connect_timeout_s"):
+        for name in ("heartbeat_interval_s", "drain_timeout_s", "connect_timeout_s", "nats_lost_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.nats_give_up_s < self.nats_lost_deadline_s:
+            raise ValueError(f"nats_give_up_s ({self.nats_give_up_s}) must be at least nats_lost_deadline_s "
+                             f"({self.nats_lost_deadline_s})")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not -1 <= self.metrics_port < 65536:

@@ -155,21 +155,24 @@ class EngineWorker(Service[WorkerConfig]):
         self._busy.add(request.request_id)
         self._accepted += 1
         self._tasks[request.request_id] = task
-        task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
+        task.add_done_callback(lambda _t, rid=request.request_id: self._forget(rid))
         return Ack(request_id=request.request_id, instance_id=self.instance_id)
 
     async def _guarded(self, request: Any) -> None:
         """Run one request; a bug fails that request with an error event, never silently."""
         try:
             await self.accept(request)
-        except asyncio.CancelledError:
-            self._busy.discard(request.request_id)
-            raise
         except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
             await self.send_error(request.stream_subject, request.request_id, ErrorCode.INTERNAL,
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}")
         self.done_computing(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        # NOTE: a task cancelled before its first step never runs ``_guarded``'s body, so only a
+        # done callback sees every ending; the request leaves the load figures here whatever happened.
+        self._tasks.pop(request_id, None)
+        self._busy.discard(request_id)
 
     def done_computing(self, request_id: str) -> None:
         """The engine's part of a request is over (prefill calls it before the hand-off)."""

@@ -96,13 +96,19 @@ class Metrics:
 METRICS = Metrics()
 
 
-class MetricsEndpoint:
-    """``GET /metrics`` on ``host:port`` (port 0: any free one), served on the running event loop."""
+HealthCheck = Callable[[], tuple[bool, str]]
 
-    def __init__(self, metrics: Metrics = METRICS, host: str = "0.0.0.0", port: int = 0) -> None:
+
+class MetricsEndpoint:
+    """``GET /metrics`` and ``GET /health`` on ``host:port`` (port 0: any free one), served on the
+    running event loop. ``/health`` answers 200 or 503 with ``health()``'s reason (the liveness probe)."""
+
+    def __init__(self, metrics: Metrics = METRICS, host: str = "0.0.0.0", port: int = 0,
+                 health: HealthCheck = lambda: (True, "ok")) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
+        self.health = health
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -122,10 +128,14 @@ class MetricsEndpoint:
             while (await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
                 pass  # headers are not needed
             parts = request_line.split()
-            if len(parts) >= 2 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
+            path = parts[1].split(b"?")[0] if len(parts) >= 2 and parts[0] == b"GET" else b""
+            if path == b"/metrics":
                 status, ctype, body = "200 OK", self.metrics.content_type, self.metrics.render()
+            elif path == b"/health":
+                ok, reason = self.health()
+                status, ctype, body = ("200 OK" if ok else "503 Service Unavailable"), "text/plain", f"{reason}\n".encode()
             else:
-                status, ctype, body = "404 Not Found", "text/plain", b"only GET /metrics is served here\n"
+                status, ctype, body = "404 Not Found", "text/plain", b"only GET /metrics and /health are served here\n"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             writer.write(head.encode() + body)
             await writer.drain()
