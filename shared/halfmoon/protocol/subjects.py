@@ -51,6 +51,15 @@ class Subjects:
         """Request/reply: DecodeRequest -> Ack | ErrorReply."""
         return f"{self.root}.decode.{check_token(instance_id, 'instance id')}.submit"
 
+    def resume(self, instance_id: str) -> str:
+        """Request/reply: ResumeRequest -> Ack | ErrorReply, to the prefill or decode instance streaming it."""
+        return f"{self.root}.resume.{check_token(instance_id, 'instance id')}"
+
+    @property
+    def placed(self) -> str:
+        """Pub/sub: Placed, every conductor's placements, so standby conductors count the load too."""
+        return f"{self.root}.conductor.placed"
+
     @property
     def cancel(self) -> str:
         """Pub/sub: CancelRequest, heard by every prefill and decode instance."""
