@@ -268,7 +268,8 @@ class Generation:
         if not self.recovery.allow(failed):
             METRICS.migration_exhausted.inc()
             self._event("migration_limit", **{"halfmoon.reason": lost.message})
-            raise GenerationError(lost.code, f"{lost.message}; gave up after {self.recovery.used} migrations")
+            suffix = f"; gave up after {self.recovery.used} migrations" if self.recovery.used else ""
+            raise GenerationError(lost.code, lost.message + suffix)
         old = self.attempt
         for iid in list(self._watching):
             self._unwatch(iid)
