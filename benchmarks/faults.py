@@ -23,8 +23,12 @@ from halfmoon.cli.model_tools import make_tiny_model
 from halfmoon.deploy.drills import gateway_counter, restart, restart_nats, stopped, under_load, wait_live
 from halfmoon.deploy.local import LocalCluster
 
+API_KEY = "sk-faults-0123456789abcdef"
 ENV = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5", "HALFMOON_ITL_TIMEOUT_S": "20",
        "HALFMOON_SCHEDULE_TIMEOUT_S": "2", "HALFMOON_STALL_PROBE_S": "1"}
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class Fault(NamedTuple):
@@ -57,7 +61,7 @@ FAULTS = {
 def run_fault(cluster: LocalCluster, model: str, fault: Fault, clients: int, max_tokens: int) -> dict[str, object]:
     migrated = gateway_counter(cluster, "halfmoon_migrations_total")
     outcomes, at = under_load(cluster.url, model, lambda: fault.inject(cluster), clients=clients,
-                              max_tokens=max_tokens, after=clients)
+                              max_tokens=max_tokens, after=clients, headers=AUTH)
     migrated = gateway_counter(cluster, "halfmoon_migrations_total") - migrated
     first_ok = min((o.ended for o in outcomes if o.started >= at and o.status == "ok"), default=float("nan"))
     full = wait_live(cluster, fault.recover(cluster))
@@ -74,11 +78,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="halfmoon-faults-") as tmp:
         model = make_tiny_model(Path(tmp) / "model")
+        keys = Path(tmp) / "api-keys"
+        keys.write_text(f"{API_KEY} bench\n")
         cluster = LocalCluster(model, Path(tmp) / "run", {"conductor": 2, "prefill": 2, "decode": 2},
-                               gateway_port=0, namespace="faults", env=ENV)
+                               gateway_port=0, namespace="faults", env={**ENV, "HALFMOON_API_KEYS_FILE": str(keys)})
         cluster.start(timeout=300)
         try:
-            name = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            name = httpx.get(f"{cluster.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
             print("| fault | sent | completed | clear error | lost | migrated | first success after (s) "
                   "| full strength after (s) |")
             print("|---|---|---|---|---|---|---|---|")

@@ -6,20 +6,20 @@ import asyncio
 import json
 
 import httpx
-import nats
 
-from halfmoon.deploy.drills import restart, wait_live
+from halfmoon.deploy.drills import operator_nats, restart, wait_live
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Codec
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
+from tests.e2e.conftest import AUTH
 
 
 def pool_block_count(cluster: LocalCluster) -> int:
     async def ask() -> int:
-        nc = await nats.connect(cluster.nats_url, connect_timeout=5)
+        nc = await operator_nats(cluster)
         try:
             msg = await nc.request(Subjects(cluster.namespace).cache("stats"), Codec.encode(StatsRequest()), 5)
             return codecs.CACHE_STATS.decode(msg.data).blocks
@@ -34,7 +34,7 @@ def kill_holder_mid_stream(cluster: LocalCluster, body: dict, at_index: int = 24
     Returns the text the client got, its completion token count and the instance killed (restarted after)."""
 
     async def run() -> dict:
-        nc = await nats.connect(cluster.nats_url, connect_timeout=5)
+        nc = await operator_nats(cluster)
         holder: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         wanted: dict[str, str] = {}
 
@@ -49,7 +49,7 @@ def kill_holder_mid_stream(cluster: LocalCluster, body: dict, at_index: int = 24
         await nc.flush()
         text, usage = [], {}
         stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, headers=AUTH) as http:
             async with http.stream("POST", "/v1/completions", json=stream_body) as response:
                 assert response.status_code == 200, await response.aread()
                 wanted["id"] = response.headers["x-request-id"]

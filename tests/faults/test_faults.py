@@ -27,7 +27,7 @@ from halfmoon.deploy.drills import (
 )
 from halfmoon.deploy.drills import under_load as drill_under_load
 from halfmoon.deploy.local import LocalCluster
-from tests.e2e.conftest import model_name, start_cluster
+from tests.e2e.conftest import AUTH, model_name, start_cluster
 from tests.faults.helpers import kill_holder_mid_stream, pool_block_count
 
 FAULT_ENV = {"HALFMOON_SCHEDULE_TIMEOUT_S": "2", "HALFMOON_STALL_PROBE_S": "1"}
@@ -42,7 +42,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def under_load(cluster: LocalCluster, fault, **kw):  # type: ignore[no-untyped-def]
-    return drill_under_load(cluster.url, model_name(cluster), fault, **kw)
+    return drill_under_load(cluster.url, model_name(cluster), fault, headers=AUTH, **kw)
 
 
 def assert_nothing_lost(outcomes: list[Outcome], errors_allowed: bool = False) -> None:
@@ -61,7 +61,7 @@ def kill_and_restart(cluster: LocalCluster, victim: str) -> None:
 class TestDecodeBalance:
     def test_two_decode_instances_share_the_requests(self, cluster: LocalCluster) -> None:
         before = accepted(cluster)
-        load = StreamingLoad(cluster.url, model_name(cluster), clients=4, max_tokens=16).start()
+        load = StreamingLoad(cluster.url, model_name(cluster), clients=4, max_tokens=16, headers=AUTH).start()
         try:
             load.wait("40 requests", lambda: len(load.outcomes) >= 40)
         finally:
@@ -77,7 +77,7 @@ class TestGreedyMigration:
     def test_migrated_output_equals_unmigrated(self, cluster: LocalCluster) -> None:
         body = {"model": model_name(cluster), "prompt": "the same question every time", "max_tokens": 96,
                 "temperature": 0, "ignore_eos": True}
-        plain = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120).json()
+        plain = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
         migrated = kill_holder_mid_stream(cluster, body)
         assert migrated["text"] == plain["choices"][0]["text"]
         assert migrated["tokens"] == 96

@@ -5,9 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import AutoTokenizer
-
 from halfmoon.services.gateway.model import Detokenizer
+from transformers import AutoTokenizer
 
 SAMPLES = ["plain ascii words", "héllo wörld", "世界 moon 🌙🌕 ok", "mixed 1234 — dash … ellipsis ✓", "🌙" * 5]
 

@@ -49,6 +49,7 @@ class StreamingLoad:
     clients: int = 4
     max_tokens: int = 48
     deadline_s: float = 90.0
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. the API key
     outcomes: list[Outcome] = field(default_factory=list)
     in_flight: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -76,7 +77,8 @@ class StreamingLoad:
         return [o for o in self.outcomes if o.started >= t and o.status == "ok"]
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.deadline_s, connect=10)) as http:
+        timeout = httpx.Timeout(self.deadline_s, connect=10)
+        async with httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=self.headers) as http:
             await asyncio.gather(*(self._client(http, i) for i in range(self.clients)))
 
     async def _client(self, http: httpx.AsyncClient, n: int) -> None:
@@ -127,10 +129,10 @@ def read_stream(started: float, lines: list[str]) -> Outcome:
 
 
 def under_load(url: str, model: str, fault: Callable[[], object], clients: int = 3, max_tokens: int = 48,
-               after: int = 3) -> tuple[list[Outcome], float]:
+               after: int = 3, headers: dict[str, str] | None = None) -> tuple[list[Outcome], float]:
     """Run ``fault()`` once ``clients`` streams are in flight; stop once ``after`` requests that started
     after the fault completed. Returns every request's outcome and when the fault began."""
-    load = StreamingLoad(url, model, clients=clients, max_tokens=max_tokens).start()
+    load = StreamingLoad(url, model, clients=clients, max_tokens=max_tokens, headers=headers or {}).start()
     try:
         load.wait("warm-up", lambda: len(load.completed_since(0)) >= 2 and load.in_flight >= clients)
         at = time.monotonic()
@@ -167,9 +169,10 @@ def restart_nats(cluster: LocalCluster, down_s: float) -> None:
     proc.wait()
     time.sleep(down_s)
     port = int(cluster.nats_url.rsplit(":", 1)[1])
+    conf = cluster.run_dir / "nats-server.conf"  # the launcher's: same port, users and permissions
     cluster._nats = subprocess.Popen(  # noqa: SLF001
-        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(cluster.run_dir / "nats")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
     wait_for_port(port, 15, cluster._nats)  # noqa: SLF001
 
 
@@ -177,7 +180,7 @@ def heartbeats(cluster: LocalCluster, listen_s: float) -> dict[str, Heartbeat]:
     """The latest heartbeat of every instance heard within ``listen_s`` seconds."""
     async def listen() -> dict[str, Heartbeat]:
         seen: dict[str, Heartbeat] = {}
-        nc = await nats.connect(cluster.nats_url, connect_timeout=5)
+        nc = await operator_nats(cluster)
 
         async def on_beat(msg) -> None:  # type: ignore[no-untyped-def]
             beat = codecs.HEARTBEAT.decode(msg.data)
@@ -189,6 +192,12 @@ def heartbeats(cluster: LocalCluster, listen_s: float) -> dict[str, Heartbeat]:
         return seen
 
     return asyncio.run(listen())
+
+
+async def operator_nats(cluster: LocalCluster) -> nats.NATS:
+    """A NATS connection with the operator's credentials (when the cluster has any): taps see every subject."""
+    options = cluster.nats_auth.connect_options() if cluster.nats_auth is not None else {}
+    return await nats.connect(cluster.nats_url, connect_timeout=5, **options)
 
 
 def wait_live(cluster: LocalCluster, instance_ids: set[str], timeout: float = 120.0) -> float:

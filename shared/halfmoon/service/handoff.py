@@ -65,8 +65,8 @@ class KVHandOff:
             if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
                 node = await self._park([k for _, k in fallback], [payloads[i] for i, _ in fallback])
                 for index, key in fallback:
-                    locations[index] = BlockLocation(node=node, offset=0, size=len(payloads[index]), key=key,
-                                                     tier=int(Tier.NVME))
+                    locations[index] = BlockLocation(address=node, offset=0, size=len(payloads[index]), key=key,
+                                                     tier=Tier.NVME)
             span.set_attribute("halfmoon.blocks_stored", len(stored))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
             span.set_attribute("halfmoon.bytes", sum(len(payloads[i]) for i in range(local, len(payloads))))
@@ -116,7 +116,7 @@ class KVHandOff:
         by_node: dict[str, list[bytes]] = defaultdict(list)
         for loc in scratch:
             if loc.key is not None:
-                by_node[loc.node].append(loc.key)
+                by_node[loc.address].append(loc.key)
         for node, keys in by_node.items():
             try:
                 await (await self.transfer.transport(node)).delete(keys)

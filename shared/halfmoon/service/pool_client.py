@@ -64,7 +64,7 @@ class PoolClient:
                     locations.append(replica)
                     break
                 svc.log.warning("cached block unusable; trying another replica",
-                                extra={"key": hit.key.hex()[:16], "node": replica.node})
+                                extra={"key": hit.key.hex()[:16], "node": replica.address})
             else:
                 break
         return Fetched(payloads, locations, found.lease_id)
@@ -76,7 +76,7 @@ class PoolClient:
         out: list[memoryview | None] = [None] * len(replicas)
         by_node: dict[str, list[int]] = defaultdict(list)
         for index, replica in enumerate(replicas):
-            by_node[replica.node].append(index)
+            by_node[replica.address].append(index)
         for node, indexes in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
@@ -127,7 +127,7 @@ class PoolClient:
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
         for placement in plan.placements:
-            by_node[(placement.node, Tier(placement.tier))].append(placement)
+            by_node[(placement.address, placement.tier)].append(placement)
         written: dict[bytes, BlockLocation] = {}
         for (node, tier), placements in by_node.items():
             try:

@@ -111,9 +111,17 @@ async def _handle(
 
 
 async def subscribe_events(
-    nc: NATS, subject: str, codec: Codec[Req], handler: EventHandler[Req], *, log: logging.Logger, queue: str = ""
+    nc: NATS,
+    subject: str,
+    codec: Codec[Req],
+    handler: EventHandler[Req],
+    *,
+    log: logging.Logger,
+    queue: str = "",
+    accept: Callable[[str, Req], bool] | None = None,
 ) -> Subscription:
-    """Deliver decoded pub/sub messages (with their headers) to ``handler``; drop invalid ones with a warning."""
+    """Deliver decoded pub/sub messages (with their headers) to ``handler``; drop invalid ones with a
+    warning, and those ``accept(subject, event)`` refuses (a sender the subject does not vouch for)."""
 
     async def on_message(msg: Msg) -> None:
         try:
@@ -122,6 +130,9 @@ async def subscribe_events(
             log.warning(
                 "dropped message", extra={"subject": msg.subject, "code": exc.code.value, "reason": exc.message}
             )
+            return
+        if accept is not None and not accept(msg.subject, event):
+            log.warning("dropped message from a sender not allowed to send it", extra={"subject": msg.subject})
             return
         try:
             await handler(event, msg.headers or {})

@@ -140,8 +140,8 @@ class EngineWorker(Service[WorkerConfig]):
         self.pool = PoolClient(self, self.transfer, self.engine.layout)
         self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, self.engine.layout, self.tracer,
                                  self.log)
-        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
-        await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
+        await self.listen_heartbeats(self.transfer_nodes.on_heartbeat)
+        await self.listen_downs(self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
         await self.serve(self.subjects.resume(self.instance_id), codecs.RESUME, self._on_resume,
                          span_name=f"{self.role.value}.resume")

@@ -97,6 +97,9 @@ class Metrics:
             "halfmoon_pool_available", "1 when the last hand-off through the KVCache pool worked", ["instance"],
             registry=r
         )
+        self.auth_rejections = Counter(
+            "halfmoon_auth_rejections", "API requests refused at the gateway's door", ["reason"], registry=r
+        )
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._sources: list[ScrapeSource] = []
 

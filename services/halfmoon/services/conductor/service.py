@@ -65,8 +65,8 @@ class ConductorService(Service[ConductorConfig]):
         return Load(running=len(self.table))
 
     async def start(self) -> None:
-        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self._on_heartbeat)
-        await self.listen(self.subjects.down, codecs.DOWN, self._on_down)
+        await self.listen_heartbeats(self._on_heartbeat)
+        await self.listen_downs(self._on_down)
         await self.listen(self.subjects.kv_events, codecs.KV_EVENTS, self._on_kv_events)
         await self.listen(self.subjects.placed, codecs.PLACED, self._on_placed)
         await self.serve(
@@ -132,7 +132,7 @@ class ConductorService(Service[ConductorConfig]):
                 down = InstanceDown(
                     instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time()
                 )
-                await self.publish(self.subjects.down, down)
+                await self.publish(self.subjects.down_from(self.role.value), down)
 
     async def _on_schedule(self, request: ScheduleRequest) -> Message:
         if self.draining:

@@ -68,7 +68,7 @@ class ServingClient:
         self._watchers: dict[str, set[Generation]] = {}
 
     async def start(self) -> None:
-        await self.service.listen(self.service.subjects.down, codecs.DOWN, self._on_down)
+        await self.service.listen_downs(self._on_down)
 
     @property
     def in_flight(self) -> int:
