@@ -8,6 +8,14 @@ from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.stream import TokenEvent
 
 
+class GenerationError(Exception):
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
 class Lost(NamedTuple):
     """Attempt ``attempt`` cannot finish: why, as what error, and the instances to avoid next time."""
 

@@ -20,31 +20,21 @@ from dataclasses import dataclass
 
 import nats.errors
 from halfmoon.protocol import codecs
-from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
+from halfmoon.protocol.base import ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.registry import InstanceDown
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
 from halfmoon.service import Service
-from halfmoon.services.gateway.attempts import Lost, Recovery, StreamOrder
+from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
+from halfmoon.services.gateway.peers import Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry.trace import Span
 
 log = logging.getLogger("halfmoon.gateway")
-
-RESUME_TIMEOUT_S = 1.0
-SCHEDULE_BACKOFF_S = 0.2
-
-
-class GenerationError(Exception):
-    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -208,27 +198,8 @@ class Generation:
             prompt_token_ids=context, sampling=self.sampling, deadline=deadline, tenant_salt=self.tenant_salt,
             exclude=tuple(sorted(self.recovery.excluded)),
         )
-        while True:
-            timeout = min(dl.schedule_timeout_s, max(0.1, deadline - time.time()))
-            try:
-                reply = await svc.request(svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, timeout)
-            except (RemoteError, nats.errors.Error) as exc:
-                code = exc.code if isinstance(exc, RemoteError) else ErrorCode.UNAVAILABLE
-                retryable = code in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE)
-                if not retryable or time.time() + SCHEDULE_BACKOFF_S >= deadline:
-                    raise GenerationError(code, f"conductor: {exc}") from exc
-                METRICS.schedule_retries.inc()
-                self._event("schedule_retry", **{"halfmoon.error": str(exc)})
-                await asyncio.sleep(SCHEDULE_BACKOFF_S)
-                continue
-            except ProtocolError as exc:
-                raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
-            break
-        if isinstance(reply, ScheduleRejected):
-            METRICS.rejections.labels(reply.reason.value).inc()
-            raise GenerationError(ErrorCode.OVERLOADED, f"request rejected ({reply.reason.value}): {reply.message}",
-                                  retry_after_s=reply.retry_after_s)
-        return reply
+        return await schedule(svc, request, deadline, dl.schedule_timeout_s,
+                              lambda error: self._event("schedule_retry", **{"halfmoon.error": error}))
 
     def _watch(self, instance_id: str) -> None:
         self._watching.add(instance_id)
@@ -288,19 +259,12 @@ class Generation:
         p, svc = self.placement, self.client.service
         if p is None:
             return None
-        METRICS.stream_resumes.inc()
         resume = ResumeRequest(request_id=self.request_id, attempt=self.attempt, from_index=len(self.order.tokens))
-        targets = list(dict.fromkeys((p.decode_instance, p.prefill_instance)))
-        replies = await asyncio.gather(*(svc.request(svc.subjects.resume(t), resume, codecs.SUBMIT_REPLY,
-                                                     RESUME_TIMEOUT_S) for t in targets), return_exceptions=True)
+        targets = tuple(dict.fromkeys((p.decode_instance, p.prefill_instance)))
         self._event("stream_resume", **{"halfmoon.from_index": resume.from_index})
-        if any(isinstance(r, Ack) for r in replies):
+        if await ask_to_resend(svc, resume, targets) is not Resend.NOBODY:
             return None
-        if any(isinstance(r, RemoteError) and r.code is ErrorCode.TIMEOUT or not isinstance(r, RemoteError)
-               for r in replies):
-            return None  # no answer (an outage, a stalled instance): wait for its heartbeat verdict
-        return Lost(self.attempt, f"no instance holds the stream any more ({replies[0]})", ErrorCode.UNAVAILABLE,
-                    tuple(targets))
+        return Lost(self.attempt, "no instance holds the stream any more", ErrorCode.UNAVAILABLE, targets)
 
     # ----------------------------------------------------------------- the stream
     async def events(self) -> AsyncIterator[TokenEvent]:
