@@ -25,7 +25,7 @@ class Workload:
     def request(self, i: int) -> None:
         index, self.now = self.index, self.now + 0.05
         keys = [self.rng.randbytes(32) for _ in range(BLOCKS_PER_REQUEST)]
-        found = index.lookup(keys, self.now)  # prefill's prefix fetch (a miss: fresh prompt)
+        index.lookup(keys, self.now)  # prefill's prefix fetch (a miss: fresh prompt)
         scratch = self.rng.randbytes(32)  # the partial last block, under a one-off key
         placed = index.put_start([*keys, scratch], [BLOCK] * (BLOCKS_PER_REQUEST + 1), self.now)
         if i % 4 == 3:

@@ -26,7 +26,7 @@ from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
 from opentelemetry.trace import Tracer
 
-TRANSFER_WAIT_S = 10.0
+TRANSFER_WAIT_S = 1.0  # no live node for this long: hand off without the pool (decode recomputes)
 PARK_TTL_S = 300.0  # a parked block is read once by decode, soon; then the capability is useless
 
 

@@ -71,6 +71,32 @@ class Metrics:
         )
         self.rejections = Counter("halfmoon_rejections", "requests refused", ["reason"], registry=r)
         self.errors = Counter("halfmoon_errors", "failures", ["kind"], registry=r)
+        # reliability (docs/RELIABILITY.md): the request path's recoveries
+        self.migrations = Counter(
+            "halfmoon_migrations", "requests placed again after an instance failed them", ["reason"], registry=r
+        )
+        self.migration_exhausted = Counter(
+            "halfmoon_migration_limit_reached", "requests failed after using up their migrations", registry=r
+        )
+        self.instance_losses = Counter(
+            "halfmoon_instance_losses", "instances that went down holding this process's requests", ["role"],
+            registry=r
+        )
+        self.schedule_retries = Counter(
+            "halfmoon_schedule_retries", "schedule requests sent again (conductor timeout or absent)", registry=r
+        )
+        self.stream_resumes = Counter(
+            "halfmoon_stream_resumes", "resume requests sent for streams with a gap or a stall", registry=r
+        )
+        self.stream_resends = Counter("halfmoon_stream_resends", "stream events re-sent on request", registry=r)
+        self.handoffs_without_pool = Counter(
+            "halfmoon_handoffs_without_pool", "hand-offs whose KV had nowhere to go (decode recomputed it)",
+            registry=r
+        )
+        self.pool_available = Gauge(
+            "halfmoon_pool_available", "1 when the last hand-off through the KVCache pool worked", ["instance"],
+            registry=r
+        )
         self.auth_rejections = Counter(
             "halfmoon_auth_rejections", "API requests refused at the gateway's door", ["reason"], registry=r
         )

@@ -227,7 +227,8 @@ class GatewayApi:
         span.set_attribute("halfmoon.prompt_tokens", len(prompt_ids))
         shape = ResponseShape(kind, request_id, self.model.name)
         output = _Output(self.model, kind, len(prompt_ids), parsed.wants_logprobs)
-        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=self.guard.cache_salt(tenant, parsed.cache_salt))
+        salt = self.guard.cache_salt(tenant, parsed.cache_salt)
+        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=salt, span=span)
         started = time.monotonic()
         try:
             await gen.__aenter__()
