@@ -197,3 +197,16 @@ class TestBounds:
         await peer.close()
         await server.stop()
         await store.close()
+
+
+class TestSharedMemorySegment:
+    async def test_the_segment_is_private_and_named_only_after_the_handshake(self, node: BlockServer) -> None:
+        mode = os.stat(f"/dev/shm/{node.store.dram.segment.lstrip('/')}").st_mode & 0o777
+        assert mode == 0o600
+        peer = TcpTransport(node.address, keys=KEYS)
+        assert (await peer.request(Request(Op.HELLO))).segment == node.store.dram.segment
+        await peer.close()
+        stranger = TcpTransport(node.address, keys=DEV_KEYS)
+        with pytest.raises(TransferError, match="AuthError"):
+            await stranger.request(Request(Op.HELLO))
+        await stranger.close()

@@ -1,18 +1,22 @@
 """The cache-manager and a transfer node as services on a real NATS, under a cluster secret: the
 capabilities in put_start / lookup answers are what lets a writer and a reader through, tenant
-quotas refuse puts, and a node runs only the orders the cache-manager signed."""
+quotas refuse puts, a node runs only the orders the cache-manager signed, and a reader never uses a
+block rewritten without the KV MAC key."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import mmap
 import os
 import time
 from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
+import torch
 
+from halfmoon.core.block_format import BlockLayout, encode_block
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_types import Order, OrderKind, Replica
 from halfmoon.kv.pool_wire import order_to_wire
@@ -20,8 +24,10 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
 from halfmoon.protocol.pool import OrderBatch
 from halfmoon.service import ServiceHost, request
+from halfmoon.service.pool_client import PoolClient
 from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
+from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
 
@@ -111,3 +117,34 @@ class TestSignedOrders:
         signed = OrderBatch(orders=(pool.cm.grants.order(demote),))
         assert (await request(pool.nc, subject, signed, codecs.ORDER_RESULTS, 5)).ok == (True,)
         assert await store.tiers[Tier.NVME].contains(key(1)) and not await store.dram.contains(key(1))
+
+
+class TestTamperedBlocksAreNeverServed:
+    async def test_a_forged_block_in_dram_or_on_nvme_ends_the_served_prefix(self, pool: Pool) -> None:
+        layout = BlockLayout(hashlib.sha256(b"m").digest(), torch.float16, 4, 16, 100, pool.cm.cluster_keys.kv_mac)
+        blocks = [encode_block(layout, torch.randn(4, 2, 16, 16, 100)) for _ in range(3)]  # ~400 KB each
+        clean = PoolClient(pool.cm, TransferClient(keys=pool.cm.cluster_keys), layout)
+        chain = [key(10), key(11), key(12)]
+        stored = await clean.store(chain, blocks, first_position=0)
+        assert [stored[k].tier for k in chain] == [0, 0, 1]  # the 1 MiB segment holds two: the third on NVMe
+        fetched = await clean.fetch_prefix(chain)
+        assert [bytes(p) for p in fetched.payloads] == [bytes(b) for b in blocks]
+        await clean.release(fetched.lease_id)
+
+        forger = layout.keyed(bytes(32))  # well-formed blocks, sealed without the cluster's key
+        store = pool.node.store
+        assert store is not None
+        nvme_file = store.tiers[Tier.NVME]._path(key(12))  # type: ignore[attr-defined]
+        nvme_file.write_bytes(encode_block(forger, torch.zeros(4, 2, 16, 16, 100), key(12)))
+        fetched = await clean.fetch_prefix(chain)
+        assert [bytes(p) for p in fetched.payloads] == [bytes(b) for b in blocks[:2]]  # the rest is recomputed
+        await clean.release(fetched.lease_id)
+
+        offset = store.dram.locate(key(10)).offset
+        fd = os.open(f"/dev/shm/{store.dram.segment.lstrip('/')}", os.O_RDWR)
+        with mmap.mmap(fd, 0) as shm:
+            forged = encode_block(forger, torch.zeros(4, 2, 16, 16, 100), key(10))
+            shm[offset : offset + len(forged)] = forged
+        os.close(fd)
+        assert (await clean.fetch_prefix(chain)).payloads == []
+        await clean.transfer.close()
