@@ -228,7 +228,8 @@ class GatewayApi:
         shape = ResponseShape(kind, request_id, self.model.name)
         output = _Output(self.model, kind, len(prompt_ids), parsed.wants_logprobs)
         salt = self.guard.cache_salt(tenant, parsed.cache_salt)
-        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=salt, span=span)
+        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=salt, span=span,
+                                     tenant=tenant.name if tenant is not None else "")
         started = time.monotonic()
         try:
             await gen.__aenter__()

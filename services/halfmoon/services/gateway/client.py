@@ -65,8 +65,8 @@ class ServingClient:
         return len({g for gens in self._watchers.values() for g in gens})
 
     def generation(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                   tenant_salt: str | None = None, span: Span | None = None) -> Generation:
-        return Generation(self, request_id, tuple(prompt_ids), sampling, tenant_salt, span)
+                   tenant_salt: str | None = None, span: Span | None = None, tenant: str = "") -> Generation:
+        return Generation(self, request_id, tuple(prompt_ids), sampling, tenant_salt, span, tenant)
 
     def watch(self, instance_id: str, gen: Generation) -> None:
         self._watchers.setdefault(instance_id, set()).add(gen)
@@ -90,8 +90,9 @@ class Generation:
     """One request on the serving path; use as ``async with`` and iterate ``events()``."""
 
     def __init__(self, client: ServingClient, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingParams,
-                 tenant_salt: str | None, span: Span | None = None) -> None:
+                 tenant_salt: str | None, span: Span | None = None, tenant: str = "") -> None:
         self.client = client
+        self.tenant = tenant  # whose pool quota the request's blocks count against
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
@@ -158,7 +159,7 @@ class Generation:
                 request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
                 decode_instance=placement.decode_instance, stream_subject=svc.subjects.stream(self.request_id),
                 deadline=deadline, tenant_salt=self.tenant_salt, output_token_ids=tuple(self.order.tokens),
-                attempt=self.attempt,
+                attempt=self.attempt, tenant=self.tenant,
             )
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)
