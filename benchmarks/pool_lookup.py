@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from pathlib import Path
+
 
 from rich.console import Console
 from rich.table import Table

@@ -6,6 +6,9 @@ Measured in one run against same-run baselines:
     the same bytes between the same two processes with blocking sendall / recv_into.
 Rounds alternate baseline and ours; the table reports the best round of each (the one least
 disturbed by other processes on a shared machine) and, as a check, the ratio of the medians.
+  * the hand-off path (seal, put, get, verify) with the KV block MAC against the same path with
+    layout v1's CRC-32 and with no check, over TCP and shared memory, for 1 MiB and 64 KiB blocks
+    (benchmarks/pool_security.py).
 Run: python -m benchmarks.pool_throughput [--block-mib 1] [--batch 16] [--rounds 30]
 """
 
@@ -36,7 +39,7 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 
-
+from benchmarks.pool_security import grants, handoff_cases
 
 class Result(NamedTuple):
     name: str
@@ -71,16 +74,26 @@ def _raw_server(listener: socket.socket, nbytes: int) -> None:
         conn.sendall(b"k")
 
 
-async def serve(batch_bytes: int) -> None:
+async def start_node(batch_bytes: int) -> tuple[BlockServer, int]:
+    """A block server with room for a few batches, and the raw-socket baseline's server; returns its port."""
     store = NodeStore(ShmTier(4 * batch_bytes))
     server = BlockServer(store)
     await server.start()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(listener, batch_bytes), daemon=True).start()
-    print(server.address, listener.getsockname()[1], flush=True)
+    return server, listener.getsockname()[1]
+
+
+async def serve_until_stdin_closes(server: BlockServer, *announce: object) -> None:
+    print(server.address, *announce, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
     await server.stop()
-    await store.close()
+    await server.store.close()
+
+
+async def serve(batch_bytes: int) -> None:
+    server, raw_port = await start_node(batch_bytes)
+    await serve_until_stdin_closes(server, raw_port)
 
 
 # ---- measurements --------------------------------------------------------------------
@@ -113,6 +126,27 @@ async def timed(fn: Callable[[], Awaitable[object]] | Callable[[], object], roun
     return out
 
 
+Step = Callable[[], Awaitable[object] | object]
+
+
+async def measure(cases: dict[str, tuple[Step, Step, str] | tuple[Step, Step, str, int]], rounds: int, nbytes: int,
+                  batch: int) -> list[Result]:
+    """Each case is (ours, baseline, baseline's name[, bytes it moves, if not ``nbytes``]); rounds alternate
+    the two."""
+    results = []
+    for name, (ours, base, base_name, *moved) in cases.items():
+        case_bytes = moved[0] if moved else nbytes
+        t_ours, t_base = [], []
+        for _ in range(rounds):  # interleaved so drift hits both sides alike
+            t_base += await timed(base, 1)
+            t_ours += await timed(ours, 1)
+        best, base_best = min(t_ours), min(t_base)
+        median_ratio = statistics.median(t_base) / statistics.median(t_ours)
+        gbps, base_gbps = case_bytes / best / 1e9, case_bytes / base_best / 1e9
+        results.append(Result(name, base_name, gbps, base_gbps, batch / best, median_ratio))
+    return results
+
+
 async def run(block: int, batch: int, rounds: int) -> list[Result]:
     nbytes = block * batch
     proc = subprocess.Popen(
@@ -125,12 +159,12 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
         payloads = [os.urandom(block) for _ in range(batch)]
         src = np.frombuffer(b"".join(payloads), dtype=np.uint8)
         client = TransferClient()
-        shm = await client.transport(address)
-        tcp = TcpTransport(address)
+        shm, tcp = await client.transport(address), TcpTransport(address)
+        caps = grants(keys)  # as a put_start / lookup answer grants them
         raw = Raw(int(raw_port))
-        await tcp.write(keys, payloads)
-        assert [bytes(v) for v in await shm.read(keys)] == payloads  # correctness before speed
-        where = await tcp.request(Request(Op.LOCATE, keys))
+        await tcp.write(keys, payloads, caps=caps)
+        assert [bytes(v) for v in await shm.read(keys, caps=caps)] == payloads  # correctness before speed
+        where = await tcp.request(Request(Op.LOCATE, keys, caps=caps))
         extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]  # as a lookup reports them
         put_offsets = [nbytes + i * block for i in range(batch)]  # as put_start would choose them
 
@@ -141,23 +175,21 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
             np.copyto(dest_array, src)
 
         cases = {  # gets before puts: the puts move the blocks away from ``extents``
-            "shm get (lookup offsets)": (lambda: shm.read(keys, extents=extents, into=dest), memcpy, "memcpy"),
-            "shm get (LOCATE)": (lambda: shm.read(keys, into=dest), memcpy, "memcpy"),
-            "shm put (put_start offsets)": (lambda: shm.write(keys, payloads, offsets=put_offsets), memcpy, "memcpy"),
-            "shm put (RESERVE)": (lambda: shm.write(keys, payloads), memcpy, "memcpy"),
-            "tcp get": (lambda: tcp.read(keys, into=dest), lambda: raw.get(dest), "raw socket"),
-            "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket"),
+            "shm get (lookup offsets)": (lambda: shm.read(keys, caps=caps, extents=extents, into=dest),
+                                         memcpy, "memcpy", nbytes),
+            "shm get (LOCATE)": (lambda: shm.read(keys, caps=caps, into=dest), memcpy, "memcpy", nbytes),
+            "shm put (put_start offsets)": (lambda: shm.write(keys, payloads, caps=caps, offsets=put_offsets),
+                                            memcpy, "memcpy", nbytes),
+            "shm put (RESERVE)": (lambda: shm.write(keys, payloads, caps=caps), memcpy, "memcpy", nbytes),
+            "tcp get": (lambda: tcp.read(keys, caps=caps, into=dest), lambda: raw.get(dest), "raw socket", nbytes),
+            "tcp put": (lambda: tcp.write(keys, payloads, caps=caps), lambda: raw.put(payloads), "raw socket", nbytes),
         }
-        results = []
-        for name, (ours, base, base_name) in cases.items():
-            t_ours, t_base = [], []
-            for _ in range(rounds):  # interleaved so drift hits both sides alike
-                t_base += await timed(base, 1)
-                t_ours += await timed(ours, 1)
-            best, base_best = min(t_ours), min(t_base)
-            median_ratio = statistics.median(t_base) / statistics.median(t_ours)
-            gbps, base_gbps = nbytes / best / 1e9, nbytes / base_best / 1e9
-            results.append(Result(name, base_name, gbps, base_gbps, batch / best, median_ratio))
+        for transport_name, transport in (("tcp", tcp), ("shm", shm)):
+            for size, label in ((1 << 20, "1 MiB"), (64 << 10, "64 KiB")):
+                mac, crc, unchecked, moved = handoff_cases(transport, size, batch, seed=size)
+                cases[f"{transport_name} hand-off {label} (MAC vs v1)"] = (mac, crc, "CRC-32 (v1)", moved)
+                cases[f"{transport_name} hand-off {label} (MAC vs none)"] = (mac, unchecked, "no check", moved)
+        results = await measure(cases, rounds, nbytes, batch)
         await client.close()
         await tcp.close()
         raw.sock.close()

@@ -10,6 +10,8 @@ import dataclasses
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from halfmoon.cli.sim import DEFAULT_TRACE
 from halfmoon.policy.state import SLO
 from halfmoon.sim.config import SimConfig
@@ -48,6 +50,25 @@ def _run(config: SimConfig) -> dict[str, Any]:
         "wasted_s": result.wasted_prefill_s,
         "replicas": [r._asdict() for r in result.replicas],
         "wall_s": result.wall_seconds,
+        "pipelined": result.pipelined,
+        "long": _long_prompts(out, config.slo.ttft_s),
+    }
+
+
+LONG_PROMPT = 100_000  # tokens; the trace's prompts from here on take one 8xA800 node over 27 s
+
+
+def _long_prompts(out, ttft_s: float) -> dict[str, float]:
+    """Outcome of the trace's longest prompts (the ones a single node cannot serve in time)."""
+    lengths = np.array([r.input_length for r in _STATE["trace"]])
+    long = lengths >= LONG_PROMPT
+    ttft = out.ttft[long]
+    served = ttft[~np.isnan(ttft)]
+    return {
+        "count": int(long.sum()),
+        "within_slo": int((served <= ttft_s).sum()),
+        "ttft_mean": float(served.mean()) if served.size else float("nan"),
+        "ttft_max": float(served.max()) if served.size else float("nan"),
     }
 
 

@@ -14,7 +14,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import sched_latency, sim_plots, sim_throughput
+from benchmarks import sched_latency, sim_cpp, sim_plots, sim_throughput
 from benchmarks import sim_experiments as exp
 from benchmarks.sim_report_text import render
 
@@ -22,32 +22,41 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 OUT = DOCS / "sim"
 
 
-def collect() -> dict:
+EXPERIMENTS = {name: getattr(exp, f"exp_{name}") for name in ("a", "b", "c", "d", "e")} | {"f": sim_cpp.exp_f}
+
+
+def collect(names: list[str]) -> dict:
     runner = exp.Runner()
     results: dict = {}
     try:
-        for name in ("a", "b", "c", "d", "e"):
+        for name in names:
             started = time.perf_counter()
-            results[name] = getattr(exp, f"exp_{name}")(runner)
+            results[name] = EXPERIMENTS[name](runner)
             print(f"experiment ({name}) done in {time.perf_counter() - started:.0f} s", flush=True)
     finally:
         runner.close()
-    results["sched_latency"] = sched_latency.measure()
-    results["throughput"] = sim_throughput.measure()
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reuse", action="store_true", help="rebuild the document from docs/sim/results.json")
+    parser.add_argument("--only", nargs="+", choices=sorted(EXPERIMENTS), default=None,
+                        help="rerun only these experiments, keeping the others' results from docs/sim/results.json")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     results_path = OUT / "results.json"
     started = time.perf_counter()
     if args.reuse:
         results = json.loads(results_path.read_text())
+    elif args.only:
+        results = json.loads(results_path.read_text()) | collect(args.only)
+        results_path.write_text(json.dumps(results, indent=1, default=str))
+        results = json.loads(results_path.read_text())
     else:
-        results = collect()
+        results = collect(list(EXPERIMENTS))
+        results["sched_latency"] = sched_latency.measure()
+        results["throughput"] = sim_throughput.measure()
         results["meta"] = {
             "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_s": time.perf_counter() - started,

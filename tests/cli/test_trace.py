@@ -13,10 +13,11 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 from halfmoon.cli.main import main
-from halfmoon.cli.trace import build_waterfall
+from halfmoon.cli.trace import build_waterfall, render_waterfall
 from halfmoon.cli.trace_sources import (
     JsonlSource,
     Span,
+    SpanEvent,
     TraceSourceError,
     jaeger_search_params,
     parse_jaeger,
@@ -202,8 +203,10 @@ def jaeger_document(spans: list[Span]) -> dict[str, Any]:
                 "references": refs,
                 "startTime": span.start_ns // 1000,
                 "duration": span.duration_ns // 1000,
+                "logs": [{"timestamp": e.time_ns // 1000,
+                          "fields": [jaeger_tag("event", e.name), *(jaeger_tag(k, v) for k, v in e.attributes.items())]}
+                         for e in span.events],
                 "tags": tags,
-                "logs": [],
                 "processID": pid,
                 "warnings": None,
             }
@@ -218,7 +221,8 @@ class TestJaegerDocuments:
         assert set(parsed) == {s.span_id for s in spans}
         for span in spans:
             start = span.start_ns // 1000 * 1000
-            expected = span._replace(start_ns=start, end_ns=start + span.duration_ns // 1000 * 1000)
+            events = tuple(e._replace(time_ns=e.time_ns // 1000 * 1000) for e in span.events)
+            expected = span._replace(start_ns=start, end_ns=start + span.duration_ns // 1000 * 1000, events=events)
             assert parsed[span.span_id] == expected
 
     def test_the_waterfall_is_the_same_from_either_source(self, traced: Traced) -> None:
@@ -263,6 +267,19 @@ class TestJaegerDocuments:
         assert params["service"] == "gateway" and params["lookback"] == "2h" and params["limit"] == "1"
         assert json.loads(params["tags"]) == {"halfmoon.request_id": "cmpl-42"}
         assert "tags" not in jaeger_search_params(None, 50, "1h")
+
+
+class TestSpanEvents:
+    def test_a_migration_shows_inside_the_gateway_span(self, capsys: pytest.CaptureFixture[str]) -> None:
+        from rich.console import Console
+
+        event = SpanEvent("migration", 1_500_000_000, {"halfmoon.reason": "decode-0 went down", "halfmoon.attempt": 1})
+        root = Span("ab" * 16, "cd" * 8, None, "gateway /v1/completions", "gateway", "gateway-0", 1_000_000_000,
+                    3_000_000_000, "OK", {"halfmoon.request_id": "cmpl-1"}, (event,))
+        render_waterfall(build_waterfall([root], "cmpl-1"), Console(width=200))
+        out = capsys.readouterr().out
+        assert "! migration" in out and "reason=decode-0 went down" in out and "attempt=1" in out
+        assert "500.00" in out  # half a second into the request
 
 
 class TestBadInput:

@@ -34,7 +34,7 @@ class TestInstanceTable:
     def test_heartbeat_refreshes_and_resets_assignments(self):
         table = InstanceTable(timeout_s=1.0)
         table.observe(hb("a"), now=0.0)
-        table.note_assigned("a")
+        table.note_assigned("a", now=0.1)
         assert table.get("a").assigned == 1
         assert table.observe(hb("a", queue_len=3), now=0.9) is False
         assert table.get("a").assigned == 0 and table.get("a").load.queue_len == 3
@@ -86,7 +86,7 @@ class TestLeastLoaded:
         chosen = []
         for _ in range(4):
             choice = LeastLoaded().place(REQUEST, table.candidates(Role.PREFILL), table.candidates(Role.DECODE))
-            table.note_assigned(choice.prefill)
+            table.note_assigned(choice.prefill, now=0.0)
             chosen.append(choice.prefill)
         assert sorted(chosen) == ["p0", "p0", "p1", "p1"]
 
@@ -102,6 +102,42 @@ class TestLeastLoaded:
         _, p, d = self.views(*beats)
         result = LeastLoaded().place(REQUEST, p, d)
         assert isinstance(result, Rejection) and result.reason is reason and result.message
+
+
+class TestAssignedAcrossConductors:
+    """Two conductors each count every placement once (their own and, via Placed, the other's)."""
+
+    def test_both_tables_agree_and_heartbeats_settle_them(self):
+        a, b = InstanceTable(timeout_s=1.0), InstanceTable(timeout_s=1.0)
+        for table in (a, b):
+            table.observe(hb("d0", role=Role.DECODE, accepted_total=7), now=0.0)  # 7 taken before either began
+        for _ in range(3):  # a places three, b hears each Placed note
+            a.note_assigned("d0", now=0.1)
+            b.note_assigned("d0", now=0.1)
+        b.note_assigned("d0", now=0.2)
+        a.note_assigned("d0", now=0.2)  # and b places one
+        assert a.get("d0").assigned == b.get("d0").assigned == 4
+        for table in (a, b):
+            table.observe(hb("d0", role=Role.DECODE, accepted_total=10), now=0.3)  # three arrived
+        assert a.get("d0").assigned == b.get("d0").assigned == 1
+
+    def test_placements_that_never_arrive_stop_counting(self):
+        table = InstanceTable(timeout_s=100.0, assign_ttl_s=5.0)
+        table.observe(hb("d0", role=Role.DECODE, accepted_total=1), now=0.0)
+        table.note_assigned("d0", now=1.0)  # its requester died before the hand-off
+        table.observe(hb("d0", role=Role.DECODE, accepted_total=1), now=2.0)
+        assert table.get("d0").assigned == 1
+        table.observe(hb("d0", role=Role.DECODE, accepted_total=1), now=7.0)
+        assert table.get("d0").assigned == 0
+        table.note_assigned("d0", now=7.5)
+        assert table.get("d0").assigned == 1
+
+    def test_cut_off_conductor_holds_everyone(self):
+        table = InstanceTable(timeout_s=1.0)
+        table.observe(hb("d0", role=Role.DECODE), now=0.0)
+        table.hold(now=5.0)  # NATS was away until 5.0
+        assert table.expire(now=5.5) == []
+        assert [v.instance_id for v in table.expire(now=6.1)] == ["d0"]
 
 
 class TestLiveBlockIndexMatch:

@@ -14,6 +14,9 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+
+from halfmoon.core.block_format import FIXED
+from halfmoon.core.cluster_keys import ClusterKeys
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
@@ -23,6 +26,7 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
+from tests.fixtures.dataplane import cap
 
 BLOCK = 16
 MAX_TOKENS = 12
@@ -104,13 +108,17 @@ class TestTenantSalts:
         assert cached(complete(cluster, prompt)) == 0
 
 
-def corrupt_every_dram_block(address: str) -> int:
-    """Flip a byte inside every block a transfer node holds in its shared-memory segment."""
+def corrupt_every_dram_block(cluster: LocalCluster, node: str, address: str) -> int:
+    """Rewrite every block a transfer node holds in its shared-memory segment as someone who can map
+    it but lacks the KV MAC key would: flip a byte of each layer and fix up the tags with another key
+    (what recomputing the old CRC-32 amounted to). Locating them takes the cluster's secret."""
+    keys = ClusterKeys.from_secret(cluster.cluster_secret.encode())
+
     async def locate() -> tuple[str, list[tuple[int, int]]]:
-        transport = TcpTransport(address, pool_size=1)
+        transport = TcpTransport(address, pool_size=1, keys=keys)
         try:
             hello = await transport.request(Request(Op.HELLO))
-            inventory = await transport.request(Request(Op.INVENTORY))
+            inventory = await transport.request(Request(Op.INVENTORY, caps=[cap(b"", node=node, keys=keys)]))
         finally:
             await transport.close()
         blocks = [(o, s) for t, o, s in zip(inventory.tiers, inventory.offsets, inventory.sizes) if t == 0]
@@ -122,6 +130,7 @@ def corrupt_every_dram_block(address: str) -> int:
         with mmap.mmap(fd, 0) as shm:
             for offset, size in blocks:
                 shm[offset + size - 7] ^= 0xFF
+                shm[offset + FIXED.size : offset + FIXED.size + 16] = os.urandom(16)  # a forged tag
     finally:
         os.close(fd)
     return len(blocks)
@@ -151,7 +160,8 @@ class TestCorruptBlocks:
     def test_flipped_bytes_are_recomputed_never_served(self, cluster: LocalCluster, tiny_model_dir: Path) -> None:
         prompt = tokens(200, seed=5)
         complete(cluster, prompt)
-        flipped = sum(corrupt_every_dram_block(a) for a in asyncio.run(transfer_addresses(cluster)).values())
+        nodes = asyncio.run(transfer_addresses(cluster))
+        flipped = sum(corrupt_every_dram_block(cluster, node, a) for node, a in nodes.items())
         assert flipped >= 200 // BLOCK
         again = complete(cluster, prompt)
         assert cached(again) == 0

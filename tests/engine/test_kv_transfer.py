@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from halfmoon.core.block_format import HEADER, decode_block, read_header
+from halfmoon.core.block_format import decode_block, decode_layer, read_header, seal_block, verify_block, verify_layer
 from halfmoon.core.errors import KVFormatError
 from halfmoon.engine.engine import PREFILL_DONE, LLMEngine
 from halfmoon.engine.hooks import LayerHook
@@ -68,21 +68,31 @@ class TestBlockPayload:
         (prompt,) = random_prompts(engine.vocab_size, [16], seed=1)
         prefill(engine, "p", prompt)
         (payload,) = engine.export_kv("p")
-        kv = decode_block(engine.layout, payload)
-        per_layer = engine.layout.layer_nbytes(16)
-        layer2 = payload[HEADER.size + 2 * per_layer: HEADER.size + 3 * per_layer]
+        key = bytes(range(32))
+        seal_block(engine.layout, payload, key)
+        kv = decode_block(engine.layout, payload, key)
+        per_layer, start = engine.layout.layer_nbytes(16), engine.layout.header_nbytes
+        layer2 = payload[start + 2 * per_layer: start + 3 * per_layer]
         as_tensor = torch.frombuffer(bytearray(layer2), dtype=engine.layout.dtype).view(kv[2].shape)
         assert torch.equal(as_tensor, kv[2])
+        streamed = memoryview(payload)[: start + 3 * per_layer]  # received up to layer 2 so far
+        assert torch.equal(decode_layer(engine.layout, streamed, 2, key), kv[2])
+        assert not verify_layer(engine.layout, streamed, 2, bytes(32))  # sealed under another key
 
     def test_corruption_and_foreign_models_are_rejected(self, tiny_models: dict[str, Path]) -> None:
         engine = make_engine(tiny_models["llama"])
         (prompt,) = random_prompts(engine.vocab_size, [20], seed=2)
         first = prefill(engine, "p", prompt)
         blocks = engine.export_kv("p")
+        keys = [bytes([i]) * 32 for i in range(len(blocks))]
+        for block, key in zip(blocks, keys):
+            seal_block(engine.layout, block, key)
         flipped = bytearray(blocks[0])
         flipped[-5] ^= 0xFF
-        with pytest.raises(KVFormatError, match="checksum"):
-            engine.add_request("bad", prompt, GREEDY, output_token_ids=[first], kv_blocks=[bytes(flipped), blocks[1]])
+        assert verify_block(engine.layout, blocks[0], keys[0]) and not verify_block(engine.layout, flipped, keys[0])
+        assert not verify_block(engine.layout, blocks[0], keys[1])  # a valid block replayed under another key
+        with pytest.raises(KVFormatError, match="MAC"):
+            decode_block(engine.layout, flipped, keys[0])
         other = make_engine(tiny_models["qwen2"])
         with pytest.raises(KVFormatError):
             other.add_request("foreign", prompt, GREEDY, output_token_ids=[first], kv_blocks=blocks)

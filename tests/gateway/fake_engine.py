@@ -30,6 +30,7 @@ class Script:
     cached_tokens: int = 0
     split_first: bool = True  # first token alone at index 0, like prefill then decode
     refuse: bool = False  # answer every submit "unavailable", like a draining instance
+    faulty_attempts: int = 1 << 30  # stall_after/fail_after hit attempts below this one only
 
 
 class ScriptedPrefill(Service[ServiceConfig]):
@@ -72,10 +73,14 @@ class ScriptedPrefill(Service[ServiceConfig]):
         out = s.output[: req.sampling.max_tokens]
         finish = "length" if len(s.output) >= req.sampling.max_tokens else "stop"
         chunks = [out[:1], *[out[i : i + 1] for i in range(1, len(out))]] if s.split_first else [out]
+        resumed = len(req.output_token_ids)  # a migrated request continues after what was delivered
         for n, chunk in enumerate(chunks):
-            if s.stall_after is not None and n >= s.stall_after:
+            if sum(len(c) for c in chunks[:n]) < resumed:
+                continue
+            faulty = req.attempt < s.faulty_attempts
+            if faulty and s.stall_after is not None and n >= s.stall_after:
                 return
-            if s.fail_after is not None and n >= s.fail_after:
+            if faulty and s.fail_after is not None and n >= s.fail_after:
                 await self.publish(
                     req.stream_subject,
                     ErrorEvent(
@@ -83,6 +88,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
                         code=ErrorCode.INTERNAL,
                         message="engine failed",
                         instance_id=self.instance_id,
+                        attempt=req.attempt,
                     ),
                 )
                 return
@@ -105,6 +111,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
                     index=sum(len(c) for c in chunks[:n]),
                     token_ids=tuple(chunk),
                     instance_id=self.instance_id,
+                    attempt=req.attempt,
                     logprobs=tuple(-0.5 for _ in chunk) if req.sampling.logprobs else None,
                     finish_reason=finish if last else None,
                     usage=usage,

@@ -161,9 +161,12 @@ def chat_request(stream: bool = False, max_tokens: int = 64) -> dict:
 
 
 class TestDeadlines:
+    """With migrations off (migration_limit=0), every failure ends the request at once; TestMigration covers the rest."""
+
     async def test_no_first_token_is_504_in_time(self, gateway_factory, conductor, cluster, output_ids):
         gw = await started_gateway(
-            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0), ttft_timeout_s=0.5
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0), ttft_timeout_s=0.5,
+            migration_limit=0,
         )
         async with httpx_client(gw) as http:
             started = time.monotonic()
@@ -179,7 +182,8 @@ class TestDeadlines:
 
     async def test_stalled_stream_ends_with_an_error_event(self, gateway_factory, conductor, cluster, output_ids):
         gw = await started_gateway(
-            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=3), itl_timeout_s=0.5
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=3), itl_timeout_s=0.5,
+            migration_limit=0,
         )
         async with httpx_client(gw) as http:
             async with http.stream("POST", "/v1/chat/completions", json=chat_request(stream=True)) as response:
@@ -191,7 +195,8 @@ class TestDeadlines:
             assert response.status_code == 504
 
     async def test_engine_error_event_reaches_the_client(self, gateway_factory, conductor, cluster, output_ids):
-        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, fail_after=2))
+        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, fail_after=2),
+                                   migration_limit=0)
         async with httpx_client(gw) as http:
             response = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 20})
         assert response.status_code == 500 and response.json()["error"]["message"] == "engine failed"
@@ -202,7 +207,8 @@ class TestInstanceDown:
         self, gateway_factory, conductor, cluster, output_ids
     ):
         gw = await started_gateway(
-            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=2), itl_timeout_s=60.0
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=2), itl_timeout_s=60.0,
+            migration_limit=0,
         )
         async with httpx_client(gw) as http:
             request = asyncio.create_task(
@@ -219,7 +225,8 @@ class TestInstanceDown:
 
     async def test_prefill_crash_before_first_token_is_503(self, gateway_factory, conductor, cluster, output_ids):
         gw = await started_gateway(
-            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0), ttft_timeout_s=60.0
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0), ttft_timeout_s=60.0,
+            migration_limit=0,
         )
         async with httpx_client(gw) as http:
             request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_request()))
@@ -232,7 +239,8 @@ class TestInstanceDown:
         self, gateway_factory, conductor, cluster, output_ids
     ):
         gw = await started_gateway(
-            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=1), itl_timeout_s=60.0
+            gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=1), itl_timeout_s=60.0,
+            migration_limit=0,
         )
         async with httpx_client(gw) as http:
             body = {"model": "tiny", "prompt": "x", "max_tokens": 20, "stream": True}
@@ -254,6 +262,41 @@ class TestInstanceDown:
             for _ in range(3):
                 response = await http.post("/v1/chat/completions", json=chat_request())
                 assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == TEXT
+
+
+class TestMigration:
+    """A request whose instance fails is placed again and continues where the client's stream stopped."""
+
+    async def test_decode_crash_mid_stream_resumes_without_duplicates(
+        self, gateway_factory, conductor, cluster, output_ids
+    ):
+        script = Script(output=output_ids, stall_after=3, faulty_attempts=1)
+        await cluster.decode("d1")
+        gw = await started_gateway(gateway_factory, conductor, cluster, script, itl_timeout_s=60.0)
+        await wait_for(lambda: "d1" in conductor.table, "d1 registered")
+        prefill = next(h.service for h in cluster.hosts if h.service.instance_id == "p0")
+        async with httpx_client(gw) as http:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 64, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                holder = prefill.received[0].decode_instance
+                await cluster.crash(next(h for h in cluster.hosts if h.service.instance_id == holder))
+                events = sse_events((await response.aread()).decode())
+            assert events[-1] == "[DONE]"
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == TEXT
+            resumed = prefill.received[-1]
+            assert resumed.attempt == 1 and resumed.output_token_ids == tuple(output_ids[:3])
+            assert resumed.decode_instance != holder
+            assert 'halfmoon_migrations_total{reason="instance_down"}' in (await http.get("/metrics")).text
+
+    async def test_past_the_limit_a_clear_error(self, gateway_factory, conductor, cluster, output_ids):
+        gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, stall_after=0),
+                                   ttft_timeout_s=0.3, migration_limit=1)
+        async with httpx_client(gw) as http:
+            response = await http.post("/v1/chat/completions", json=chat_request())
+        assert response.status_code == 504
+        assert "gave up after 1 migrations" in response.json()["error"]["message"]
+        assert [r.attempt for r in cluster.hosts[0].service.received] == [0, 1]
 
 
 class TestSubmitRetry:

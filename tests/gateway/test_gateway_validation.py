@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 CHAT = "/v1/chat/completions"
@@ -142,6 +143,51 @@ class TestContextLength:
         messages = [{"role": "user", "content": "the cache block prefix token model " * 100}]
         error = error_of(await http.post(CHAT, json=chat(messages=messages, max_tokens=None)), 400)
         assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+
+
+    async def test_exactly_the_context_passes(self, http):
+        # 200 prompt ids + 56 = 256: the engine accepts it too (prefill and decode count it the same way)
+        response = await http.post(COMPLETIONS, json=completion(prompt=list(range(10, 210)), max_tokens=56))
+        assert error_of(response, 503)["code"] == "unavailable"  # validated, then no conductor here
+
+
+class TestDeepNesting:
+    async def test_deep_unknown_field_is_400_not_a_recursion_error(self, http):
+        # 7,000 deep (under this gateway's 16 KiB body limit; the guard's own test goes to 100,000)
+        body = b'{"model": "tiny", "prompt": "hi", "extra": ' + b"[" * 7000 + b"]" * 7000 + b"}"
+        error = error_of(await http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}), 400)
+        assert error["code"] == "nesting_too_deep"
+
+    async def test_deep_objects_in_a_known_field(self, http):
+        content = {"type": "text", "text": "x"}
+        for _ in range(70):
+            content = {"type": "text", "text": "x", "inner": content}
+        error = error_of(await http.post(CHAT, json=chat(messages=[{"role": "user", "content": [content]}])), 400)
+        assert error["code"] == "nesting_too_deep"
+
+
+class TestStopTokenIds:
+    @pytest.mark.parametrize("ids", [[999_999], [-1], [3, 10**12]])
+    async def test_outside_the_vocabulary(self, http, ids):
+        error = error_of(await http.post(COMPLETIONS, json=completion(stop_token_ids=ids)), 400)
+        assert error["param"] == "stop_token_ids" and "vocabulary" in error["message"]
+
+    async def test_too_many(self, http):
+        error = error_of(await http.post(COMPLETIONS, json=completion(stop_token_ids=list(range(65)))), 400)
+        assert error["param"] == "stop_token_ids"
+
+    async def test_not_ints(self, http):
+        error = error_of(await http.post(CHAT, json=chat(stop_token_ids=["eos"])), 400)
+        assert error["param"] == "stop_token_ids[0]" and error["code"] == "invalid_type"
+
+
+class TestOverNatsMaxPayload:
+    async def test_stop_strings_that_no_nats_message_can_carry(self, gateway_factory):
+        gateway = await gateway_factory(max_body_bytes=4 << 20)
+        stops = ["s" * 100_000 + str(i) for i in range(16)]  # 1.6 MB: under the body limit, over NATS's 1 MiB
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+            error = error_of(await client.post(COMPLETIONS, json=completion(stop=stops)), 413)
+        assert error["code"] == "request_too_large" and "message bus" in error["message"]
 
 
 class TestOversizedBody:

@@ -1,5 +1,6 @@
 import pytest
 from halfmoon.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
+from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import LocalCacheAwarePrefill
 from halfmoon.policy.scheduler import KVCentricScheduler
@@ -92,3 +93,27 @@ class TestScheduler:
         sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), PredictiveEarlyRejection(decode), SLO_50MS)
         decision = sched.schedule(self.REQUEST, [PrefillInstanceState("p", 0.0)], [busy("d", 1, 100)], {}, 0.0)
         assert decision.accepted and decision.prefill.instance_id == "p" and decision.decode.instance_id == "d"
+
+
+class TestDecodeLoadSpreads:
+    """Instances a flat cost model cannot tell apart share the load (everything went to the first by id)."""
+
+    FLAT = DecodeCostModel((0.01, 0.0, 0.0))
+
+    def spread(self, decode: SloAwareDecode, at: float | None) -> dict[str, int]:
+        batches = {"d0": 0, "d1": 0}
+        for _ in range(10):
+            # a live conductor knows the batch now, not when work ends (work=None)
+            states = [DecodeInstanceState(i, n, 0, 10**6) for i, n in batches.items()]
+            batches[decode.choose(states, 100, at=at).instance_id] += 1
+        return batches
+
+    def test_flat_cost_takes_turns_now_and_predicted(self):
+        decode = SloAwareDecode(self.FLAT, SLO_50MS)
+        assert self.spread(decode, at=None) == {"d0": 5, "d1": 5}
+        assert self.spread(decode, at=20.0) == {"d0": 5, "d1": 5}
+
+    def test_unknown_end_times_stand_for_the_load_now(self):
+        state = DecodeInstanceState("d0", 3, 300, 10**6)
+        assert state.load_at(50.0) == (3, 300) and state.earliest_end_after(0.0) is None
+        assert busy("d1", 0, 0).load_at(50.0) == (0, 0)  # known to be idle

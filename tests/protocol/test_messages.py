@@ -18,6 +18,7 @@ from halfmoon.protocol import (
     InstanceDown,
     KVLocation,
     Load,
+    Placed,
     PrefillRequest,
     ProtocolError,
     RejectReason,
@@ -26,6 +27,7 @@ from halfmoon.protocol import (
     ScheduleAccepted,
     ScheduleRejected,
     ScheduleRequest,
+    ResumeRequest,
     TokenEvent,
     Usage,
     codecs,
@@ -109,6 +111,25 @@ CASES = [
     ),
     (codecs.SUBMIT_REPLY, Ack(request_id="r-1", instance_id="p0")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="client gone")),
+    (codecs.CANCEL, CancelRequest(request_id="r-1", reason="migrated", attempt=0)),
+    (codecs.RESUME, ResumeRequest(request_id="r-1", attempt=1, from_index=17)),
+    (codecs.PLACED, Placed(conductor="conductor-1", prefill_instance="p0", decode_instance="d1")),
+    (
+        codecs.DECODE_REQUEST,
+        DecodeRequest(
+            request_id="r-1", prompt_token_ids=(1, 2, 3, 4), output_token_ids=(5, 6), first_token_id=9,
+            sampling=SAMPLING, kv=KV, stream_subject="halfmoon.v1.stream.r-1", prefill_instance="p0",
+            deadline=1e9, attempt=1, tenant_salt="t",
+        ),
+    ),
+    (
+        codecs.DECODE_REQUEST,
+        DecodeRequest(
+            request_id="r-1", prompt_token_ids=(1, 2, 3), first_token_id=9, sampling=SAMPLING, kv=None,
+            stream_subject="halfmoon.v1.stream.r-1", prefill_instance="p0", deadline=1e9,
+        ),
+    ),
+    (codecs.STREAM, TokenEvent(request_id="r-1", index=12, token_ids=(9,), instance_id="d1", attempt=2)),
     (codecs.STREAM, TokenEvent(request_id="r-1", index=0, token_ids=(9,), logprobs=(-0.25,), instance_id="p0")),
     (
         codecs.STREAM,
@@ -224,7 +245,7 @@ class TestTypedDecodeErrors:
         assert "request_id" in info.value.message
 
     def test_invariant_violation_on_the_wire_is_malformed(self):
-        raw = msgspec.msgpack.decode(codecs.STREAM.encode(CASES[8][1]))
+        raw = msgspec.msgpack.decode(codecs.STREAM.encode(next(m for _, m in CASES if isinstance(m, TokenEvent) and m.logprobs)))
         raw["logprobs"] = [-1.0, -2.0]
         with pytest.raises(ProtocolError) as info:
             codecs.STREAM.decode(msgspec.msgpack.encode(raw))
@@ -246,7 +267,11 @@ class TestInvariants:
             KVLocation(block_size=4, num_tokens=9, blocks=(LOC,), partial=TAIL)
         assert KV.partial_tokens == 2
 
-    def test_decode_request_kv_must_cover_prompt(self):
+    def test_decode_request_kv_must_cover_prompt_and_earlier_output(self):
+        with pytest.raises(ValueError, match="kv covers"):
+            DecodeRequest(request_id="r", prompt_token_ids=(1, 2, 3, 4, 5, 6), output_token_ids=(7,),
+                          first_token_id=1, sampling=SAMPLING, kv=KV, stream_subject="s", prefill_instance="p",
+                          deadline=0.0)
         with pytest.raises(ValueError, match="kv covers"):
             DecodeRequest(
                 request_id="r",

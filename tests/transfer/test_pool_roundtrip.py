@@ -20,7 +20,7 @@ from halfmoon.transfer.orders import execute
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
-
+from tests.fixtures.dataplane import Granted, cap
 from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
 
 BLOCK = 64 << 10
@@ -36,7 +36,7 @@ class Pool:
 
     async def put(self, keys: list[bytes], now: float) -> None:
         placements = self.index.put_start(keys, [BLOCK] * len(keys), now)
-        transport = await self.client.transport(self.server.address)
+        transport = Granted(await self.client.transport(self.server.address))
         for p in placements:
             self.payloads[p.key] = os.urandom(BLOCK)
             (replica,) = p.replicas
@@ -45,7 +45,7 @@ class Pool:
 
     async def get(self, keys: list[bytes], now: float) -> list[bytes]:
         result = self.index.lookup(keys, now)
-        transport = await self.client.transport(self.server.address)
+        transport = Granted(await self.client.transport(self.server.address))
         views = await transport.read(keys[: len(result.hits)])
         self.index.release(result.lease.lease_id)
         return [bytes(v) for v in views]
@@ -53,7 +53,7 @@ class Pool:
     async def run_orders(self, now: float) -> list:  # type: ignore[type-arg]
         orders = self.index.plan(now)
         for order in orders:
-            ok = await execute(order, self.store, self.client, lambda n: self.server.address)
+            ok = await execute(order, self.store, self.client, lambda n: self.server.address, cap(order.key))
             if order.kind is not OrderKind.FREE:
                 self.index.order_done(order.order_id, ok, now)
         return orders
@@ -131,7 +131,7 @@ class TestTwoNodes:
         payload = os.urandom(BLOCK)
         (placement,) = index.put_start(KEYS[:1], [BLOCK], now=0)
         (replica,) = placement.replicas
-        transport = await client.transport(address[replica.node])
+        transport = Granted(await client.transport(address[replica.node]))
         await transport.write(KEYS[:1], [payload], offsets=[replica.offset])
         index.put_end(KEYS[:1], now=0)
         for i in range(100):  # 100 reads per second
@@ -139,7 +139,7 @@ class TestTwoNodes:
         (order,) = index.plan(now=2)
         assert order.kind is OrderKind.REPLICATE and order.dst.node != replica.node
         target = stores["ab".index(order.dst.node)]
-        assert await execute(order, target, client, address.__getitem__)
+        assert await execute(order, target, client, address.__getitem__, cap(KEYS[0]))
         index.order_done(order.order_id, True, now=2)
         assert bytes(target.dram.view(KEYS[0])) == payload
         assert {r.node for r in index.lookup(KEYS[:1], now=3).hits[0]} == {"a", "b"}
@@ -147,11 +147,11 @@ class TestTwoNodes:
         dead = "ab".index(replica.node)  # the original holder goes away
         await servers[dead].stop()
         with pytest.raises(TransferError):
-            await TcpTransport(address[replica.node]).read(KEYS[:1])
+            await Granted(TcpTransport(address[replica.node])).read(KEYS[:1])
         assert index.remove_node(replica.node, now=4) == []
         (hit,) = index.lookup(KEYS[:1], now=4).hits
         assert [r.node for r in hit] == [order.dst.node]
-        survivor = await client.transport(address[order.dst.node])
+        survivor = Granted(await client.transport(address[order.dst.node]))
         assert [bytes(v) for v in await survivor.read(KEYS[:1])] == [payload]
         await client.close()
         await servers[1 - dead].stop()

@@ -25,7 +25,7 @@ from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.shm import ShmTransport
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError, Transport
-
+from tests.fixtures.dataplane import Granted
 from tests.fixtures.s3 import free_ports
 
 BLOCK = 256 << 10
@@ -52,7 +52,7 @@ async def server(tmp_path) -> AsyncIterator[BlockServer]:
 @pytest.fixture
 async def tcp(server: BlockServer) -> AsyncIterator[TcpTransport]:
     t = TcpTransport(server.address, pool_size=2)
-    yield t
+    yield Granted(t)  # type: ignore[misc]
     await t.close()
 
 
@@ -61,7 +61,7 @@ async def shm(server: BlockServer) -> AsyncIterator[ShmTransport]:
     client = TransferClient()
     t = await client.transport(server.address)
     assert isinstance(t, ShmTransport)  # same host: the fast path is chosen
-    yield t
+    yield Granted(t)  # type: ignore[misc]
     await client.close()
 
 
@@ -101,7 +101,7 @@ async def any_transport(request: pytest.FixtureRequest, server: BlockServer) -> 
     client = TransferClient(same_host=request.param == "shm")
     t = await client.transport(server.address)
     assert isinstance(t, ShmTransport if request.param == "shm" else TcpTransport)
-    yield t
+    yield Granted(t)  # type: ignore[misc]
     await client.close()
 
 
@@ -159,7 +159,7 @@ class TestNodeRestart:
         await srv.start()
         host, port = srv.address.split(":")
         client = TransferClient()
-        old = await client.transport(srv.address)
+        old = Granted(await client.transport(srv.address))
         await srv.stop()
         await first.close()  # unlinks the segment the client still maps
         second = NodeStore(ShmTier(4 << 20))
@@ -168,8 +168,8 @@ class TestNodeRestart:
         keys, data = blocks(1)
         with pytest.raises(TransferError, match="gone"):
             await old.write(keys, data)  # would have written into orphaned memory
-        new = await client.transport(restarted.address)
-        assert new is not old and isinstance(new, ShmTransport)
+        new = Granted(await client.transport(restarted.address))
+        assert new.inner is not old.inner and isinstance(new.inner, ShmTransport)
         await new.write(keys, data)
         assert bytes(second.dram.view(keys[0])) == data[0]
         await client.close()
@@ -243,10 +243,10 @@ class TestAcrossProcesses:
         try:
             address = proc.stdout.readline().strip()
             keys, data = blocks(4)
-            tcp = TcpTransport(address)
+            tcp = Granted(TcpTransport(address))
             client = TransferClient()
-            shm = await client.transport(address)
-            assert isinstance(shm, ShmTransport)
+            shm = Granted(await client.transport(address))
+            assert isinstance(shm.inner, ShmTransport)
             await tcp.write(keys[:2], data[:2])
             await shm.write(keys[2:], data[2:])
             assert [bytes(v) for v in await shm.read(keys)] == data
@@ -260,12 +260,12 @@ class TestAcrossProcesses:
 
 class TestAbandonedReservation:
     async def test_reservation_is_released_when_the_client_disconnects(self, server: BlockServer) -> None:
-        client = TcpTransport(server.address)
+        client = Granted(TcpTransport(server.address))
         resp = await client.request(Request(Op.RESERVE, [key(1)], [12 << 20]))
         assert resp.ok and server.store.dram.is_reserved(key(1))
         assert (await server.store.dram.usage()).used >= 12 << 20
         await client.close()  # disconnect without COMMIT
-        probe = TcpTransport(server.address)
+        probe = Granted(TcpTransport(server.address))
         deadline = asyncio.get_running_loop().time() + 10
         while server.store.dram.is_reserved(key(1)):  # the server notices the hang-up
             assert asyncio.get_running_loop().time() < deadline

@@ -52,6 +52,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--coupled-router", choices=sorted(PREFILL_POLICIES), default=None,
                    help="default: local-cache-aware for the prefix variant, load-balancing otherwise")
     p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--cpp", type=int, default=0, metavar="STAGES",
+                   help="chunked pipeline-parallel prefill over STAGES prefill nodes for long prompts (0 = off)")
+    p.add_argument("--cpp-chunk-tokens", type=int, default=4096, help="CPP chunk size in tokens")
+    p.add_argument("--cpp-min-tokens", type=int, default=32768, help="shortest prompt CPP is considered for")
+    p.add_argument("--cpp-hop-bytes", type=int, default=16384,
+                   help="hidden-state bytes per token passed between CPP stages (hidden size x dtype bytes)")
+    p.add_argument("--cpp-when-slower-than", type=float, default=0.0, metavar="SECONDS",
+                   help="pipeline only prompts whose best single node would take at least this long "
+                        "(0: whenever a pipeline is faster)")
     p.add_argument("--max-scale", action="store_true",
                    help="also search the largest time scale keeping >= 90%% of requests within both SLOs")
     p.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
@@ -75,6 +84,8 @@ def build_config(args: argparse.Namespace, dram_tokens_per_node: int):
         block_size=args.block_size, time_scale=args.time_scale, seed=args.seed,
         slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), balancing_threshold=args.balancing_threshold,
         coupled_variant=args.coupled_variant, coupled_router=router, chunk_tokens=args.chunk_tokens,
+        cpp_stages=args.cpp, cpp_chunk_tokens=args.cpp_chunk_tokens, cpp_min_tokens=args.cpp_min_tokens,
+        cpp_hop_bytes_per_token=args.cpp_hop_bytes, cpp_min_single_ttft_s=args.cpp_when_slower_than,
     )
 
 
@@ -83,7 +94,7 @@ def summary_dict(result, scale: float | None) -> dict:
     out = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s._asdict().items()}
     out.update(
         replicas=[r._asdict() for r in result.replicas], pulled_blocks=result.pulled_blocks,
-        wasted_prefill_s=result.wasted_prefill_s, sim_seconds=result.sim_seconds,
+        wasted_prefill_s=result.wasted_prefill_s, pipelined=result.pipelined, sim_seconds=result.sim_seconds,
         wall_seconds=result.wall_seconds, requests_per_wall_s=s.requests / max(result.wall_seconds, 1e-9),
         config={k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
                 for k, v in dataclasses.asdict(result.config).items()},
@@ -109,6 +120,8 @@ def _table(result, scale: float | None):
         ("blocks pulled from remote holders", str(result.pulled_blocks)),
         ("prefill wasted on late rejections (s)", f"{result.wasted_prefill_s:.1f}"),
     ]
+    if result.config.cpp_stages:
+        rows.append((f"prefilled by a {result.config.cpp_stages}-stage CPP pipeline", str(result.pipelined)))
     rows += [(f"effective capacity, TBT {name} ({thr})", f"{share:.1%}")
              for (name, share), thr in zip(s.capacity.items(), ("100 ms", "200 ms", "300 ms"))]
     rows += [(f"replicas of #{r.rank} hottest block (mean / peak)", f"{r.mean_replicas:.2f} / {r.peak_replicas}")

@@ -137,6 +137,11 @@ def render_waterfall(fall: Waterfall, console) -> None:  # type: ignore[no-untyp
             key_attributes(s),
             style=style,
         )
+        for event in s.events:  # migrations, lost instances, resumes: the story inside the span
+            offset = (event.time_ns - s.start_ns) / 1e6 + hop.offset_ms
+            attrs = " ".join(f"{k.removeprefix('halfmoon.')}={v}" for k, v in event.attributes.items())
+            table.add_row(f"{offset:.2f}", "", bar(offset, 0.0, fall.total_ms), "", "",
+                          "  " * (hop.depth + 1) + f"! {event.name}", attrs, style="yellow")
     console.print(table)
 
 

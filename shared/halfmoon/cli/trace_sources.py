@@ -18,6 +18,14 @@ class TraceSourceError(Exception):
     """The spans could not be read (missing file, unreachable or malformed Jaeger)."""
 
 
+class SpanEvent(NamedTuple):
+    """Something that happened inside a span (a migration, an instance lost), at ``time_ns``."""
+
+    name: str
+    time_ns: int
+    attributes: dict[str, Any]
+
+
 class Span(NamedTuple):
     trace_id: str
     span_id: str
@@ -29,6 +37,7 @@ class Span(NamedTuple):
     end_ns: int
     status: str
     attributes: dict[str, Any]
+    events: tuple[SpanEvent, ...] = ()
 
     @property
     def duration_ns(self) -> int:
@@ -48,6 +57,8 @@ class Span(NamedTuple):
             int(record["end_ns"]),
             record.get("status") or "UNSET",
             dict(record.get("attributes") or {}),
+            tuple(SpanEvent(e["name"], int(e["time_ns"]), dict(e.get("attributes") or {}))
+                  for e in record.get("events") or ()),
         )
 
 
@@ -109,6 +120,11 @@ def _tag_value(tag: Mapping[str, Any]) -> Any:
     return value
 
 
+def _jaeger_event(log: Mapping[str, Any]) -> SpanEvent:
+    fields = {f["key"]: _tag_value(f) for f in log.get("fields") or []}
+    return SpanEvent(str(fields.pop("event", "event")), int(log["timestamp"]) * 1000, fields)
+
+
 def parse_jaeger(document: Mapping[str, Any]) -> list[Span]:
     """Spans of a Jaeger query API reply (``{"data": [{"traceID", "spans", "processes"}, ...]}``)."""
     try:
@@ -143,6 +159,7 @@ def parse_jaeger(document: Mapping[str, Any]) -> list[Span]:
                         end_ns=start_ns + int(raw["duration"]) * 1000,
                         status=status,
                         attributes=attributes,
+                        events=tuple(_jaeger_event(log) for log in raw.get("logs") or ()),
                     )
                 )
         return spans

@@ -49,6 +49,7 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
 def _up(args: argparse.Namespace) -> int:
     from halfmoon.deploy.local import LocalCluster
     from halfmoon.deploy.nats_auth import NatsAuth
+    from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
     from rich.console import Console
     from rich.table import Table
 
@@ -58,15 +59,22 @@ def _up(args: argparse.Namespace) -> int:
     env, api_line = gateway_security(args, run_dir)
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer}
+    policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
-                           gateway_port=args.port, metrics=True, env=env)
+                           gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
+                           events=lambda line: console.print(f"[yellow]supervisor[/]: {line}"))
     if args.nats_credentials:
         cluster.nats_auth = NatsAuth.load(Path(args.nats_credentials))
-    with console.status("starting Halfmoon") as status:
-        cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
+    try:
+        with console.status("starting Halfmoon") as status:
+            cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
+    except CrashLoop as exc:
+        console.print(f"[red]{exc}[/]\nstopped everything; logs in {cluster.run_dir}/logs")
+        return 1
     console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
                   f"[bold]{model.name}[/] ({args.prefill} prefill, {args.decode} decode); logs in {cluster.run_dir}/logs, "
-                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). Ctrl-C stops everything.")
+                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). A process that exits is "
+                  f"restarted; Ctrl-C stops everything.")
     nats_line = (f"each service has its own NATS user ({cluster.run_dir}/nats-credentials.json, 0600)"
                  if cluster.nats_auth is not None else "[yellow]NATS without credentials[/] (--nats-credentials FILE)")
     console.print(f"security: {api_line}; {nats_line}")
@@ -79,17 +87,19 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    code = 0
     try:
         while not stop.wait(1.0):
-            dead = [iid for iid, p in cluster.procs.items() if p.poll() is not None]
-            if dead:
-                console.print(f"[red]{', '.join(dead)} exited[/]; see {cluster.run_dir}/logs")
-                break
+            cluster.supervise()
+    except CrashLoop as exc:
+        console.print(f"[red]{exc}[/]")
+        code = 1
     finally:
         with console.status("stopping (draining in-flight requests)"):
             cluster.stop()
-        console.print("stopped; nothing left running")
-    return 0
+        restarts = {name: rec.restarts for name, rec in cluster.supervision.records.items() if rec.restarts}
+        console.print("stopped; nothing left running" + (f" (restarts: {restarts})" if restarts else ""))
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -98,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--prefill", type=int, default=1, help="prefill instances")
     up.add_argument("--decode", type=int, default=1, help="decode instances")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
-    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free one)")
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address (beyond loopback needs API keys)")
     up.add_argument("--api-keys-file", help="require these API keys (env HALFMOON_API_KEYS_FILE; format in "
                                             "docs/SECURITY.md)")
@@ -108,4 +118,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--namespace", default="halfmoon", help="NATS subject namespace")
     up.add_argument("--run-dir", default=".halfmoon", help="logs, spans, NVMe tier and NATS store")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service")
+    up.add_argument("--crash-loop-exits", type=int, default=5, help="this many exits of one process ...")
+    up.add_argument("--crash-loop-window", type=float, default=60.0, help="... within this many seconds stop all")
     up.set_defaults(func=_up)

@@ -78,3 +78,8 @@ class BlockHasher:
 def key_hex(key: bytes) -> str:
     """Short printable form of a key for logs."""
     return key.hex()[:16]
+
+
+def handoff_key(request_id: str, index: int) -> bytes:
+    """Key of a scratch KV block moving from prefill to decode (not a content key: never shared)."""
+    return hashlib.sha256(f"handoff/{request_id}/{index}".encode()).digest()

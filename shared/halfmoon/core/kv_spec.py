@@ -13,7 +13,7 @@ from halfmoon.core.keys import BlockHasher, Namespace
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Version of the block payload layout (core/block_format.py); bumped with the format.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: per-layer MACs bound to the block key (was one CRC-32)
 
 
 class KVSpecMismatch(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import halfmoon.services
 import nats
+from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
+from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
@@ -28,6 +31,8 @@ SOURCE_ROOTS = tuple(dict.fromkeys(
 
 
 def free_port() -> int:
+    """A port free right now (tests' own servers); the launcher never uses it: its processes bind port 0
+    themselves and report what they got, so nothing can take a port between the pick and the bind."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -54,26 +59,51 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes]) -> N
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def log_tail(path: Path, lines: int = 12) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            return f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
 class LocalCluster:
     """Contract: ``start`` returns once every instance heartbeats (or raises, leaving nothing
     running); ``stop`` sends SIGTERM to all, waits for their drain, then kills what is left.
-    Logs go to ``run_dir/logs/<instance>.log``, spans to ``run_dir/traces.jsonl``."""
+    ``supervise`` (called every second or so by ``halfmoon up``) restarts what exited, NATS included,
+    with the same instance id after a backoff, and raises :class:`CrashLoop` naming a process that
+    exits too often; with ``supervised`` the same happens while ``start`` waits.
+    Every process binds its ports itself (port 0) and reports them: NATS in a ports file, services
+    in ``run_dir/ready/<instance>.json``. Logs go to ``run_dir/logs/<instance>.log``, spans to
+    ``run_dir/traces.jsonl``; ``events`` gets one line per exit and restart."""
 
     def __init__(self, model_dir: str | Path, run_dir: str | Path, counts: dict[str, int] | None = None, *,
                  nats_url: str | None = None, namespace: str = "halfmoon", gateway_port: int = 8000,
-                 env: dict[str, str] | None = None, metrics: bool = False) -> None:
+                 env: dict[str, str] | None = None, metrics: bool = False, supervised: bool = False,
+                 policy: RestartPolicy = RestartPolicy(), events: Callable[[str], None] = lambda _m: None) -> None:
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir).resolve()  # services run from the repository root
         self.plan = instances(counts or {})
+        self.specs = {iid: spec for spec, iid in self.plan}
         self.nats_url = nats_url
         self.namespace = namespace
-        self.gateway_port = gateway_port or free_port()
+        self.gateway_port = gateway_port  # 0: whatever the gateway binds, kept across its restarts
         self.extra_env = env or {}
+        self.cluster_secret = new_secret()  # one per run, for every service's data-plane keys
         self.metrics = metrics
+        self.supervised = supervised
+        self.events = events
+        self.supervision = Supervision(policy)
         self.metrics_ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._restart_at: dict[str, float] = {}  # exited, restarting at this monotonic time
+        self._coming_up: set[str] = set()  # restarted, not yet serving
         self._nats: subprocess.Popen[bytes] | None = None
         self.nats_auth: NatsAuth | None = None  # per-role credentials of the NATS server started here
+        self._nats_port = 0
+        self._nats_config = Path()
+        self._stopping = False
 
     @property
     def url(self) -> str:
@@ -87,12 +117,20 @@ class LocalCluster:
     def trace_file(self) -> Path:
         return self.run_dir / "traces.jsonl"
 
+    def ready_file(self, instance_id: str) -> Path:
+        return self.run_dir / "ready" / f"{instance_id}.json"
+
+    def log_file(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
     def env_for(self, spec: ServiceSpec, instance_id: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HALFMOON_")}
         env["PYTHONPATH"] = os.pathsep.join((*SOURCE_ROOTS, env.get("PYTHONPATH", "")))
         env.update(HALFMOON_NATS_URL=self.nats_url or "", HALFMOON_NAMESPACE=self.namespace,
                    HALFMOON_INSTANCE_ID=instance_id, HALFMOON_MODEL_DIR=self.model_dir,
-                   HALFMOON_TRACE_FILE=str(self.trace_file), HALFMOON_LOG_FORMAT="text")
+                   HALFMOON_TRACE_FILE=str(self.trace_file), HALFMOON_LOG_FORMAT="text",
+                   HALFMOON_CLUSTER_SECRET=self.cluster_secret,
+                   HALFMOON_READY_FILE=str(self.ready_file(instance_id)))
         if self.nats_auth is not None:
             env.update(self.nats_auth.env(spec.name))
         if spec.name == "gateway":
@@ -104,8 +142,7 @@ class LocalCluster:
             engines = sum(1 for s, _ in self.plan if s.name in ("prefill", "decode"))
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
         if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
-            port = self.metrics_ports.setdefault(instance_id, free_port())
-            env.update(HALFMOON_METRICS_PORT=str(port), HALFMOON_METRICS_HOST="127.0.0.1")
+            env.update(HALFMOON_METRICS_PORT="-1", HALFMOON_METRICS_HOST="127.0.0.1")  # -1: any free port
         env.update(self.extra_env)
         return env
 
@@ -114,13 +151,8 @@ class LocalCluster:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         try:
             if self.nats_url is None:
-                port = free_port()
-                self.nats_auth, conf = embedded_server_config(self.run_dir, self.namespace, port)
-                self._nats = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                              start_new_session=True)
-                wait_for_port(port, 15, self._nats)
-                self.nats_url = f"nats://127.0.0.1:{port}"
+                self._start_nats(timeout=15)
+                self.nats_url = f"nats://127.0.0.1:{self._nats_port}"
                 progress(f"NATS on {self.nats_url}")
             for spec, instance_id in self.plan:
                 self.start_instance(spec, instance_id)
@@ -129,44 +161,129 @@ class LocalCluster:
             self.stop()
             raise
 
+    def _start_nats(self, timeout: float) -> None:
+        """First start: port 0 (``-p -1``), read back from its ports file; a restart takes the same port."""
+        ports_dir = self.run_dir / "nats-ports"
+        shutil.rmtree(ports_dir, ignore_errors=True)
+        ports_dir.mkdir(parents=True)
+        self.nats_auth, self._nats_config = embedded_server_config(self.run_dir, self.namespace, -1)
+        self._spawn_nats("--ports_file_dir", str(ports_dir))
+        assert self._nats is not None
+        end = time.monotonic() + timeout
+        while not (found := list(ports_dir.glob("*.ports"))):
+            if self._nats.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self._nats.returncode}; see {self.log_file('nats')}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"nats-server wrote no ports file within {timeout}s")
+            time.sleep(0.05)
+        url = json.loads(found[0].read_text())["nats"][0]
+        self._nats_port = int(url.rsplit(":", 1)[1])
+        wait_for_port(self._nats_port, timeout, self._nats)
+
+    def _spawn_nats(self, *extra: str) -> None:
+        log = open(self.log_file("nats"), "ab")
+        self._nats = subprocess.Popen(
+            [nats_server_binary(), "-c", str(self._nats_config), "-a", "127.0.0.1", "-p", str(self._nats_port or -1),
+             "-js", "-sd", str(self.run_dir / "nats"), *extra],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.supervision.started("nats", time.monotonic())
+
     def start_instance(self, spec: ServiceSpec, instance_id: str) -> subprocess.Popen[bytes]:
-        log = open(self.run_dir / "logs" / f"{instance_id}.log", "ab")
+        self.ready_file(instance_id).unlink(missing_ok=True)
+        log = open(self.log_file(instance_id), "ab")
         proc = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env_for(spec, instance_id),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.procs[instance_id] = proc
+        self.supervision.started(instance_id, time.monotonic())
         return proc
+
+    def read_ready(self, instance_id: str) -> dict | None:
+        """What the instance reported once serving (pid, ports), or None while it is not up."""
+        try:
+            info = json.loads(self.ready_file(instance_id).read_text())
+        except (OSError, ValueError):
+            return None
+        if info.get("pid") != self.procs[instance_id].pid:
+            return None  # left by an earlier run of this instance
+        if info.get("metrics_port"):
+            self.metrics_ports[instance_id] = info["metrics_port"]
+        if instance_id == "gateway-0" and info.get("address"):
+            self.gateway_port = int(str(info["address"]).rsplit(":", 1)[1])  # restarts keep this port
+        return info
+
+    def supervise(self) -> list[str]:
+        """Restart what exited (after its backoff); returns what happened. Raises CrashLoop."""
+        if self._stopping:
+            return []
+        now, happened = time.monotonic(), []
+        exited = [(iid, p.returncode) for iid, p in self.procs.items() if iid not in self._restart_at
+                  and p.poll() is not None]
+        if self._nats is not None and "nats" not in self._restart_at and self._nats.poll() is not None:
+            exited.append(("nats", self._nats.returncode))
+        for name, code in exited:
+            delay = self.supervision.exited(name, now)
+            if delay is None:
+                policy = self.supervision.policy
+                raise CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s,
+                                log_tail(self.log_file(name)))
+            self._restart_at[name] = now + delay
+            happened.append(f"{name} exited with {code}; restarting in {delay:g}s")
+        for name, due in list(self._restart_at.items()):
+            if due <= now:
+                del self._restart_at[name]
+                if name == "nats":
+                    self._spawn_nats()  # same port: every service reconnects to the URL it knows
+                else:
+                    self.start_instance(self.specs[name], name)
+                    self._coming_up.add(name)
+                happened.append(f"{name} restarted (restart {self.supervision.restarts(name)})")
+        for name in list(self._coming_up):
+            if self.read_ready(name) is not None:
+                self._coming_up.discard(name)
+                port = self.metrics_ports.get(name)
+                happened.append(f"{name} serving again (pid {self.procs[name].pid}"
+                                + (f", metrics at http://127.0.0.1:{port}/metrics)" if port else ")"))
+        for line in happened:
+            self.events(line)
+        return happened
 
     async def _wait_ready(self, expected: set[str], timeout: float, progress: Callable[[str], None]) -> None:
         subjects = Subjects(self.namespace)
         options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
-        nc = await nats.connect(self.nats_url, connect_timeout=5, **options)
+        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=-1, **options)
         seen: set[str] = set()
-        everyone = asyncio.Event()
 
         async def on_heartbeat(msg) -> None:  # type: ignore[no-untyped-def]
             beat = codecs.HEARTBEAT.decode(msg.data)
-            if beat.instance_id in expected and beat.instance_id not in seen:
+            if beat.instance_id in expected and beat.instance_id not in seen and self.read_ready(beat.instance_id):
                 seen.add(beat.instance_id)
                 progress(f"{beat.instance_id} up ({len(seen)}/{len(expected)})")
-                if seen == expected:
-                    everyone.set()
 
         await nc.subscribe(subjects.heartbeat, cb=on_heartbeat)
         try:
             end = time.monotonic() + timeout
-            while not everyone.is_set():
-                dead = [iid for iid, p in self.procs.items() if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"{', '.join(dead)} exited during start; see {self.run_dir / 'logs'}")
+            while seen != expected:
+                if self.supervised:
+                    for line in self.supervise():
+                        progress(line)
+                else:
+                    dead = [iid for iid, p in self.procs.items() if p.poll() is not None]
+                    if dead:
+                        raise RuntimeError(f"{', '.join(dead)} exited during start; see {self.run_dir / 'logs'}")
                 if time.monotonic() > end:
                     raise TimeoutError(f"not up after {timeout}s: {sorted(expected - seen)}")
-                try:
-                    await asyncio.wait_for(everyone.wait(), 0.5)
-                except TimeoutError:
-                    pass
+                await asyncio.sleep(0.2)
         finally:
             await nc.close()
+
+    def pids(self) -> dict[str, int]:
+        """The live process of every instance, and of NATS when this cluster runs it."""
+        pids = {iid: p.pid for iid, p in self.procs.items() if p.poll() is None}
+        if self._nats is not None and self._nats.poll() is None:
+            pids["nats"] = self._nats.pid
+        return pids
 
     def kill(self, instance_id: str) -> None:
         """SIGKILL one instance (no drain, no goodbye), as a crash would."""
@@ -175,6 +292,7 @@ class LocalCluster:
         proc.wait()
 
     def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -18,7 +18,7 @@ class ServiceSpec(NamedTuple):
 
 
 SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec("conductor", "halfmoon.services.conductor", scalable=False),
+    ServiceSpec("conductor", "halfmoon.services.conductor", scalable=True),
     ServiceSpec("cache-manager", "halfmoon.services.cache_manager", scalable=False),
     ServiceSpec("transfer", "halfmoon.services.transfer", scalable=True),
     ServiceSpec("prefill", "halfmoon.services.prefill", scalable=True),

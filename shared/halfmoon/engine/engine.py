@@ -19,6 +19,7 @@ from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.context import context_limit
 from halfmoon.engine.detokenizer import IncrementalDetokenizer
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
@@ -77,8 +78,7 @@ class LLMEngine:
                               num_kv_heads=hf.num_key_value_heads, head_dim=head_dim)
         self.layout = BlockLayout.of(self.kv_spec)
         self.vocab_size = hf.vocab_size
-        limits = [hf.max_position_embeddings, getattr(hf, "sliding_window", None) or hf.max_position_embeddings]
-        self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
+        self.max_model_len = context_limit(hf, config.max_model_len)
         per_block = self.layout.layer_nbytes(config.block_size) * hf.num_hidden_layers
         num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // per_block)
         self.blocks = BlockManager(num_blocks, config.block_size)
@@ -103,12 +103,14 @@ class LLMEngine:
         return self.layout.fingerprint
 
     # ----------------------------------------------------------------- requests
-    def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, tokens: list[int], outputs: list[int], params: SamplingParams) -> None:
+        """``outputs`` (tokens sampled elsewhere, e.g. prefill's first) are part of ``max_tokens``, so the
+        context check is prompt + max_tokens whichever instance runs it: the gateway's, token for token."""
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         if not tokens:
             raise InvalidRequestError("prompt is empty: at least one token is required")
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        bad = next((t for t in tokens + outputs if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
@@ -138,7 +140,7 @@ class LLMEngine:
         """
         tokens = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
-        self._validate(request_id, tokens + outputs, params)
+        self._validate(request_id, tokens, outputs, params)
         size = self.config.block_size
         if len(block_keys) > len(tokens) // size:
             raise InvalidRequestError("more block keys than full prompt blocks")

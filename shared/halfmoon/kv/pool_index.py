@@ -37,7 +37,7 @@ from halfmoon.kv.pool_types import (
 )  # fmt: skip
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lease:
     keys: list[bytes]
     expires_at: float
@@ -113,26 +113,37 @@ class PoolIndex(PrefixMatcher[bytes]):
 
     # ---- put ---------------------------------------------------------------------------
     def put_start(
-        self, keys: Sequence[bytes], sizes: Sequence[int], now: float, first_position: int = 0
+        self, keys: Sequence[bytes], sizes: Sequence[int], now: float, first_position: int = 0, tenant: str = ""
     ) -> list[Placement]:
         """Reserve ``config.replicas`` locations for each new key on distinct nodes, in the fastest
-        tier with room; fewer (or none: the block is not cached) when space is short."""
+        tier with room; fewer (or none: the block is not cached) when space is short or the
+        block would take ``tenant`` over its quota (charged once per block, whatever the replicas)."""
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
         for key, size in zip(keys, sizes):
             if not isinstance(key, bytes) or len(key) != 32 or not isinstance(size, int) or size <= 0:
                 raise ValueError(f"bad block: keys are 32 bytes and sizes positive ints, got {key!r:.40}, {size!r}")
         out = []
+        quota, used = self.config.quota(tenant), self._st.tenant_used
         for i, (key, size) in enumerate(zip(keys, sizes)):
             if key in self._st.blocks:
                 out.append(Placement(key, (), exists=True))
                 continue
+            if quota is not None and used.get(tenant, 0) + size > quota:
+                out.append(Placement(key, (), exists=False))
+                continue
             replicas = self._place(size, self.config.replicas, set(), tuple(Tier))
             if replicas:
                 deadline = now + self.config.put_timeout_s
-                self._st.blocks[key] = Block(replicas, visible=False, deadline=deadline, position=first_position + i)
+                self._st.blocks[key] = Block(replicas, visible=False, deadline=deadline, position=first_position + i,
+                                             tenant=tenant, charged=size)
+                used[tenant] = used.get(tenant, 0) + size
             out.append(Placement(key, tuple(replicas), exists=False))
         return out
+
+    def tenant_usage(self, tenant: str) -> int:
+        """Pool bytes charged to ``tenant`` (pending and visible blocks)."""
+        return self._st.tenant_used.get(tenant, 0)
 
     def _place(self, size: int, count: int, exclude: set[str], tiers: Sequence[Tier]) -> list[Replica]:
         chosen: list[Replica] = []

@@ -9,7 +9,7 @@ from halfmoon.kv.pool_nodes import NodeLedger
 from halfmoon.kv.pool_types import Order, OrderKind, PoolConfig, Replica, Tier
 
 
-@dataclass
+@dataclass(slots=True)  # one per indexed block: no per-instance dict
 class Block:
     replicas: list[Replica]
     visible: bool
@@ -19,6 +19,8 @@ class Block:
     busy: int = 0  # orders in flight that read or move this block
     heat: float = 0.0  # decayed read count, see ``read_rate``
     heat_at: float = 0.0
+    tenant: str = ""  # whose quota pays for it (the first writer's)
+    charged: int = 0  # bytes charged to that quota
 
     def read_rate(self, now: float, window: float) -> float:
         """Reads per second, exponentially averaged over ``window`` seconds."""
@@ -36,6 +38,7 @@ class PoolState:
     # insertion-ordered (dicts as ordered sets) so replays in the simulator are deterministic
     want_promote: dict[bytes, None] = field(default_factory=dict)
     want_hot: dict[bytes, None] = field(default_factory=dict)
+    tenant_used: dict[str, int] = field(default_factory=dict)  # bytes of blocks each tenant wrote
     _next_id: int = 0
 
     def new_id(self) -> int:
@@ -68,6 +71,8 @@ class PoolState:
         return [self.drop_replica(key, block, r) for r in list(block.replicas)]
 
     def forget(self, key: bytes) -> None:
-        del self.blocks[key]
+        block = self.blocks.pop(key)
+        if block.charged:
+            self.tenant_used[block.tenant] -= block.charged
         self.want_promote.pop(key, None)
         self.want_hot.pop(key, None)

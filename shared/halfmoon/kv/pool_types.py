@@ -112,6 +112,15 @@ class PoolConfig:
     hot_window_s: float = 1.0  # time constant of the read-rate estimate
     max_hot_replicas: int = 3
     dram_alignment: int = 64
+    tenant_quota_bytes: int = 0  # pool bytes each named tenant may hold (0: no quota); "" is never limited
+    tenant_quotas: dict[str, int] = field(default_factory=dict)  # per-tenant overrides
+
+    def quota(self, tenant: str) -> int | None:
+        """Bytes ``tenant`` may hold in the pool; None when unlimited."""
+        if not tenant:
+            return None
+        quota = self.tenant_quotas.get(tenant, self.tenant_quota_bytes)
+        return quota if quota > 0 or tenant in self.tenant_quotas else None
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
@@ -120,5 +129,7 @@ class PoolConfig:
             raise ValueError("replicas must be >= 1")
         if min(self.put_timeout_s, self.lease_ttl_s, self.hot_window_s) <= 0:
             raise ValueError("timeouts and windows must be positive")
+        if self.tenant_quota_bytes < 0 or any(q < 0 for q in self.tenant_quotas.values()):
+            raise ValueError("tenant quotas must be >= 0 bytes")
         if self.hot_reads_per_s <= 0 or self.max_hot_replicas < 1:
             raise ValueError("hot_reads_per_s must be > 0 and max_hot_replicas >= 1")

@@ -25,10 +25,11 @@ def executing_node(order: Order) -> str:
     return order.dst.node if order.dst is not None else order.src.node
 
 
-def location(key: bytes, replica: Replica, address: str, segment: str) -> BlockLocation:
+def location(key: bytes, replica: Replica, address: str, segment: str, capability: bytes = b"") -> BlockLocation:
     """Where a reader finds one replica; ``offset`` is the DRAM offset, 0 in lower tiers."""
     return BlockLocation(address=address, offset=max(0, replica.offset), size=replica.size,
-                         segment=segment if replica.tier is Tier.DRAM else "", key=key, tier=replica.tier)
+                         segment=segment if replica.tier is Tier.DRAM else "", key=key, tier=replica.tier,
+                         capability=capability)
 
 
 def stats_reply(stats: PoolStats, node_of: Callable[[str], str] = str) -> PoolStatsReply:

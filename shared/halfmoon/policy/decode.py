@@ -18,9 +18,12 @@ class SloAwareDecode:
     """Chooses the decode instance for a request of ``context_tokens`` tokens.
 
     Contract: an instance qualifies when the request fits its KV capacity and the predicted
-    step time with the request added stays within ``headroom * slo.tbt_s``. Among qualifying
-    instances the least loaded wins: load is the recent TBT-SLO violation rate plus the
-    predicted TBT as a share of the SLO (summed, so a lagging violation signal cannot herd).
+    step time with the request added stays within ``headroom * slo.tbt_s``. The qualifying
+    instances share the load (the paper's rule: balance among those that meet the TBT SLO):
+    the least loaded wins, load being the recent TBT-SLO violation rate plus the predicted TBT
+    as a share of the SLO (summed, so a lagging violation signal cannot herd), then the batch
+    size, so instances a flat cost model cannot tell apart take turns instead of the first
+    by id taking everything.
     ``at=None`` judges the batch running now; a time judges the work expected to be running
     then (for prediction-based early rejection). Returns None when none qualify.
     """
@@ -44,14 +47,16 @@ class SloAwareDecode:
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
     ) -> DecodeChoice | None:
         limit = self.headroom * self.slo.tbt_s
-        best: tuple[float, float, str] | None = None
+        best: tuple[float, int, float, str] | None = None
         for inst in instances:
             if not self.fits(inst, context_tokens, at):
                 continue
             tbt = self.predicted_tbt(inst, context_tokens, at)
             if tbt > limit:
                 continue
-            key = (1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + tbt / self.slo.tbt_s, tbt, inst.id)
+            batch = inst.batch_size if at is None else inst.load_at(at)[0]
+            load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + tbt / self.slo.tbt_s
+            key = (round(load, 6), batch, tbt, inst.id)
             if best is None or key < best:
                 best = key
-        return None if best is None else DecodeChoice(best[2], best[1])
+        return None if best is None else DecodeChoice(best[3], best[2])

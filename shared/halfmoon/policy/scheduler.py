@@ -6,20 +6,30 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from halfmoon.policy.admission import MIN_RETRY_AFTER_S, AdmissionPolicy
+from halfmoon.policy.cpp import CppPlan, CppPolicy
 from halfmoon.policy.decode import DecodeChoice
 from halfmoon.policy.prefill import PrefillChoice, PrefillPolicy
-from halfmoon.policy.state import SLO, BlockIndex, DecodeInstanceState, PrefillInstanceState, RouteRequest
+from halfmoon.policy.state import (
+    SLO,
+    BlockIndex,
+    DecodeInstanceState,
+    PrefillInstanceState,
+    RouteRequest,
+)
 
 
 class ScheduleDecision(NamedTuple):
     """Accepted: ``prefill`` is set and ``decode`` may be None (choose at hand-off).
-    Rejected: ``reason`` says why and ``retry_after_s`` feeds the 429 Retry-After header."""
+    Rejected: ``reason`` says why and ``retry_after_s`` feeds the 429 Retry-After header.
+    ``pipeline`` is set when the prompt is prefilled by a CPP pipeline; ``prefill`` then carries
+    the pipeline's predicted times and its first stage."""
 
     accepted: bool
     reason: str
     retry_after_s: float
     prefill: PrefillChoice | None
     decode: DecodeChoice | None
+    pipeline: CppPlan | None = None
 
 
 class KVCentricScheduler:
@@ -28,10 +38,13 @@ class KVCentricScheduler:
     Contract: pure; the caller applies the decision (enqueue, pull blocks, reserve decode).
     """
 
-    def __init__(self, prefill: PrefillPolicy, admission: AdmissionPolicy, slo: SLO = SLO()) -> None:
+    def __init__(
+        self, prefill: PrefillPolicy, admission: AdmissionPolicy, slo: SLO = SLO(), cpp: CppPolicy | None = None
+    ) -> None:
         self.prefill = prefill
         self.admission = admission
         self.slo = slo
+        self.cpp = cpp
 
     def schedule(
         self,
@@ -42,10 +55,17 @@ class KVCentricScheduler:
         now: float,
     ) -> ScheduleDecision:
         choice = self.prefill.choose(request, prefill_states, index)
+        pipeline = None
+        if self.cpp is not None:
+            cached = request.cached_tokens(choice.prefix_blocks)
+            pipeline = self.cpp.plan(request.prompt_tokens, cached, choice, prefill_states)
+            if pipeline is not None:
+                choice = choice._replace(ttft_s=pipeline.ttft_s, queue_s=pipeline.queue_s,
+                                         prefill_s=pipeline.prefill_s, transfer_s=pipeline.transfer_s)
         if choice.ttft_s > self.slo.ttft_s:
             wait = max(MIN_RETRY_AFTER_S, choice.ttft_s - self.slo.ttft_s)
-            return ScheduleDecision(False, "ttft_slo", wait, choice, None)
+            return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s)
         if not verdict.accepted:
-            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, None)
-        return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode)
+            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, None, pipeline)
+        return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline)

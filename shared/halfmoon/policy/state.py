@@ -58,17 +58,21 @@ class DecodeWork(NamedTuple):
 
 class DecodeInstanceState(NamedTuple):
     """``batch_size``/``context_tokens`` describe the running batch now; ``work`` lists running and
-    incoming requests with expected start/end times, for predicting the load at a later moment."""
+    incoming requests with expected start/end times, for predicting the load at a later moment.
+    ``work=None``: the owner cannot tell when work ends (a live conductor knows only the batch
+    now), so the load now stands for the load later."""
 
     id: str
     batch_size: int
     context_tokens: int
     capacity_tokens: int
     recent_tbt: tuple[float, ...] = ()
-    work: tuple[DecodeWork, ...] = ()
+    work: tuple[DecodeWork, ...] | None = None
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""
+        if self.work is None:
+            return self.batch_size, self.context_tokens
         batch = context = 0
         for w in self.work:
             if w.starts_at <= t < w.ends_at:
@@ -77,7 +81,7 @@ class DecodeInstanceState(NamedTuple):
         return batch, context
 
     def earliest_end_after(self, t: float) -> float | None:
-        ends = [w.ends_at for w in self.work if w.ends_at > t]
+        ends = [w.ends_at for w in self.work or () if w.ends_at > t]
         return min(ends) if ends else None
 
 

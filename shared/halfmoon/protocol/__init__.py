@@ -3,8 +3,8 @@
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.scheduling import RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
-from halfmoon.protocol.stream import ErrorEvent, FinishReason, StreamEvent, TokenEvent, Usage
+from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.stream import ErrorEvent, FinishReason, ResumeRequest, StreamEvent, TokenEvent, Usage
 from halfmoon.protocol.subjects import PROTOCOL_VERSION, Subjects, check_token
 from halfmoon.protocol.work import BlockLocation, CancelRequest, DecodeRequest, KVLocation, PrefillRequest
 
@@ -24,12 +24,14 @@ __all__ = [
     "KVLocation",
     "Load",
     "Message",
+    "Placed",
     "PrefillRequest",
     "ProtocolError",
     "RejectReason",
     "RemoteError",
     "Role",
     "SamplingParams",
+    "ResumeRequest",
     "ScheduleAccepted",
     "ScheduleRejected",
     "ScheduleRequest",

@@ -15,6 +15,7 @@ class PutStart(Message, frozen=True, kw_only=True, tag="put_start"):
     keys: tuple[bytes, ...]
     sizes: tuple[int, ...]
     first_position: int = 0  # chain position of keys[0] (length-aware eviction ranks by it)
+    tenant: str = ""  # whose pool quota new blocks count against ("": none)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.sizes):
@@ -24,7 +25,11 @@ class PutStart(Message, frozen=True, kw_only=True, tag="put_start"):
 
 
 class PutPlan(Message, frozen=True, kw_only=True, tag="put_plan"):
-    """Reply to PutStart: where to write each new block; ``existing`` keys need no write."""
+    """Reply to PutStart: where to write each new block; ``existing`` keys need no write.
+
+    Each placement's ``capability`` lets its holder write, read and delete that block at that
+    place until it expires; each of ``existing_replicas``' lets it read. A key over the
+    tenant's quota (or without room) has no placement and is not ``existing``: not cached."""
 
     placements: tuple[BlockLocation, ...]
     existing: tuple[bytes, ...] = ()
@@ -52,7 +57,8 @@ class BlockReplicas(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LookupResult(Message, frozen=True, kw_only=True, tag="lookup_result"):
-    """The matched prefix, in chain order; leased blocks are not evicted before ``lease_expires``."""
+    """The matched prefix, in chain order; leased blocks are not evicted before ``lease_expires``.
+    Each replica's ``capability`` lets its holder read it."""
 
     hits: tuple[BlockReplicas, ...]
     lease_id: str | None = None

@@ -14,8 +14,8 @@ from halfmoon.protocol.pool import (
                                   StatsRequest,
 )
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
-from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
-from halfmoon.protocol.stream import ErrorEvent, TokenEvent
+from halfmoon.protocol.scheduling import Placed, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, DecodeRequest, PrefillRequest
 
 SCHEDULE_REQUEST: Codec[ScheduleRequest] = Codec(ScheduleRequest)
@@ -26,6 +26,8 @@ PREFILL_REQUEST: Codec[PrefillRequest] = Codec(PrefillRequest)
 DECODE_REQUEST: Codec[DecodeRequest] = Codec(DecodeRequest)
 SUBMIT_REPLY: Codec[Ack | ErrorReply] = Codec(Ack | ErrorReply)
 CANCEL: Codec[CancelRequest] = Codec(CancelRequest)
+RESUME: Codec[ResumeRequest] = Codec(ResumeRequest)
+PLACED: Codec[Placed] = Codec(Placed)
 STREAM: Codec[TokenEvent | ErrorEvent] = Codec(TokenEvent | ErrorEvent)
 HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
 DOWN: Codec[InstanceDown] = Codec(InstanceDown)

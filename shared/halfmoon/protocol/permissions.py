@@ -49,14 +49,14 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
     own = (s.heartbeat_from(role.value), s.down_from(role.value))
     inbox = (f"{inbox_prefix(role.value)}.>",)
     pool = tuple(s.cache(op) for op in ("lookup", "release", "remove", "put_start", "put_end"))
-    engine_listens = (s.heartbeat, s.down, s.cancel)  # transfer nodes' whereabouts; cancellations
+    engine_listens = (s.heartbeat, s.down, s.cancel, s.resume_any)  # transfer nodes' whereabouts; cancellations
     if role is Role.GATEWAY:
-        return Permissions(publish=(*own, s.schedule, s.prefill_submit_any, s.cancel,
+        return Permissions(publish=(*own, s.schedule, s.prefill_submit_any, s.cancel, s.resume_any,
                                     *_jetstream_kv(rate_limit_bucket(s))),
                            subscribe=(s.stream_any, s.down, *inbox), responds=False)
     if role is Role.CONDUCTOR:
-        return Permissions(publish=(*own, s.kv_snapshot),
-                           subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, *inbox), responds=True)
+        return Permissions(publish=(*own, s.kv_snapshot, s.placed),
+                           subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, s.placed, *inbox), responds=True)
     if role is Role.PREFILL:
         return Permissions(publish=(*own, s.stream_any, s.kv_events, s.decode_submit_any, *pool),
                            subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)

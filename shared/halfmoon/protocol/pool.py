@@ -15,6 +15,8 @@ class PoolOrder(msgspec.Struct, frozen=True, kw_only=True):
     key: bytes
     src: Replica
     dst: Replica | None = None
+    capability: bytes = b""  # the cache-manager's ORDER capability for the executing node
+    source_capability: bytes = b""  # replicate: a READ capability on the source node
 
 
 class OrderBatch(Message, frozen=True, kw_only=True, tag="order_batch"):

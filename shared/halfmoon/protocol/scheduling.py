@@ -15,7 +15,8 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
     The prompt travels as its length plus, when the sender has them, its token ids and/or
     its chained block keys (cache-aware policies use either). ``deadline`` is absolute unix
     time in seconds by which the first token is wanted. ``tenant_salt`` keeps tenants'
-    cache blocks apart.
+    cache blocks apart. ``exclude`` names instances the sender saw fail this request (a
+    migration): the conductor places elsewhere even before it notices they are gone.
     """
 
     request_id: str
@@ -26,6 +27,7 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
     prompt_token_ids: tuple[int, ...] = ()
     block_keys: tuple[bytes, ...] = ()
     tenant_salt: str | None = None
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
@@ -42,6 +44,14 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
     prefill_instance: str
     decode_instance: str
     predicted_ttft_ms: float | None = None
+
+
+class Placed(Message, frozen=True, kw_only=True, tag="placed"):
+    """Conductor ``conductor`` placed one request on this pair: the others count it as load too."""
+
+    conductor: str
+    prefill_instance: str
+    decode_instance: str
 
 
 class RejectReason(StrEnum):

@@ -28,7 +28,10 @@ class TokenEvent(Message, frozen=True, kw_only=True, tag="tokens"):
     """New output tokens of one request.
 
     ``index`` is the position of ``token_ids[0]`` in the output, so a consumer can order
-    events from several publishers (prefill sends index 0, decode the rest). Token ids are
+    events from several publishers (prefill sends index 0, decode the rest) and drop
+    repeats (a publisher re-sends recent events on a ResumeRequest). ``attempt`` numbers the
+    placements of one request (0 first, one more per migration); a consumer drops events of
+    any attempt but the current one, so a stalled instance that wakes up adds nothing. Token ids are
     final: stop strings were already applied by the engine, the gateway detokenises. The
     last event has ``finish_reason`` and ``usage``. ``logprobs`` (when asked for) has one
     entry per token id.
@@ -38,14 +41,15 @@ class TokenEvent(Message, frozen=True, kw_only=True, tag="tokens"):
     index: int
     token_ids: tuple[int, ...]
     instance_id: str = ""
+    attempt: int = 0
     logprobs: tuple[float, ...] | None = None
     text: str | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
     def __post_init__(self) -> None:
-        if self.index < 0:
-            raise ValueError(f"index must be >= 0, got {self.index}")
+        if self.index < 0 or self.attempt < 0:
+            raise ValueError(f"index and attempt must be >= 0, got {self.index}, {self.attempt}")
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
         if (self.finish_reason is None) != (self.usage is None):
@@ -53,12 +57,30 @@ class TokenEvent(Message, frozen=True, kw_only=True, tag="tokens"):
 
 
 class ErrorEvent(Message, frozen=True, kw_only=True, tag="stream_error"):
-    """The request failed; nothing more will come for it."""
+    """Attempt ``attempt`` of the request failed; nothing more will come from it."""
 
     request_id: str
     code: ErrorCode
     message: str
     instance_id: str = ""
+    attempt: int = 0
+
+
+class ResumeRequest(Message, frozen=True, kw_only=True, tag="resume"):
+    """Re-send attempt ``attempt``'s stream from output index ``from_index`` on (events lost in a NATS outage).
+
+    The instance answers Ack when it holds the attempt (running, or finished within its replay
+    window) and re-publishes its buffered events that reach ``from_index``; ErrorReply when it
+    does not, or no longer has events that far back (then the requester migrates the request).
+    """
+
+    request_id: str
+    attempt: int
+    from_index: int
+
+    def __post_init__(self) -> None:
+        if self.attempt < 0 or self.from_index < 0:
+            raise ValueError(f"attempt and from_index must be >= 0, got {self.attempt}, {self.from_index}")
 
 
 StreamEvent = TokenEvent | ErrorEvent

@@ -66,6 +66,22 @@ class Subjects:
     def decode_submit_any(self) -> str:
         return self._decode_submit(ANY)
 
+    def resume(self, instance_id: str) -> str:
+        """Request/reply: ResumeRequest -> Ack | ErrorReply, to the prefill or decode instance streaming it."""
+        return self._resume(check_token(instance_id, "instance id"))
+
+    def _resume(self, instance: str) -> str:
+        return f"{self.root}.resume.{instance}"
+
+    @property
+    def resume_any(self) -> str:
+        return self._resume(ANY)
+
+    @property
+    def placed(self) -> str:
+        """Pub/sub: Placed, every conductor's placements, so standby conductors count the load too."""
+        return f"{self.root}.conductor.placed"
+
     @property
     def cancel(self) -> str:
         """Pub/sub: CancelRequest, heard by every prefill and decode instance."""

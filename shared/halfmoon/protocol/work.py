@@ -15,6 +15,10 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     Tokens go to ``stream_subject`` as TokenEvents numbered from index 0. ``deadline`` is
     absolute unix time; work past it may be dropped with an ErrorEvent(TIMEOUT). The W3C
     trace context travels in the NATS headers, not here.
+
+    A migrated request continues: ``output_token_ids`` are the tokens already streamed
+    (their KV is taken from the pool where it is there, recomputed where not), the next token
+    is index ``len(output_token_ids)``, and every event carries ``attempt``.
     """
 
     request_id: str
@@ -24,6 +28,9 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     stream_subject: str
     deadline: float
     tenant_salt: str | None = None
+    tenant: str = ""  # whose pool quota the request's blocks count against ("": none)
+    output_token_ids: tuple[int, ...] = ()
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
@@ -32,6 +39,8 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
             raise ValueError("prompt_token_ids must not be empty")
         if not self.stream_subject:
             raise ValueError("stream_subject must not be empty")
+        if self.attempt < 0:
+            raise ValueError(f"attempt must be >= 0, got {self.attempt}")
 
 
 class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,6 +57,7 @@ class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
     segment: str = ""
     key: bytes | None = None
     tier: Tier = Tier.DRAM  # ``offset`` is valid in ``segment`` for DRAM only
+    capability: bytes = b""  # what the holder may do to this block on ``address``, until when (PROTOCOL.md)
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -86,34 +96,47 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     """Continue a prefilled request: pull its KV from ``kv``, then generate from the first token.
 
     ``first_token_id`` (and ``first_logprob`` when logprobs were asked for) is the token
-    prefill sampled; prefill has already streamed it as index 0, so decode numbers its
-    TokenEvents from index 1.
+    prefill sampled after ``output_token_ids`` (empty unless the request migrated); prefill
+    has already streamed it as index ``len(output_token_ids)``, so decode numbers its
+    TokenEvents from the index after it. ``kv`` covers the prompt and ``output_token_ids``;
+    ``None`` when prefill could not place it anywhere (no live transfer node): decode
+    recomputes it.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     first_token_id: int
     sampling: SamplingParams
-    kv: KVLocation
+    kv: KVLocation | None
     stream_subject: str
     prefill_instance: str
     deadline: float
     first_logprob: float | None = None
     cached_tokens: int = 0
+    output_token_ids: tuple[int, ...] = ()
+    attempt: int = 0
+    tenant_salt: str | None = None
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
-        if self.kv.num_tokens != len(self.prompt_token_ids):
-            raise ValueError(f"kv covers {self.kv.num_tokens} tokens, prompt has {len(self.prompt_token_ids)}")
+        context = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if self.kv is not None and self.kv.num_tokens != context:
+            raise ValueError(f"kv covers {self.kv.num_tokens} tokens, prompt and output have {context}")
         if not 0 <= self.cached_tokens <= len(self.prompt_token_ids):
             raise ValueError(f"cached_tokens {self.cached_tokens} out of range")
+        if self.attempt < 0:
+            raise ValueError(f"attempt must be >= 0, got {self.attempt}")
 
 
 class CancelRequest(Message, frozen=True, kw_only=True, tag="cancel"):
-    """The requester gave up on ``request_id`` (client gone, deadline passed): free its work."""
+    """The requester gave up on ``request_id`` (client gone, deadline passed): free its work.
+
+    ``attempt`` set: only that attempt (the request migrated away from it); None: every attempt.
+    """
 
     request_id: str
     reason: str = ""
+    attempt: int | None = None
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")

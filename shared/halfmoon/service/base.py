@@ -17,6 +17,7 @@ from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, down
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.service import rpc
 from halfmoon.service.config import ServiceConfig
+from halfmoon.service.liveness import NatsLiveness
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
@@ -49,9 +50,15 @@ class Service(ABC, Generic[C]):
         self.instance_id = config.instance_id
         self.subjects = config.subjects
         self.log = logging.getLogger(f"halfmoon.{self.role.value}")
+        self.cluster_keys = config.cluster_keys()
+        if self.cluster_keys.insecure:
+            self.log.warning("no cluster secret (HALFMOON_CLUSTER_SECRET[_FILE]): the data plane uses the public "
+                             "development key, so anyone can connect to transfer nodes and forge KV blocks")
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(f"halfmoon.{self.role.value}")
         self.draining = False
         self.stop_requested = asyncio.Event()
+        # NOTE: the host feeds it from the NATS connection; services read it (the gateway's /health)
+        self.liveness = NatsLiveness(config.nats_lost_deadline_s, config.nats_give_up_s)
         self._nc: NATS | None = None
 
     @property

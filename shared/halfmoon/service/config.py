@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from halfmoon.core.cluster_keys import ClusterKeys, load_secret
 from halfmoon.protocol.subjects import Subjects, check_token
 
 ENV_PREFIX = "HALFMOON_"
@@ -48,14 +49,27 @@ class ServiceConfig:
     nats_tls_ca: str = field(default="", metadata={"help": "CA certificate (PEM) to verify the NATS server with"})
     nats_tls_cert: str = field(default="", metadata={"help": "client certificate (PEM) presented to NATS"})
     nats_tls_key: str = field(default="", metadata={"help": "private key (PEM) of nats_tls_cert"})
+    cluster_secret: str = field(default="", repr=False, metadata={
+        "help": "secret shared by a deployment's services: data-plane handshake, capabilities, KV block MACs "
+                "(empty, and no file: a public development key, insecure)"})
+    cluster_secret_file: str = field(default="", metadata={"help": "file holding the cluster secret"})
+    nats_lost_deadline_s: float = field(default=10.0, metadata={
+        "help": "health checks fail once NATS has been unreachable this long"})
+    nats_give_up_s: float = field(default=60.0, metadata={
+        "help": "exit non-zero (for the supervisor to restart) once NATS has been unreachable this long"})
+    ready_file: str = field(default="", metadata={
+        "help": "once serving, write this instance's pid and the ports it bound (JSON) to this file"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates
         if self.instance_id:
             check_token(self.instance_id, "instance_id")
-        for name in ("heartbeat_interval_s", "drain_timeout_s", "connect_timeout_s"):
+        for name in ("heartbeat_interval_s", "drain_timeout_s", "connect_timeout_s", "nats_lost_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.nats_give_up_s < self.nats_lost_deadline_s:
+            raise ValueError(f"nats_give_up_s ({self.nats_give_up_s}) must be at least nats_lost_deadline_s "
+                             f"({self.nats_lost_deadline_s})")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if not -1 <= self.metrics_port < 65536:
@@ -71,6 +85,7 @@ class ServiceConfig:
         for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
             if getattr(self, name) and not os.path.isfile(getattr(self, name)):
                 raise ValueError(f"{name}: no such file {getattr(self, name)!r}")
+        self.cluster_keys()  # validates (readable file, long enough)
 
     def nats_tls(self) -> ssl.SSLContext | None:
         """The TLS context for NATS: verify the server against nats_tls_ca, present the client cert if set."""
@@ -80,6 +95,9 @@ class ServiceConfig:
         if self.nats_tls_cert:
             context.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
         return context
+
+    def cluster_keys(self) -> ClusterKeys:
+        return ClusterKeys.from_secret(load_secret(self.cluster_secret, self.cluster_secret_file))
 
     @property
     def subjects(self) -> Subjects:

@@ -10,45 +10,43 @@ blocks, which nobody else will read.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
-from halfmoon.core.block_format import BlockLayout, verify_block
+from halfmoon.core.block_format import BlockLayout, seal_block, verify_block
+from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.work import BlockLocation, KVLocation
 from halfmoon.service.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.service.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
+from halfmoon.transfer.capability import sign_park
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
 from opentelemetry.trace import Tracer
 
-TRANSFER_WAIT_S = 10.0
-
-
-def handoff_key(request_id: str, index: int) -> bytes:
-    """Key of a scratch KV block moving from prefill to decode (not a content key: never shared)."""
-    return hashlib.sha256(f"handoff/{request_id}/{index}".encode()).digest()
+TRANSFER_WAIT_S = 1.0  # no live node for this long: hand off without the pool (decode recomputes)
+PARK_TTL_S = 300.0  # a parked block is read once by decode, soon; then the capability is useless
 
 
 class KVHandOff:
     """One worker's side of the hand-off; prefill calls ``send``/``discard``, decode ``receive``."""
 
     def __init__(self, pool: PoolClient, transfer: TransferClient, nodes: TransferDirectory, layout: BlockLayout,
-                 tracer: Tracer, log: logging.Logger) -> None:
+                 tracer: Tracer, log: logging.Logger, park_key: bytes) -> None:
         self.pool, self.transfer, self.nodes, self.layout = pool, transfer, nodes, layout
-        self.tracer, self.log = tracer, log
+        self.tracer, self.log, self.park_key = tracer, log, park_key
 
     # ------------------------------------------------------------------ prefill side
     async def send(self, request_id: str, num_tokens: int, block_size: int, keys: Sequence[bytes],
-                   payloads: Sequence[bytes], local: int, fetched: Fetched) -> KVLocation:
+                   payloads: Sequence[bytearray], local: int, fetched: Fetched, tenant: str = "") -> KVLocation:
         """Make every block of the request readable by decode; where each one is.
 
         ``keys`` are the prompt's full-block keys, ``payloads`` every block (the partial last one
-        too), the first ``local`` from the local prefix cache and the next ones ``fetched`` from
-        the pool (already there).
+        too; sealed in place under the key each is stored as), the first ``local`` from the local
+        prefix cache and the next ones ``fetched`` from the pool (already there). Blocks over
+        ``tenant``'s pool quota are parked like those the pool had no room for.
         """
         fetched_end, full = local + len(fetched.payloads), len(keys)
         # The cache-manager places them all, so one allocator owns every DRAM segment.
@@ -56,17 +54,15 @@ class KVHandOff:
         tail = list(keys[fetched_end:full]) + [handoff_key(request_id, i) for i in range(full, len(payloads))]
         with self.tracer.start_as_current_span("prefill.kv_write") as span:
             stored_head, stored_tail = await asyncio.gather(
-                self.pool.store(head, payloads[:local], first_position=0),
-                self.pool.store(tail, payloads[fetched_end:], first_position=fetched_end))
+                self.pool.store(head, payloads[:local], first_position=0, tenant=tenant),
+                self.pool.store(tail, payloads[fetched_end:], first_position=fetched_end, tenant=tenant))
             stored = stored_head | stored_tail
             locations: list[BlockLocation | None] = [stored.get(k) for k in head] + list(fetched.locations)
             locations += [stored.get(k) for k in tail]
-            fallback = [(i, handoff_key(request_id, i)) for i, loc in enumerate(locations) if loc is None]
+            fallback = [i for i, loc in enumerate(locations) if loc is None]
             if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
-                node = await self._park([k for _, k in fallback], [payloads[i] for i, _ in fallback])
-                for index, key in fallback:
-                    locations[index] = BlockLocation(address=node, offset=0, size=len(payloads[index]), key=key,
-                                                     tier=Tier.NVME)
+                for index, parked in zip(fallback, await self._park(request_id, fallback, payloads)):
+                    locations[index] = parked
             span.set_attribute("halfmoon.blocks_stored", len(stored))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
             span.set_attribute("halfmoon.bytes", sum(len(payloads[i]) for i in range(local, len(payloads))))
@@ -78,18 +74,23 @@ class KVHandOff:
         """Decode refused the request: nobody will read its one-off blocks now."""
         await self.pool.remove([handoff_key(request_id, i) for i in range(num_blocks)])
 
-    async def _park(self, keys: list[bytes], payloads: list[bytes]) -> str:
-        """Write blocks outside the pool to the first live transfer node that takes them; its address."""
+    async def _park(self, request_id: str, indexes: list[int], payloads: Sequence[bytearray]) -> list[BlockLocation]:
+        """Write blocks ``indexes`` outside the pool, under their one-off keys, to the first live
+        transfer node that takes them; where each one is."""
+        keys = [handoff_key(request_id, i) for i in indexes]
+        blocks = [seal_block(self.layout, payloads[i], key) for i, key in zip(indexes, keys)]
         await self.nodes.choose(TRANSFER_WAIT_S)  # waits until at least one is known
         for node in self.nodes.ordered():
+            caps = [sign_park(self.park_key, node.instance_id, request_id, i, PARK_TTL_S) for i in indexes]
             try:
-                await (await self.transfer.transport(node.address)).write(keys, payloads, tier=Tier.NVME)
+                await (await self.transfer.transport(node.address)).write(keys, blocks, caps=caps, tier=Tier.NVME)
             except (TransferError, OSError) as exc:
                 self.log.warning("transfer node refused hand-off blocks",
                                  extra={"node": node.instance_id, "error": str(exc)})
                 self.nodes.forget(node.instance_id)
                 continue
-            return node.address
+            return [BlockLocation(address=node.address, offset=0, size=len(block), key=key, tier=Tier.NVME,
+                                  capability=cap) for key, block, cap in zip(keys, blocks, caps)]
         raise TransferError("no transfer node took the hand-off blocks")
 
     # ------------------------------------------------------------------- decode side
@@ -99,7 +100,8 @@ class KVHandOff:
         scratch = {handoff_key(request_id, i) for i in range(len(locations))}
         with self.tracer.start_as_current_span("decode.kv_read") as span:
             views = await self.pool.read(locations)
-            payloads = [bytes(v) if v is not None and verify_block(self.layout, v) else None for v in views]
+            payloads = [bytes(v) if v is not None and loc.key is not None and verify_block(self.layout, v, loc.key)
+                        else None for v, loc in zip(views, locations)]
             if any(v is None for v in views):
                 METRICS.errors.labels("kv_read").inc()
             await self._drop_scratch([loc for loc in locations if loc.key in scratch])
@@ -113,12 +115,13 @@ class KVHandOff:
         """One-off blocks are read once: out of the pool's index, then off the nodes (those parked
         outside the pool are only on the nodes)."""
         await self.pool.remove([loc.key for loc in scratch if loc.key is not None])
-        by_node: dict[str, list[bytes]] = defaultdict(list)
+        by_node: dict[str, list[BlockLocation]] = defaultdict(list)
         for loc in scratch:
             if loc.key is not None:
-                by_node[loc.address].append(loc.key)
-        for node, keys in by_node.items():
+                by_node[loc.address].append(loc)
+        for node, locs in by_node.items():
             try:
-                await (await self.transfer.transport(node)).delete(keys)
+                await (await self.transfer.transport(node)).delete([loc.key or b"" for loc in locs],
+                                                                     caps=[loc.capability for loc in locs])
             except FAILURES:
                 pass  # the node is gone, and the blocks with it

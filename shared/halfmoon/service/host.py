@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import nats
 import nats.errors
@@ -16,25 +19,38 @@ from halfmoon.protocol.permissions import inbox_prefix
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
+from halfmoon.service.liveness import NatsLiveness
 from halfmoon.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
 from nats.aio.client import Client as NATS
 
 log = logging.getLogger("halfmoon.service")
 
 
-async def connect_nats(config: ServiceConfig, name: str, role: str) -> NATS:
-    """Connect as ``role`` (its credentials, TLS and reply inbox) with unlimited reconnects; give up if
-    the first connect takes ``connect_timeout_s``."""
+class NatsLost(ConnectionError):
+    """NATS stayed unreachable past ``nats_give_up_s``: the process exits non-zero to be restarted."""
+
+
+async def connect_nats(config: ServiceConfig, name: str, role: str, liveness: NatsLiveness | None = None) -> NATS:
+    """Connect as ``role`` (its credentials, TLS and reply inbox) with unlimited reconnects; give up if the first connect takes ``connect_timeout_s``.
+
+    ``liveness`` learns of every disconnect and reconnect."""
     servers = [s.strip() for s in config.nats_url.split(",") if s.strip()]
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", extra={"error": repr(exc)})
+        # while reconnecting every failed attempt lands here; one warning per outage is enough
+        level = logging.WARNING if liveness is None or liveness.connected else logging.DEBUG
+        log.log(level, "nats error", extra={"error": repr(exc)})
 
     async def on_disconnect() -> None:
-        log.info("nats disconnected")
+        if liveness is not None:
+            liveness.lost()
+        log.warning("nats disconnected; reconnecting")
 
     async def on_reconnect() -> None:
-        log.info("nats reconnected")
+        lost_for = liveness.lost_for() if liveness is not None else 0.0
+        if liveness is not None:
+            liveness.back()
+        log.info("nats reconnected", extra={"lost_s": round(lost_for, 3)})
 
     # NOTE: with unlimited reconnects nats-py retries the first connect forever too; bound it here
     try:
@@ -44,8 +60,11 @@ async def connect_nats(config: ServiceConfig, name: str, role: str) -> NATS:
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
+                max_reconnect_attempts=-1,  # never give up by itself: the liveness deadline decides
+                reconnect_time_wait=0.5,
+                # a server that vanished without closing the socket is noticed within ~10 s, not 4 min
+                ping_interval=5,
+                max_outstanding_pings=2,
                 user=config.nats_user or None,
                 password=config.nats_password or None,
                 tls=config.nats_tls(),
@@ -62,6 +81,15 @@ async def connect_nats(config: ServiceConfig, name: str, role: str) -> NATS:
         ) from exc
 
 
+def write_ready_file(path: str, info: dict[str, object]) -> None:
+    """Atomically, so a reader never sees half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(target)
+
+
 class ServiceHost:
     """Owns one service's lifecycle; usable as ``async with ServiceHost(svc):`` in tests."""
 
@@ -71,6 +99,8 @@ class ServiceHost:
         self._beats: asyncio.Task[None] | None = None
         self.metrics: MetricsEndpoint | None = None
         self._unscrape: Callable[[], None] = lambda: None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.gave_up = False  # NATS was lost for good; the process must exit non-zero
 
     def _record_load(self, metrics: Metrics) -> None:
         load, role = self.service.load(), self.service.role.value
@@ -78,19 +108,34 @@ class ServiceHost:
         metrics.running_requests.labels(role).set(load.running)
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.service.config, self.service.instance_id, self.service.role.value)
-        self.service.attach(self._nc)
-        await self.service.start()
+        svc, config = self.service, self.service.config
+        self._nc = await connect_nats(config, svc.instance_id, svc.role.value, svc.liveness)
+        svc.attach(self._nc)
+        await svc.start()
         self._unscrape = METRICS.on_scrape(self._record_load)
-        port = self.service.config.metrics_port
-        if port:
-            self.metrics = MetricsEndpoint(METRICS, self.service.config.metrics_host, max(port, 0))
+        if config.metrics_port:
+            self.metrics = MetricsEndpoint(METRICS, config.metrics_host, max(config.metrics_port, 0),
+                                           health=svc.liveness.status)
             await self.metrics.start()
             log.info(f"metrics on {self.metrics.url}", extra={"metrics_port": self.metrics.port})
         await self._nc.flush()  # subscriptions are live on the server before start() returns
+        if config.ready_file:
+            write_ready_file(config.ready_file, {"instance_id": svc.instance_id, "pid": os.getpid(),
+                                                 "metrics_port": self.metrics.port if self.metrics else None,
+                                                 "address": svc.address})
         await self.beat()  # register now, not one interval later
-        self._beats = asyncio.create_task(self._beat_forever(), name=f"heartbeat-{self.service.instance_id}")
-        log.info("service started", extra={"role": self.service.role.value, "address": self.service.address})
+        self._beats = asyncio.create_task(self._beat_forever(), name=f"heartbeat-{svc.instance_id}")
+        self._watchdog = asyncio.create_task(self._watch_nats(), name=f"nats-watchdog-{svc.instance_id}")
+        log.info("service started", extra={"role": svc.role.value, "address": svc.address})
+
+    async def _watch_nats(self) -> None:
+        liveness = self.service.liveness
+        while not liveness.given_up():
+            await asyncio.sleep(min(1.0, liveness.lost_deadline_s / 4))
+        self.gave_up = True
+        log.error("NATS unreachable for good; exiting to be restarted",
+                  extra={"lost_s": round(liveness.lost_for(), 1), "give_up_s": liveness.give_up_s})
+        self.service.stop_requested.set()
 
     def heartbeat(self) -> Heartbeat:
         svc = self.service
@@ -120,9 +165,14 @@ class ServiceHost:
                 log.warning("heartbeat not sent", extra={"error": repr(exc)})
 
     async def stop(self) -> None:
-        """Stop taking work, drain (bounded), say goodbye, close."""
+        """Stop taking work, drain (bounded), say goodbye, close; without NATS, close at once."""
         svc = self.service
         svc.draining = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.gave_up:
+            await self._close_without_nats()
+            return
         with contextlib.suppress(nats.errors.Error, OSError):
             await self.beat()
         try:
@@ -145,6 +195,18 @@ class ServiceHost:
             await self.metrics.stop()
         log.info("service stopped")
 
+    async def _close_without_nats(self) -> None:
+        """Nobody can be told or drained to: release what the service holds and close."""
+        if self._beats is not None:
+            self._beats.cancel()
+        await self.service.close()
+        assert self._nc is not None
+        await self._nc.close()
+        self._unscrape()
+        if self.metrics is not None:
+            await self.metrics.stop()
+        log.info("service stopped without NATS")
+
     async def __aenter__(self) -> ServiceHost:
         await self.start()
         return self
@@ -163,3 +225,5 @@ async def serve_until_signalled(service: Service) -> None:
     await service.stop_requested.wait()
     log.info("stop requested; draining")
     await host.stop()
+    if host.gave_up:
+        raise NatsLost(f"NATS at {service.config.nats_url} unreachable for {service.config.nats_give_up_s}s")

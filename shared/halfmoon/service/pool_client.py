@@ -3,6 +3,9 @@
 Blocks move straight between this process and the transfer nodes; only keys, locations and
 leases go through the cache-manager. Everything here degrades to a miss: an unreachable
 cache-manager or node, a missing or corrupt block all mean "recompute", never an error.
+Every block is sealed under its key before it is written and verified under its key after it
+is read (core/block_format.py); every node operation carries the capability the cache-manager
+granted for that block (its answers' ``BlockLocation.capability``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from halfmoon.core.block_format import BlockLayout, verify_block
+from halfmoon.core.block_format import BlockLayout, seal_block, verify_block
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
@@ -59,7 +62,7 @@ class PoolClient:
             candidates = [(hit.replicas[0], data)] + [(r, None) for r in hit.replicas[1:]]
             for replica, payload in candidates:
                 payload = payload if payload is not None else (await self.read([replica]))[0]
-                if payload is not None and verify_block(self.layout, payload):
+                if payload is not None and verify_block(self.layout, payload, hit.key):
                     payloads.append(payload)
                     locations.append(replica)
                     break
@@ -70,9 +73,10 @@ class PoolClient:
         return Fetched(payloads, locations, found.lease_id)
 
     async def read(self, replicas: Sequence[BlockLocation]) -> list[memoryview | None]:
-        """One batched read per node into fresh buffers; None where a block is missing or its node unreachable.
+        """One batched read per node into fresh buffers; None where a block is missing, its node
+        unreachable or its capability refused.
 
-        Unverified: the caller checks each payload against its layout."""
+        Unverified: the caller checks each payload against its layout and key."""
         out: list[memoryview | None] = [None] * len(replicas)
         by_node: dict[str, list[int]] = defaultdict(list)
         for index, replica in enumerate(replicas):
@@ -80,7 +84,8 @@ class PoolClient:
         for node, indexes in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
-                views = await transport.read([replicas[i].key or b"" for i in indexes], missing_ok=True)
+                views = await transport.read([replicas[i].key or b"" for i in indexes],
+                                             caps=[replicas[i].capability for i in indexes], missing_ok=True)
             except FAILURES as exc:
                 self.service.log.warning("KV source unreachable", extra={"node": node, "error": str(exc)})
                 continue
@@ -109,21 +114,25 @@ class PoolClient:
         except FAILURES as exc:
             svc.log.warning("pool remove failed", extra={"error": str(exc)})
 
-    async def store(self, keys: Sequence[bytes], payloads: Sequence[bytes], first_position: int) -> dict[bytes, BlockLocation]:
-        """put_start, write the bytes to the chosen nodes, put_end; returns where each key can be read
-        (the ones just stored, and those the pool already held)."""
+    async def store(self, keys: Sequence[bytes], payloads: Sequence[bytearray], first_position: int,
+                    tenant: str = "") -> dict[bytes, BlockLocation]:
+        """put_start, seal and write the bytes to the chosen nodes, put_end; returns where each key can
+        be read (the ones just stored, and those the pool already held). Payloads are sealed in place.
+        Keys over ``tenant``'s quota are not stored (absent from the answer)."""
         if not keys:
             return {}
         svc = self.service
         try:
             plan = await svc.request(svc.subjects.cache("put_start"),
-                                     PutStart(writer=svc.instance_id, keys=tuple(keys),
+                                     PutStart(writer=svc.instance_id, keys=tuple(keys), tenant=tenant,
                                               sizes=tuple(len(p) for p in payloads), first_position=first_position),
                                      codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
         except FAILURES as exc:
             svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
             return {}
         payload_of = dict(zip(keys, payloads))
+        for key in {p.key for p in plan.placements if p.key is not None}:
+            seal_block(self.layout, payload_of[key], key)
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
         for placement in plan.placements:
@@ -133,6 +142,7 @@ class PoolClient:
             try:
                 transport = await self.transfer.transport(node)
                 await transport.write([p.key for p in placements], [payload_of[p.key] for p in placements],
+                                      caps=[p.capability for p in placements],
                                       offsets=[p.offset for p in placements] if tier is Tier.DRAM else None,
                                       tier=tier)
             except FAILURES as exc:

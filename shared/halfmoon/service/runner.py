@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from halfmoon.service.base import Service
 from halfmoon.service.config import load_config
-from halfmoon.service.host import serve_until_signalled
+from halfmoon.service.host import NatsLost, serve_until_signalled
 from halfmoon.service.logs import setup_logging
 from halfmoon.telemetry import setup_tracing
 from opentelemetry import trace
@@ -31,6 +31,9 @@ def run_service(service_class: type[Service], argv: Sequence[str] | None = None)
     trace.set_tracer_provider(provider)
     try:
         asyncio.run(serve_until_signalled(service_class(config, provider)))
+    except NatsLost as exc:
+        logging.getLogger("halfmoon.service").error(f"exiting: {exc}")
+        return 1
     except Exception:
         logging.getLogger("halfmoon.service").exception("service failed")
         return 1

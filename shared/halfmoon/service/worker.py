@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from abc import abstractmethod
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -17,12 +18,13 @@ from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role
-from halfmoon.protocol.stream import ErrorEvent
+from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
 from halfmoon.service.handoff import KVHandOff
 from halfmoon.service.pool_client import PoolClient
+from halfmoon.service.replay import ReplayBuffer
 from halfmoon.service.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
@@ -87,7 +89,9 @@ class EngineWorker(Service[WorkerConfig]):
     Contract for subclasses: ``submit_subject`` names where work arrives and ``accept``
     validates one decoded request and returns the coroutine that serves it; the base
     acks, runs it as a task keyed by request id, cancels it on CancelRequest, refuses new
-    work while draining and waits for the tasks on drain.
+    work while draining and waits for the tasks on drain. A newer attempt of a request that
+    is still here (it migrated away and back) replaces the older one. Stream events go out
+    through ``publish_event``, which keeps the recent ones for ``ResumeRequest``.
     """
 
     config_class = WorkerConfig
@@ -99,9 +103,11 @@ class EngineWorker(Service[WorkerConfig]):
         super().__init__(config, tracer_provider)
         self.meter = LoadMeter()
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
-        self.transfer = TransferClient()
+        self.transfer = TransferClient(keys=self.cluster_keys)
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
+        self.replay = ReplayBuffer()
         self._busy: set[str] = set()  # requests whose engine work is not done (reported as load)
         self._accepted = 0
         self._tbt = METRICS.tbt.labels(self.instance_id)
@@ -131,12 +137,15 @@ class EngineWorker(Service[WorkerConfig]):
     async def start(self) -> None:
         config = self.config.engine_config()
         self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
-        self.pool = PoolClient(self, self.transfer, self.engine.layout)
-        self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, self.engine.layout, self.tracer,
-                                 self.log)
+        layout = self.engine.layout.keyed(self.cluster_keys.kv_mac)  # seals and verifies the pool's blocks
+        self.pool = PoolClient(self, self.transfer, layout)
+        self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, layout, self.tracer, self.log,
+                                 self.cluster_keys.park)
         await self.listen_heartbeats(self.transfer_nodes.on_heartbeat)
         await self.listen_downs(self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
+        await self.serve(self.subjects.resume(self.instance_id), codecs.RESUME, self._on_resume,
+                         span_name=f"{self.role.value}.resume")
         await self.serve(self.submit_subject, self.submit_codec, self._on_submit, span_name=f"{self.role.value}.submit")
 
     def _on_step(self, timing: StepTiming) -> None:
@@ -148,26 +157,33 @@ class EngineWorker(Service[WorkerConfig]):
     async def _on_submit(self, request: Any) -> Message:
         if self.draining:
             return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{self.instance_id} is draining", retryable=True)
-        if request.request_id in self._tasks:
-            return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"request {request.request_id} already here")
+        rid = request.request_id
+        if rid in self._tasks:
+            if self._attempts[rid] >= request.attempt:
+                return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"request {rid} already here")
+            self._tasks[rid].cancel()  # superseded: the requester moved on to a newer attempt
         task = asyncio.create_task(self._guarded(request))
-        self._busy.add(request.request_id)
+        self._busy.add(rid)
         self._accepted += 1
-        self._tasks[request.request_id] = task
-        task.add_done_callback(lambda _t, rid=request.request_id: self._tasks.pop(rid, None))
-        return Ack(request_id=request.request_id, instance_id=self.instance_id)
+        self._tasks[rid], self._attempts[rid] = task, request.attempt
+        task.add_done_callback(lambda t, rid=rid: self._forget(rid, t))
+        return Ack(request_id=rid, instance_id=self.instance_id)
+
+    def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
+        # NOTE: a task cancelled before its first step never runs ``_guarded``'s body, so only a
+        # done callback sees every ending; the request leaves the load figures here whatever happened.
+        if self._tasks.get(request_id) is task:
+            del self._tasks[request_id], self._attempts[request_id]
+            self._busy.discard(request_id)
 
     async def _guarded(self, request: Any) -> None:
         """Run one request; a bug fails that request with an error event, never silently."""
         try:
             await self.accept(request)
-        except asyncio.CancelledError:
-            self._busy.discard(request.request_id)
-            raise
         except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
             await self.send_error(request.stream_subject, request.request_id, ErrorCode.INTERNAL,
-                                  f"{self.instance_id}: {type(exc).__name__}: {exc}")
+                                  f"{self.instance_id}: {type(exc).__name__}: {exc}", request.attempt)
         self.done_computing(request.request_id)
 
     def done_computing(self, request_id: str) -> None:
@@ -176,8 +192,28 @@ class EngineWorker(Service[WorkerConfig]):
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         task = self._tasks.get(cancel.request_id)
-        if task is not None:
+        if task is not None and cancel.attempt in (None, self._attempts[cancel.request_id]):
             task.cancel()
+
+    async def _on_resume(self, resume: ResumeRequest) -> Message:
+        """Re-send the recent events of an attempt; an error when this instance cannot."""
+        rid = resume.request_id
+        found = self.replay.since(rid, resume.attempt, resume.from_index)
+        working = self._attempts.get(rid) == resume.attempt
+        if found is None and not working:
+            return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{self.instance_id} holds no events of {rid} "
+                              f"attempt {resume.attempt} from index {resume.from_index}")
+        if found is not None:
+            subject, events = found
+            METRICS.stream_resends.inc(len(events))
+            for event in events:
+                await self.publish(subject, event)
+        return Ack(request_id=rid, instance_id=self.instance_id)
+
+    async def publish_event(self, subject: str, event: TokenEvent | ErrorEvent) -> None:
+        """Publish one stream event and keep it for re-sending."""
+        self.replay.record(subject, event, time.monotonic())
+        await self.publish(subject, event)
 
     async def drain(self) -> None:
         if self._tasks:
@@ -190,7 +226,7 @@ class EngineWorker(Service[WorkerConfig]):
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
-    async def send_error(self, subject: str, request_id: str, code: ErrorCode, message: str) -> None:
+    async def send_error(self, subject: str, request_id: str, code: ErrorCode, message: str, attempt: int) -> None:
         METRICS.errors.labels(code.value).inc()
-        await self.publish(subject, ErrorEvent(request_id=request_id, code=code, message=message,
-                                               instance_id=self.instance_id))
+        await self.publish_event(subject, ErrorEvent(request_id=request_id, code=code, message=message,
+                                                     instance_id=self.instance_id, attempt=attempt))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from halfmoon.policy.admission import ADMISSION_POLICIES
+from halfmoon.policy.cpp import CppSettings
 from halfmoon.policy.eviction import EVICTION_POLICIES
 from halfmoon.policy.prefill import PREFILL_POLICIES
 from halfmoon.policy.state import SLO
@@ -24,6 +25,9 @@ class SimConfig:
     ``pool_blocks`` is the KVCache pool capacity in blocks, split evenly over the nodes that
     cache (prefill nodes, or every coupled node); None means unbounded. ``time_scale`` > 1
     replays the trace faster. ``coupled_router`` is the prefill policy coupled nodes are chosen by.
+    ``cpp_stages`` >= 2 lets the Conductor prefill prompts of at least ``cpp_min_tokens`` on a
+    pipeline of that many prefill nodes (chunked pipeline parallelism; disaggregated mode only);
+    0 turns it off.
     """
 
     mode: str = "disaggregated"
@@ -43,6 +47,11 @@ class SimConfig:
     chunk_tokens: int = 512
     max_batched_tokens: int = 131072
     expected_decode_s: float = 10.0
+    cpp_stages: int = 0
+    cpp_chunk_tokens: int = 4096
+    cpp_min_tokens: int = 32768
+    cpp_hop_bytes_per_token: int = 16384
+    cpp_min_single_ttft_s: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -60,6 +69,12 @@ class SimConfig:
             (self.coupled_variant in COUPLED_VARIANTS, f"coupled_variant must be one of {COUPLED_VARIANTS}"),
             (self.chunk_tokens >= 1 and self.max_batched_tokens >= 1, "token budgets must be >= 1"),
             (self.expected_decode_s > 0, "expected_decode_s must be > 0"),
+            (self.cpp_stages == 0 or 2 <= self.cpp_stages <= self.prefill_nodes,
+             "cpp_stages must be 0 (off) or between 2 and the number of prefill nodes"),
+            (self.cpp_stages == 0 or self.mode == "disaggregated", "CPP needs the disaggregated mode"),
+            (self.cpp_chunk_tokens >= 1 and self.cpp_min_tokens >= 1 and self.cpp_hop_bytes_per_token >= 0
+             and self.cpp_min_single_ttft_s >= 0,
+             "CPP sizes must be positive"),
         ]
         for ok, message in checks:
             if not ok:
@@ -68,6 +83,12 @@ class SimConfig:
     @property
     def total_nodes(self) -> int:
         return self.prefill_nodes + self.decode_nodes
+
+    def cpp_settings(self) -> CppSettings | None:
+        if not self.cpp_stages:
+            return None
+        return CppSettings(self.cpp_stages, self.cpp_chunk_tokens, self.cpp_min_tokens, self.cpp_hop_bytes_per_token,
+                           self.cpp_min_single_ttft_s)
 
     def per_node_blocks(self, caching_nodes: int) -> int | None:
         return None if self.pool_blocks is None else self.pool_blocks // caching_nodes

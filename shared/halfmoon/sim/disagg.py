@@ -6,10 +6,16 @@ from collections import deque
 from collections.abc import Sequence
 
 from halfmoon.policy.admission import make_admission
+from halfmoon.policy.cpp import CppPolicy
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
-from halfmoon.policy.state import DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
+from halfmoon.policy.state import (
+    DecodeInstanceState,
+    DecodeWork,
+    PrefillInstanceState,
+    RouteRequest,
+)
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
@@ -60,8 +66,9 @@ class DisaggregatedSim(SimBase):
             make_prefill_policy(config.prefill_policy, self.cost, config.slo, **prefill_kwargs),
             make_admission(config.admission, self.decode_policy),
             config.slo,
+            None if (cpp := config.cpp_settings()) is None else CppPolicy(self.cost, cpp),
         )
-        self._jobs: dict[int, tuple[_PrefillNode, int, tuple, int | None, float]] = {}
+        self._jobs: dict[int, tuple[tuple[_PrefillNode, ...], int, tuple, int | None, float]] = {}
 
     def _dispatch(self, kind: int, a: int, b: int) -> None:
         if kind == ARRIVE:
@@ -105,29 +112,41 @@ class DisaggregatedSim(SimBase):
         choice = decision.prefill
         node = self._prefill_by_id[choice.instance_id]
         local = choice.prefix_blocks - len(choice.pulls)
-        done = max(now, node.busy_until) + choice.transfer_s + choice.prefill_s
-        node.busy_until = done
-        node.queue_tokens += req.input_length
+        # a pipeline holds all its stages from when the busiest one is free until the last chunk leaves
+        ids = (node.id,) if decision.pipeline is None else decision.pipeline.stages
+        stages = tuple(self._prefill_by_id[i] for i in ids)
+        done = max(now, *(n.busy_until for n in stages)) + choice.transfer_s + choice.prefill_s
+        for stage in stages:
+            stage.busy_until = done
+            stage.queue_tokens += req.input_length
+        self.pipelined += decision.pipeline is not None
         self.cache.node(node.id).lock(req.hash_ids[:local])
         for key, src in choice.pulls:
             self.cache.node(src).lock((key,))
         self.pulled_blocks += len(choice.pulls)
         self.out.hit_blocks[rid] = choice.prefix_blocks
-        self.out.prefill_s[rid] = choice.prefill_s
+        # compute per request: a pipeline spends the single-node FLOPs, spread over its stages
+        if decision.pipeline is None:
+            self.out.prefill_s[rid] = choice.prefill_s
+        else:
+            cached = sched_req.cached_tokens(choice.prefix_blocks)
+            self.out.prefill_s[rid] = self.cost.prefill.predict(req.input_length - cached, cached)
         planned = None
         if decision.decode is not None:
             planned = self._decode_idx[decision.decode.instance_id]
             target = self.decode[planned]
             target.incoming[rid] = DecodeWork(req.input_length, done, done + self.expected_decode_s)
             target.state = None
-        self._jobs[rid] = (node, local, choice.pulls, planned, done)
+        self._jobs[rid] = (stages, local, choice.pulls, planned, done)
         self.push(done, PREFILL_DONE, rid)
 
     def _prefill_done(self, rid: int) -> None:
-        node, local, pulls, planned, _ = self._jobs.pop(rid)
+        stages, local, pulls, planned, _ = self._jobs.pop(rid)
+        node = stages[0]
         req, now = self.trace[rid], self.now
         keys = req.hash_ids
-        node.queue_tokens -= req.input_length
+        for stage in stages:
+            stage.queue_tokens -= req.input_length
         self.cache.node(node.id).unlock(keys[:local])
         for key, src in pulls:
             self.cache.node(src).unlock((key,))

@@ -37,6 +37,7 @@ class SimResult(NamedTuple):
     sim_seconds: float
     wall_seconds: float
     events: int
+    pipelined: int = 0  # requests prefilled by a CPP pipeline
 
 
 class RecentSamples:
@@ -74,6 +75,7 @@ class SimBase:
         self.events = 0
         self.pulled_blocks = 0
         self.wasted_prefill_s = 0.0
+        self.pipelined = 0
         self.expected_decode_s = config.expected_decode_s
         self.cache: ClusterCache | None = None
         self._settled = 0
@@ -151,4 +153,5 @@ class SimBase:
             sim_seconds=self.now,
             wall_seconds=wall,
             events=self.events,
+            pipelined=self.pipelined,
         )

@@ -7,13 +7,16 @@ import os
 from multiprocessing.shared_memory import SharedMemory
 
 SHM_DIR = "/dev/shm"
+SEGMENT_MODE = 0o600  # only the node's user maps it; peers learn its name only after the handshake
 
 
 def create_segment(name: str | None, size: int) -> SharedMemory:
-    """A new segment owned by the caller, who must ``close()`` and ``unlink()`` it."""
+    """A new segment owned by the caller, who must ``close()`` and ``unlink()`` it; private to its user."""
     if size <= 0:
         raise ValueError(f"segment size must be positive, got {size}")
-    return SharedMemory(name=name, create=True, size=size)
+    shm = SharedMemory(name=name, create=True, size=size)
+    os.fchmod(shm._fd, SEGMENT_MODE)  # NOTE: explicit, not left to SharedMemory's default and the umask
+    return shm
 
 
 class AttachedSegment:

@@ -29,8 +29,13 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "start_ns": span.start_time,
         "end_ns": span.end_time,
         "status": span.status.status_code.name,
-        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
+        "attributes": _plain(span.attributes),
+        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": _plain(e.attributes)} for e in span.events],
     }
+
+
+def _plain(attributes: Any) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in (attributes or {}).items()}
 
 
 class JsonlSpanExporter(SpanExporter):

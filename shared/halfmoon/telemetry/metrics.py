@@ -71,6 +71,32 @@ class Metrics:
         )
         self.rejections = Counter("halfmoon_rejections", "requests refused", ["reason"], registry=r)
         self.errors = Counter("halfmoon_errors", "failures", ["kind"], registry=r)
+        # reliability (docs/RELIABILITY.md): the request path's recoveries
+        self.migrations = Counter(
+            "halfmoon_migrations", "requests placed again after an instance failed them", ["reason"], registry=r
+        )
+        self.migration_exhausted = Counter(
+            "halfmoon_migration_limit_reached", "requests failed after using up their migrations", registry=r
+        )
+        self.instance_losses = Counter(
+            "halfmoon_instance_losses", "instances that went down holding this process's requests", ["role"],
+            registry=r
+        )
+        self.schedule_retries = Counter(
+            "halfmoon_schedule_retries", "schedule requests sent again (conductor timeout or absent)", registry=r
+        )
+        self.stream_resumes = Counter(
+            "halfmoon_stream_resumes", "resume requests sent for streams with a gap or a stall", registry=r
+        )
+        self.stream_resends = Counter("halfmoon_stream_resends", "stream events re-sent on request", registry=r)
+        self.handoffs_without_pool = Counter(
+            "halfmoon_handoffs_without_pool", "hand-offs whose KV had nowhere to go (decode recomputed it)",
+            registry=r
+        )
+        self.pool_available = Gauge(
+            "halfmoon_pool_available", "1 when the last hand-off through the KVCache pool worked", ["instance"],
+            registry=r
+        )
         self.auth_rejections = Counter(
             "halfmoon_auth_rejections", "API requests refused at the gateway's door", ["reason"], registry=r
         )
@@ -96,13 +122,19 @@ class Metrics:
 METRICS = Metrics()
 
 
-class MetricsEndpoint:
-    """``GET /metrics`` on ``host:port`` (port 0: any free one), served on the running event loop."""
+HealthCheck = Callable[[], tuple[bool, str]]
 
-    def __init__(self, metrics: Metrics = METRICS, host: str = "0.0.0.0", port: int = 0) -> None:
+
+class MetricsEndpoint:
+    """``GET /metrics`` and ``GET /health`` on ``host:port`` (port 0: any free one), served on the
+    running event loop. ``/health`` answers 200 or 503 with ``health()``'s reason (the liveness probe)."""
+
+    def __init__(self, metrics: Metrics = METRICS, host: str = "0.0.0.0", port: int = 0,
+                 health: HealthCheck = lambda: (True, "ok")) -> None:
         self.metrics = metrics
         self.host = host
         self.port = port
+        self.health = health
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -122,10 +154,14 @@ class MetricsEndpoint:
             while (await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
                 pass  # headers are not needed
             parts = request_line.split()
-            if len(parts) >= 2 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
+            path = parts[1].split(b"?")[0] if len(parts) >= 2 and parts[0] == b"GET" else b""
+            if path == b"/metrics":
                 status, ctype, body = "200 OK", self.metrics.content_type, self.metrics.render()
+            elif path == b"/health":
+                ok, reason = self.health()
+                status, ctype, body = ("200 OK" if ok else "503 Service Unavailable"), "text/plain", f"{reason}\n".encode()
             else:
-                status, ctype, body = "404 Not Found", "text/plain", b"only GET /metrics is served here\n"
+                status, ctype, body = "404 Not Found", "text/plain", b"only GET /metrics and /health are served here\n"
             head = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             writer.write(head.encode() + body)
             await writer.drain()

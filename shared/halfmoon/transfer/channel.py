@@ -59,11 +59,11 @@ class Channel:
                 raise ChannelClosed("peer closed the connection mid-message")
             got += n
 
-    async def recv_header(self) -> bytes:
+    async def recv_header(self, limit: int = MAX_HEADER) -> bytes:
         await self.recv_into(memoryview(self._len))
         (length,) = LEN.unpack(self._len)
-        if length > MAX_HEADER:
-            raise FramingError(f"header of {length} bytes exceeds {MAX_HEADER}")
+        if length > limit:  # NOTE: checked before allocating: a peer cannot make us hold its claim
+            raise FramingError(f"header of {length} bytes exceeds {limit}")
         body = bytearray(length)
         await self.recv_into(memoryview(body))
         return bytes(body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import host_identity
@@ -19,8 +20,9 @@ class TransferClient:
     ``close``, except that a same-host transport whose node replaced its segment (restart) is
     reopened; ``same_host=False`` forces TCP (benchmarks, tests, cross-host setups)."""
 
-    def __init__(self, pool_size: int = 4, same_host: bool = True) -> None:
+    def __init__(self, pool_size: int = 4, same_host: bool = True, keys: ClusterKeys = DEV_KEYS) -> None:
         self._pool_size = pool_size
+        self._keys = keys
         self._same_host = same_host
         self._transports: dict[str, Transport] = {}
 
@@ -34,7 +36,7 @@ class TransferClient:
         return cached
 
     async def _open(self, address: str) -> Transport:
-        tcp = TcpTransport(address, self._pool_size)
+        tcp = TcpTransport(address, self._pool_size, keys=self._keys)
         if not self._same_host:
             return tcp
         hello = await tcp.request(Request(Op.HELLO))

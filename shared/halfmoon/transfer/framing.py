@@ -14,7 +14,11 @@ import struct
 import msgspec
 
 LEN = struct.Struct("<I")
-MAX_HEADER = 16 << 20  # a header describes blocks, it never carries them
+MAX_KEYS = 4096  # blocks per request
+# A header describes blocks, it never carries them: 4096 keys with their capabilities (~140 bytes
+# each) fit in 1 MiB. The length prefix is checked before anything is allocated.
+MAX_HEADER = 1 << 20
+PREAUTH_HEADER = 256  # before the handshake succeeded only AUTH frames are accepted
 MISSING = -1  # size of a block the node does not hold
 
 
@@ -26,7 +30,8 @@ class Op(enum.IntEnum):
     RESERVE = 4  # keys, sizes (+ offsets) -> DRAM offsets to write in place (same-host writes)
     COMMIT = 5  # keys -> make in-place writes visible
     DELETE = 6  # keys -> how many were present
-    INVENTORY = 7  # -> every stored block (key, tier, offset, size)
+    INVENTORY = 7  # -> every stored block (key, tier, offset, size); the cache-manager's LIST capability
+    AUTH = 8  # the connection's handshake (transfer/auth.py); every other op needs it done
 
 
 class Request(msgspec.Struct, array_like=True, frozen=True):
@@ -36,6 +41,9 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     offsets: list[int] = []  # DRAM offsets chosen by the cache-manager; empty = node chooses
     tier: int = 0
     traceparent: str = ""  # W3C trace context of the caller, so the node's span joins its trace
+    caps: list[bytes] = []  # one capability per key (INVENTORY: one, node-wide); transfer/capability.py
+    nonce: bytes = b""  # AUTH
+    proof: bytes = b""  # AUTH
 
 
 class Response(msgspec.Struct, array_like=True, frozen=True):
@@ -49,6 +57,8 @@ class Response(msgspec.Struct, array_like=True, frozen=True):
     segment: str = ""
     host: str = ""
     capacities: list[int] = []  # HELLO: bytes per tier (DRAM, NVMe, S3); 0 = tier not configured
+    nonce: bytes = b""  # AUTH
+    proof: bytes = b""  # AUTH
 
 
 class FramingError(Exception):

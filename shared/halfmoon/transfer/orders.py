@@ -8,18 +8,33 @@ from collections.abc import Callable
 from halfmoon.core.keys import key_hex
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_types import Order, OrderKind
+from halfmoon.protocol.pool import PoolOrder
 from halfmoon.storage.base import StorageError
 from halfmoon.storage.node import NodeStore
+from halfmoon.transfer.capability import ANY, CapabilityChecker, CapabilityError, Right
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
 
 log = logging.getLogger(__name__)
 
 
-async def execute(order: Order, store: NodeStore, client: TransferClient, address_of: Callable[[str], str]) -> bool:
+def authorized(wire: PoolOrder, order: Order, checker: CapabilityChecker) -> bool:
+    """Whether the cache-manager signed this very order (key, kind, target place) for this node."""
+    target = order.dst if order.dst is not None else order.src
+    try:
+        checker.check(wire.capability, Right.ORDER, order.key, tier=int(target.tier), size=target.size,
+                      offset=target.offset if target.tier is Tier.DRAM else ANY)
+    except CapabilityError as exc:
+        log.warning("refused order %s %s: %s", order.order_id, order.kind.value, exc)
+        return False
+    return True
+
+
+async def execute(order: Order, store: NodeStore, client: TransferClient, address_of: Callable[[str], str],
+                  source_capability: bytes = b"") -> bool:
     """Run one order on the node that holds ``order.dst`` (``order.src`` for FREE); returns
     whether it succeeded, which is what the cache-manager's ``order_done`` needs. A failed copy
-    leaves the source in place."""
+    leaves the source in place. ``source_capability`` lets a replication read from its peer."""
     key, src, dst = order.key, order.src, order.dst
     try:
         if order.kind is OrderKind.FREE:
@@ -29,7 +44,7 @@ async def execute(order: Order, store: NodeStore, client: TransferClient, addres
         offset = dst.offset if dst.tier is Tier.DRAM else None
         if order.kind is OrderKind.REPLICATE:
             transport = await client.transport(address_of(src.node))
-            (data,) = await transport.read([key])
+            (data,) = await transport.read([key], caps=[source_capability])
             await store.write(key, data, dst.tier, offset)
         else:
             await store.move(key, src.tier, dst.tier, offset, keep_src=order.kind is OrderKind.PROMOTE)

@@ -1,5 +1,9 @@
 """TCP block server: a node's tiers on the data plane, serving batched reads and writes.
 
+Every connection first proves it knows the cluster secret (transfer/auth.py), and every
+block operation carries capabilities checked before a byte is read or allocated
+(transfer/capability.py). Connections are bounded in number, header size and idle time.
+
 Writes to DRAM are received straight into the shared-memory segment at the reserved offset;
 reads from DRAM are sent straight from it. Same-host clients use LOCATE/RESERVE/COMMIT and
 move the bytes themselves through the segment.
@@ -14,13 +18,16 @@ import socket
 from collections import Counter
 from functools import cache
 
+from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
 from halfmoon.core.keys import key_hex
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.base import BlockNotFound, StorageError
 from halfmoon.storage.node import NodeStore
 from halfmoon.telemetry import extract_context
+from halfmoon.transfer.auth import AuthError, authenticate_peer
+from halfmoon.transfer.capability import CapabilityChecker, CapabilityError, authorize
 from halfmoon.transfer.channel import Channel, ChannelClosed
-from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_request
+from halfmoon.transfer.framing import MAX_KEYS, MISSING, FramingError, Op, Request, Response, decode_request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -42,9 +49,20 @@ class BadRequest(ValueError):
 
 
 class BlockServer:
-    def __init__(self, store: NodeStore, host: str = "127.0.0.1", port: int = 0) -> None:
+    """``node_id`` is the id capabilities must name; ``keys`` the cluster's (the public
+    development keys by default: tests and benchmarks)."""
+
+    def __init__(self, store: NodeStore, host: str = "127.0.0.1", port: int = 0, *, node_id: str = "node",
+                 keys: ClusterKeys = DEV_KEYS, max_connections: int = 256, idle_timeout_s: float = 300.0) -> None:
+        if max_connections < 1 or idle_timeout_s <= 0:
+            raise ValueError("max_connections must be >= 1 and idle_timeout_s > 0")
         self.store = store
         self._bind = (host, port)
+        self._handshake_key = keys.handshake
+        self.checker = CapabilityChecker(node_id, keys.grant, keys.park)
+        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
+        self.refused_connections = 0  # over max_connections, or failed the handshake
+        self.refused_requests = 0  # without a capability that covers them
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._channels: set[Channel] = set()
@@ -76,7 +94,13 @@ class BlockServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._listener)
-            self._spawn(self._serve(Channel(conn)))
+            if len(self._channels) >= self.max_connections:
+                self.refused_connections += 1
+                conn.close()  # before reading anything: a flood costs a socket, never a buffer
+                continue
+            ch = Channel(conn)
+            self._channels.add(ch)
+            self._spawn(self._serve(ch))
 
     async def stop(self) -> None:
         if self._listener is not None:
@@ -88,15 +112,19 @@ class BlockServer:
             ch.close()
 
     async def _serve(self, ch: Channel) -> None:
-        self._channels.add(ch)
         reserved: set[bytes] = set()  # in-place writes this client has not committed yet
         try:
+            await authenticate_peer(ch, self._handshake_key)
             while True:
-                req = decode_request(await ch.recv_header())
-                await self._handle(ch, req, reserved)
+                async with asyncio.timeout(self.idle_timeout_s):
+                    header = await ch.recv_header()
+                await self._handle(ch, decode_request(header), reserved)
         except ChannelClosed:
             pass
-        except (FramingError, OSError) as exc:
+        except AuthError as exc:
+            self.refused_connections += 1
+            log.warning("refused an unauthenticated connection: %s", exc)
+        except (FramingError, CapabilityError, OSError) as exc:  # TimeoutError (idle) is an OSError
             log.warning("closing connection after %s", exc)
         finally:
             for key in reserved:  # the client went away mid-write: its room is free again
@@ -109,11 +137,17 @@ class BlockServer:
         try:
             _validate(req)
         except BadRequest as exc:
-            if req.op is Op.WRITE and len(req.sizes) == len(req.keys) and all(0 < s <= MAX_BLOCK for s in req.sizes):
-                await ch.discard(sum(req.sizes))
-            elif req.op is Op.WRITE:
+            if req.op is Op.WRITE:  # its payload follows, sized by a header we cannot trust: never read it
                 raise FramingError(f"unrecoverable write request: {exc}") from None
             await ch.send(Response(False, error=f"bad request: {exc}"))
+            return
+        try:
+            authorize(self.checker, req)
+        except CapabilityError as exc:
+            self.refused_requests += 1
+            if req.op is Op.WRITE:  # its payload follows: read it into scratch (never allocated), drop it
+                await ch.discard(sum(req.sizes))
+            await ch.send(Response(False, error=f"forbidden: {exc}"))
             return
         context = extract_context({"traceparent": req.traceparent}) if req.traceparent else None
         with _tracer.start_as_current_span(f"transfer.{req.op.name.lower()}", context=context,
@@ -221,6 +255,10 @@ class BlockServer:
 
 
 def _validate(req: Request) -> None:
+    if req.op is Op.AUTH:
+        raise BadRequest("the connection is already authenticated")
+    if len(req.keys) > MAX_KEYS:
+        raise BadRequest(f"at most {MAX_KEYS} keys per request")
     if any(len(k) != 32 for k in req.keys):
         raise BadRequest("keys must be 32 bytes")
     if req.op in (Op.WRITE, Op.RESERVE) or (req.op is Op.COMMIT and req.sizes):

@@ -1,8 +1,11 @@
 """Same-host transport: bytes move through the node's shared-memory segment, never a socket.
 
-Only control messages cross the TCP connection: LOCATE before a read, RESERVE (or nothing,
-when the cache-manager already chose the offsets) and COMMIT around a write. Blocks that are
-not in DRAM (demoted to NVMe/S3) are read over TCP.
+The segment's name is only told over an authenticated connection, and the segment is private
+to the node's user (mode 0600): a weaker boundary than the socket by nature, since a client
+that maps it can read and write any byte (the KV MACs still catch what it forges). Only
+control messages cross the TCP connection: LOCATE before a read, RESERVE (or nothing, when the
+cache-manager already chose the offsets) and COMMIT around a write. Blocks that are not in DRAM
+(demoted to NVMe/S3) are read over TCP.
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ class ShmTransport(Transport):
         self,
         keys: Sequence[bytes],
         *,
+        caps: Sequence[bytes] = (),
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
     ) -> list[memoryview | None]:
         self._check_segment()
         if extents is None:
-            where = await self.control.request(Request(Op.LOCATE, list(keys)))
+            where = await self.control.request(Request(Op.LOCATE, list(keys), caps=list(caps)))
             if not where.ok or len(where.offsets) != len(keys):
                 raise TransferError(f"{self.control.address}: locate refused: {where.error}")
             extents = [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]
@@ -60,7 +64,9 @@ class ShmTransport(Transport):
         _READ.inc(sum(src.nbytes for src in sources if src is not None))  # lower tiers count as TCP
         lower = [i for i, src in enumerate(sources) if src is None]
         if lower:
-            for i, view in zip(lower, await self.control.read([keys[i] for i in lower], missing_ok=True)):
+            lower_caps = [caps[i] for i in lower] if caps else []
+            for i, view in zip(lower, await self.control.read([keys[i] for i in lower], caps=lower_caps,
+                                                              missing_ok=True)):
                 sources[i] = view
         out = destination(into, sum(src.nbytes for src in sources if src is not None))
         views: list[memoryview | None] = []
@@ -81,16 +87,17 @@ class ShmTransport(Transport):
         keys: Sequence[bytes],
         payloads: Sequence[Buffer],
         *,
+        caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
     ) -> None:
         if tier is not Tier.DRAM:
-            await self.control.write(keys, payloads, offsets=offsets, tier=tier)
+            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier)
             return
         sizes = check_batch(keys, payloads, offsets)
         self._check_segment()
         if offsets is None:
-            resp = await self.control.request(Request(Op.RESERVE, list(keys), sizes))
+            resp = await self.control.request(Request(Op.RESERVE, list(keys), sizes, caps=list(caps)))
             if not resp.ok:
                 raise TransferError(f"{self.control.address}: reserve refused: {resp.error}")
             targets = resp.offsets
@@ -102,14 +109,15 @@ class ShmTransport(Transport):
             self._seg[offset : offset + size] = memoryview(payload).cast("B")
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
         claim = offsets is not None
-        commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [])
+        commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
+                         caps=list(caps))
         resp = await self.control.request(commit)
         if not resp.ok:
             raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
         _WRITTEN.inc(sum(sizes))
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        return await self.control.delete(keys)
+    async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
+        return await self.control.delete(keys, caps=caps)
 
     async def close(self) -> None:
         await self.control.close()

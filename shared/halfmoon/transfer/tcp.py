@@ -6,10 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer
 from halfmoon.telemetry.metrics import METRICS
+from halfmoon.transfer.auth import authenticate_to_node
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
 from halfmoon.transfer.transport import TransferError, Transport, check_batch, destination, missing_error
@@ -27,14 +29,17 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class TcpTransport(Transport):
     """``timeout_s`` bounds each whole request (connect, send, reply); a node that does not
-    answer in time is a ``TransferError`` like one that cannot be reached."""
+    answer in time is a ``TransferError`` like one that cannot be reached, and so is one that
+    fails the handshake (``keys``: the cluster's)."""
 
-    def __init__(self, address: str, pool_size: int = 4, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, pool_size: int = 4, timeout_s: float = 30.0,
+                 keys: ClusterKeys = DEV_KEYS) -> None:
         if pool_size < 1 or timeout_s <= 0:
             raise ValueError("pool_size must be >= 1 and timeout_s > 0")
         self.address = address
         self.timeout_s = timeout_s
         self._host, self._port = parse_address(address)
+        self._handshake_key = keys.handshake
         self._idle: list[Channel] = []
         self._slots = asyncio.Semaphore(pool_size)
 
@@ -43,15 +48,24 @@ class TcpTransport(Transport):
         async with self._slots:
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    ch = self._idle.pop() if self._idle else await Channel.connect(self._host, self._port)
+                    ch = self._idle.pop() if self._idle else await self._connect()
                     try:
                         yield ch
                     except BaseException:
                         ch.close()  # the stream may be mid-message: never reuse it
                         raise
-            except (OSError, FramingError) as exc:  # TimeoutError is an OSError
+            except (OSError, FramingError) as exc:  # TimeoutError and AuthError are OSErrors
                 raise TransferError(f"{self.address}: {type(exc).__name__}: {exc}") from exc
             self._idle.append(ch)
+
+    async def _connect(self) -> Channel:
+        ch = await Channel.connect(self._host, self._port)
+        try:
+            await authenticate_to_node(ch, self._handshake_key)
+        except BaseException:
+            ch.close()
+            raise
+        return ch
 
     async def request(self, req: Request, payloads: Sequence[Buffer] = ()) -> Response:
         """One control round trip (no payloads expected back)."""
@@ -63,12 +77,13 @@ class TcpTransport(Transport):
         self,
         keys: Sequence[bytes],
         *,
+        caps: Sequence[bytes] = (),
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
     ) -> list[memoryview | None]:
         async with self._channel() as ch:
-            await ch.send(Request(Op.READ, list(keys)))
+            await ch.send(Request(Op.READ, list(keys), caps=list(caps)))
             resp = decode_response(await ch.recv_header())
             if not resp.ok or len(resp.sizes) != len(keys):
                 raise TransferError(f"{self.address}: read refused: {resp.error}")
@@ -92,17 +107,22 @@ class TcpTransport(Transport):
         keys: Sequence[bytes],
         payloads: Sequence[Buffer],
         *,
+        caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
     ) -> None:
         sizes = check_batch(keys, payloads, offsets)
-        resp = await self.request(Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier)), payloads)
+        req = Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier), caps=list(caps))
+        resp = await self.request(req, payloads)
         if not resp.ok:
             raise TransferError(f"{self.address}: {len(resp.keys)} block(s) not stored: {resp.error}")
         _WRITTEN.inc(sum(sizes))
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        return (await self.request(Request(Op.DELETE, list(keys)))).count
+    async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
+        resp = await self.request(Request(Op.DELETE, list(keys), caps=list(caps)))
+        if not resp.ok:
+            raise TransferError(f"{self.address}: delete refused: {resp.error}")
+        return resp.count
 
     async def close(self) -> None:
         while self._idle:

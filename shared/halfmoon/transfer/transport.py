@@ -31,13 +31,16 @@ class Transport(ABC):
     blocks back to back (e.g. KV cache pages); the views are then slices of it, and a buffer
     too small for the blocks is a ``ValueError``. ``extents`` are the DRAM (offset, size) of
     each key from a lookup's replicas (the lease keeps them valid); transports that address the
-    segment directly (shared memory, RDMA) then skip asking the node, others ignore them."""
+    segment directly (shared memory, RDMA) then skip asking the node, others ignore them.
+    ``caps`` are one capability per key (transfer/capability.py), from the cache-manager's
+    answers or a park capability; the node refuses keys they do not cover."""
 
     @abstractmethod
     async def read(
         self,
         keys: Sequence[bytes],
         *,
+        caps: Sequence[bytes] = (),
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
@@ -49,12 +52,13 @@ class Transport(ABC):
         keys: Sequence[bytes],
         payloads: Sequence[Buffer],
         *,
+        caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
     ) -> None: ...
 
     @abstractmethod
-    async def delete(self, keys: Sequence[bytes]) -> int:
+    async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
         """Remove the keys from every tier of the node; returns how many it held."""
 
     @abstractmethod

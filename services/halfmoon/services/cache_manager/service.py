@@ -18,16 +18,19 @@ from typing import NamedTuple
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import InventoryItem, NodeSpec, Order, OrderKind, PoolConfig, Replica
-from halfmoon.kv.pool_wire import executing_node, location, order_to_wire, stats_reply
+from halfmoon.kv.pool_wire import executing_node, stats_reply
 from halfmoon.policy.eviction import Watermarks
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, RemoteError
 from halfmoon.protocol.cache import BlockReplicas, CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import OrderBatch, PoolStatsReply, RemoveRequest, StatsRequest
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
+from halfmoon.services.cache_manager.grants import READ, WRITE, Grants
 from halfmoon.telemetry.metrics import METRICS, Metrics
+from halfmoon.transfer.capability import Right
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
@@ -47,16 +50,33 @@ class CacheManagerConfig(ServiceConfig):
     hot_reads_per_s: float = field(default=50.0, metadata={"help": "read rate that earns extra DRAM replicas"})
     max_hot_replicas: int = field(default=3, metadata={"help": "most DRAM replicas of a hot block"})
     housekeeping_interval_s: float = field(default=0.25, metadata={"help": "seconds between housekeeping rounds"})
+    capability_ttl_s: float = field(default=300.0, metadata={
+        "help": "lifetime of the read/write capabilities in put_start and lookup answers"})
+    tenant_quota_bytes: int = field(default=0, metadata={
+        "help": "pool bytes each tenant may hold (0: no quota; requests without a tenant are never limited)"})
+    tenant_quotas: str = field(default="", metadata={"help": "per-tenant quotas overriding it: name=bytes,..."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.pool_config()  # validates
+        if self.capability_ttl_s <= 0:
+            raise ValueError(f"capability_ttl_s must be > 0, got {self.capability_ttl_s}")
+
+    def quotas(self) -> dict[str, int]:
+        out = {}
+        for item in filter(None, (part.strip() for part in self.tenant_quotas.split(","))):
+            name, sep, size = item.partition("=")
+            if not sep or not name or not size.strip().isdigit():
+                raise ValueError(f"tenant_quotas entries are name=bytes, got {item!r}")
+            out[name.strip()] = int(size)
+        return out
 
     def pool_config(self) -> PoolConfig:
         return PoolConfig(eviction=self.eviction, replicas=self.replicas,
                           watermarks=Watermarks(high=self.high_watermark, low=self.low_watermark),
                           put_timeout_s=self.put_timeout_s, lease_ttl_s=self.lease_ttl_s,
-                          hot_reads_per_s=self.hot_reads_per_s, max_hot_replicas=self.max_hot_replicas)
+                          hot_reads_per_s=self.hot_reads_per_s, max_hot_replicas=self.max_hot_replicas,
+                          tenant_quota_bytes=self.tenant_quota_bytes, tenant_quotas=self.quotas())
 
 
 class NodeInfo(NamedTuple):
@@ -71,6 +91,7 @@ class CacheManagerService(Service[CacheManagerConfig]):
     def __init__(self, config: CacheManagerConfig, tracer_provider: TracerProvider | None = None) -> None:
         super().__init__(config, tracer_provider)
         self.index = PoolIndex(config.pool_config())
+        self.grants = Grants(self.cluster_keys.grant, config.capability_ttl_s)
         self.nodes: dict[str, NodeInfo] = {}
         self._joining: set[str] = set()
         self._orders: list[Order] = []
@@ -110,10 +131,12 @@ class CacheManagerService(Service[CacheManagerConfig]):
         if beat.role is not Role.TRANSFER or not beat.address or node in self.nodes or node in self._joining:
             return
         self._joining.add(node)
-        transport = TcpTransport(beat.address, pool_size=1)
+        transport = TcpTransport(beat.address, pool_size=1, keys=self.cluster_keys)
         try:
             hello = await transport.request(Request(Op.HELLO))
-            inventory = await transport.request(Request(Op.INVENTORY))
+            inventory = await transport.request(Request(Op.INVENTORY, caps=[self.grants.inventory(node)]))
+            if not inventory.ok:
+                raise TransferError(f"inventory refused: {inventory.error}")
         except (TransferError, OSError) as exc:
             self.log.warning("transfer node unreachable", extra={"node": node, "error": str(exc)})
             return
@@ -134,22 +157,23 @@ class CacheManagerService(Service[CacheManagerConfig]):
             lost = self.index.remove_node(down.instance_id, time.time())
             self.log.info("transfer node left", extra={"node": down.instance_id, "lost_blocks": len(lost)})
 
-    def _location(self, key: bytes, replica: Replica):  # type: ignore[no-untyped-def]
+    def _location(self, key: bytes, replica: Replica, rights: Right) -> BlockLocation:
         info = self.nodes[replica.node]
-        return location(key, replica, info.address, info.segment)
+        return self.grants.location(key, replica, info.address, info.segment, rights)
 
     # -------------------------------------------------------------------- protocol
     async def _put_start(self, req: PutStart) -> PutPlan:
         try:
-            placements = self.index.put_start(req.keys, req.sizes, time.time(), req.first_position)
+            placements = self.index.put_start(req.keys, req.sizes, time.time(), req.first_position, req.tenant)
         except ValueError as exc:
             raise RemoteError(ErrorReply(code=ErrorCode.BAD_REQUEST, message=str(exc))) from None
         existing = [p.key for p in placements if p.exists]
         return PutPlan(
-            placements=tuple(self._location(p.key, r) for p in placements if not p.exists for r in p.replicas),
+            placements=tuple(self._location(p.key, r, WRITE) for p in placements if not p.exists for r in p.replicas),
             existing=tuple(existing),
             expires=time.time() + self.config.put_timeout_s,
-            existing_replicas=tuple(self._location(key, replica) for key, replica in self.index.locate(existing)),
+            existing_replicas=tuple(self._location(key, replica, READ)
+                                    for key, replica in self.index.locate(existing)),
         )
 
     async def _put_end(self, req: PutEnd) -> CacheAck:
@@ -160,7 +184,7 @@ class CacheManagerService(Service[CacheManagerConfig]):
         found = self.index.lookup(req.keys, time.time())
         METRICS.cache_hit_blocks.labels(self.role.value).inc(len(found.hits))
         METRICS.cache_miss_blocks.labels(self.role.value).inc(len(req.keys) - len(found.hits))
-        hits = tuple(BlockReplicas(key=key, replicas=tuple(self._location(key, r) for r in replicas))
+        hits = tuple(BlockReplicas(key=key, replicas=tuple(self._location(key, r, READ) for r in replicas))
                      for key, replicas in zip(req.keys, found.hits))
         if found.lease is None:
             return LookupResult(hits=hits)
@@ -203,7 +227,8 @@ class CacheManagerService(Service[CacheManagerConfig]):
             return (False,) * len(batch)
         try:
             reply = await self.request(self.subjects.transfer_orders(node),
-                                       OrderBatch(orders=tuple(order_to_wire(o) for o in batch), addresses=addresses),
+                                       OrderBatch(orders=tuple(self.grants.order(o) for o in batch),
+                                                  addresses=addresses),
                                        codecs.ORDER_RESULTS, ORDER_TIMEOUT_S)
         except RemoteError as exc:
             self.log.warning("orders not delivered", extra={"node": node, "error": str(exc)})

@@ -28,6 +28,8 @@ class PolicySettings:
     tbt_slo_s: float = field(default=0.2, metadata={"help": "TBT SLO the decode choice keeps to"})
     prefill_tokens_per_s: float = field(default=8000.0, metadata={"help": "prior prefill speed until measured"})
     decode_step_s: float = field(default=0.01, metadata={"help": "prior decode step time of a batch of one"})
+    decode_step_per_seq_s: float = field(default=0.0005, metadata={
+        "help": "prior growth of the decode step per sequence in the batch"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
 
     def check_policy(self) -> None:
@@ -36,6 +38,8 @@ class PolicySettings:
         SLO(self.ttft_slo_s, self.tbt_slo_s)
         if min(self.prefill_tokens_per_s, self.decode_step_s, self.transfer_bytes_per_s) <= 0:
             raise ValueError("cost priors must be positive")
+        if self.decode_step_per_seq_s < 0:
+            raise ValueError(f"decode_step_per_seq_s must be >= 0, got {self.decode_step_per_seq_s}")
 
 
 def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBlockIndex, OnlineFitter | None]:
@@ -49,7 +53,7 @@ def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBloc
 
     def make_scheduler(spec: KVSpec) -> KVCentricScheduler:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
-                          decode=DecodeCostModel((settings.decode_step_s, 0.0, 1e-8)),
+                          decode=DecodeCostModel((settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8)),
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
                                   make_admission(settings.admission, SloAwareDecode(cost.decode, slo)), slo)

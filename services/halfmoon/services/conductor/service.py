@@ -13,11 +13,11 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
-from halfmoon.protocol.scheduling import RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.service import Service, ServiceConfig
 from halfmoon.services.conductor.placement import Placement, PlacementPolicy
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
-from halfmoon.services.conductor.registry import InstanceTable
+from halfmoon.services.conductor.registry import InstanceTable, InstanceView
 from opentelemetry.trace import TracerProvider
 
 
@@ -38,7 +38,12 @@ class ConductorConfig(ServiceConfig, PolicySettings):
 
 
 class ConductorService(Service[ConductorConfig]):
-    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice)."""
+    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice).
+
+    Several conductors run side by side, each a hot standby for the others: every one hears all
+    heartbeats, KV events and the others' placements (Placed), so each has the whole picture
+    and takes over the moment NATS stops routing schedule requests to a dead one.
+    """
 
     role = Role.CONDUCTOR
     config_class = ConductorConfig
@@ -63,6 +68,7 @@ class ConductorService(Service[ConductorConfig]):
         await self.listen_heartbeats(self._on_heartbeat)
         await self.listen_downs(self._on_down)
         await self.listen(self.subjects.kv_events, codecs.KV_EVENTS, self._on_kv_events)
+        await self.listen(self.subjects.placed, codecs.PLACED, self._on_placed)
         await self.serve(
             self.subjects.schedule,
             codecs.SCHEDULE_REQUEST,
@@ -73,6 +79,12 @@ class ConductorService(Service[ConductorConfig]):
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="conductor-sweeper")
         # Rebuild what prefill instances hold in their local caches (after a restart, too).
         await self.publish(self.subjects.kv_snapshot, SnapshotRequest())
+
+    async def _on_placed(self, placed: Placed, _headers: Mapping[str, str]) -> None:
+        if placed.conductor != self.instance_id:
+            now = time.monotonic()
+            self.table.note_assigned(placed.prefill_instance, now)
+            self.table.note_assigned(placed.decode_instance, now)
 
     async def _on_kv_events(self, events: KVEvents, _headers: Mapping[str, str]) -> None:
         self.block_index.apply(events.instance_id, events.stored, events.evicted, events.snapshot)
@@ -109,6 +121,11 @@ class ConductorService(Service[ConductorConfig]):
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
+            if not self.nc.is_connected:
+                # NOTE: cut off from NATS, this conductor hears no heartbeats: that proves nobody dead.
+                # Holding every instance until the outage ends gives each a full timeout after it.
+                self.table.hold(time.monotonic())
+                continue
             for gone in self.table.expire(time.monotonic()):
                 self.block_index.forget(gone.instance_id)
                 self.log.warning("instance silent; dropped", extra={"instance": gone.instance_id})
@@ -122,12 +139,16 @@ class ConductorService(Service[ConductorConfig]):
             return self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
         if request.deadline <= time.time():
             return self._reject(request, RejectReason.DEADLINE, "deadline passed before scheduling")
-        choice = self.policy.place(request, self.table.candidates(Role.PREFILL), self.table.candidates(Role.DECODE),
-                                   now=time.time())
+        prefill, decode = (_avoiding(self.table.candidates(role), request.exclude) for role in (Role.PREFILL,
+                                                                                                Role.DECODE))
+        choice = self.policy.place(request, prefill, decode, now=time.time())
         if not isinstance(choice, Placement):
             return self._reject(request, choice.reason, choice.message, choice.retry_after_s)
-        self.table.note_assigned(choice.prefill)
-        self.table.note_assigned(choice.decode)
+        now = time.monotonic()
+        self.table.note_assigned(choice.prefill, now)
+        self.table.note_assigned(choice.decode, now)
+        await self.publish(self.subjects.placed, Placed(conductor=self.instance_id, prefill_instance=choice.prefill,
+                                                        decode_instance=choice.decode))
         return ScheduleAccepted(
             request_id=request.request_id,
             prefill_instance=choice.prefill,
@@ -140,3 +161,9 @@ class ConductorService(Service[ConductorConfig]):
         self.log.info("rejected", extra={"request_id": request.request_id, "reason": reason.value, "why": message})
         retry = self.config.retry_after_s if retry_after_s is None else retry_after_s
         return ScheduleRejected(request_id=request.request_id, reason=reason, message=message, retry_after_s=retry)
+
+
+def _avoiding(candidates: list[InstanceView], exclude: tuple[str, ...]) -> list[InstanceView]:
+    """The candidates minus those the requester saw fail, unless that leaves none (they may be back)."""
+    kept = [v for v in candidates if v.instance_id not in exclude]
+    return kept or candidates

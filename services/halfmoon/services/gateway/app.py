@@ -18,6 +18,7 @@ from halfmoon.protocol.stream import TokenEvent, Usage
 from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
 from halfmoon.services.gateway.guard import Guard
+from halfmoon.services.gateway.guards import check_nesting, check_wire_size
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import Detokenizer, ServedModel
 from halfmoon.services.gateway.openapi import openapi_document
@@ -122,8 +123,12 @@ class GatewayApi:
         return {"object": "list", "data": [card]}
 
     async def health(self) -> JSONResponse:
-        ok = self.accepting()
-        return JSONResponse({"status": "ok" if ok else "draining"}, status_code=200 if ok else 503)
+        if not self.accepting():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        ok, reason = self.client.service.liveness.status()
+        if not ok:
+            return JSONResponse({"status": "nats_unreachable", "detail": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -173,6 +178,7 @@ class GatewayApi:
 
     async def _parse(self, request: Request, kind: Kind) -> CompletionRequest | ChatCompletionRequest:
         body = await self._read_body(request)
+        check_nesting(body)  # before any decoder recurses into it
         schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
         try:
             parsed = msgspec.json.decode(body, type=schema)
@@ -215,12 +221,15 @@ class GatewayApi:
             sampling = parsed.sampling(budget, parsed.wants_logprobs)
         except ValueError as exc:
             raise invalid(str(exc)) from None
+        self.model.check_ids(parsed.stop_token_ids, param="stop_token_ids")
+        check_wire_size(prompt_ids, sampling, self.client.service.nc.max_payload)
         await self.guard.admit(tenant, len(prompt_ids) + budget)
         span.set_attribute("halfmoon.prompt_tokens", len(prompt_ids))
         shape = ResponseShape(kind, request_id, self.model.name)
         output = _Output(self.model, kind, len(prompt_ids), parsed.wants_logprobs)
         salt = self.guard.cache_salt(tenant, parsed.cache_salt)
-        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=salt)
+        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=salt, span=span,
+                                     tenant=tenant.name if tenant is not None else "")
         started = time.monotonic()
         try:
             await gen.__aenter__()

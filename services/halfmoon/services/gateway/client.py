@@ -1,37 +1,40 @@
 """The gateway's side of the serving path: schedule, submit, and follow one request's stream.
 
-A :class:`Generation` yields the request's TokenEvents in output order and turns every way
-the path can fail into :class:`GenerationError`: conductor rejection, no first token within
-``ttft_timeout_s``, no next token within ``itl_timeout_s``, an ErrorEvent, or an InstanceDown
-naming an instance that still holds the request.
+A :class:`Generation` yields the request's TokenEvents in output order, each token once. When an
+instance holding the request fails (InstanceDown, a retryable ErrorEvent, a stall past the
+timeout, a stream nobody holds any more) it migrates the request: a new placement, attempt
+number one higher, continuing from the prompt plus the tokens already delivered, up to
+``migration_limit`` times. Events of older attempts and indexes already delivered are dropped,
+so the client sees one continuous, duplicate-free stream. A gap or a quiet spell (core NATS
+drops messages across a reconnect) first asks the instances to re-send (ResumeRequest).
+Everything else ends in :class:`GenerationError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
+import nats.errors
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.registry import InstanceDown
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
-from halfmoon.protocol.stream import ErrorEvent, TokenEvent
+from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRequest
+from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
 from halfmoon.service import Service
+from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
+from halfmoon.services.gateway.peers import Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import Span
 
-
-class GenerationError(Exception):
-    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
+log = logging.getLogger("halfmoon.gateway")
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class Deadlines:
     ttft_timeout_s: float
     itl_timeout_s: float
     submit_attempts: int = 3
+    migration_limit: int = 2
+    stall_probe_s: float = 2.0  # quiet this long: ask the instances to re-send
 
 
 class ServingClient:
-    """Starts generations over NATS on behalf of ``service`` and fails them when instances die."""
+    """Starts generations over NATS on behalf of ``service`` and tells them when instances die."""
 
     def __init__(self, service: Service, model: str, deadlines: Deadlines) -> None:
         self.service = service
@@ -59,10 +64,9 @@ class ServingClient:
     def in_flight(self) -> int:
         return len({g for gens in self._watchers.values() for g in gens})
 
-    def generation(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, tenant_salt: str | None = None
-    ) -> Generation:
-        return Generation(self, request_id, tuple(prompt_ids), sampling, tenant_salt)
+    def generation(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                   tenant_salt: str | None = None, span: Span | None = None, tenant: str = "") -> Generation:
+        return Generation(self, request_id, tuple(prompt_ids), sampling, tenant_salt, span, tenant)
 
     def watch(self, instance_id: str, gen: Generation) -> None:
         self._watchers.setdefault(instance_id, set()).add(gen)
@@ -75,40 +79,45 @@ class ServingClient:
                 del self._watchers[instance_id]
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
-        for gen in list(self._watchers.get(down.instance_id, ())):
+        holders = list(self._watchers.get(down.instance_id, ()))
+        if holders:
+            METRICS.instance_losses.labels(down.role.value).inc()
+        for gen in holders:
             gen.instance_down(down)
 
 
 class Generation:
     """One request on the serving path; use as ``async with`` and iterate ``events()``."""
 
-    def __init__(
-        self,
-        client: ServingClient,
-        request_id: str,
-        prompt_ids: tuple[int, ...],
-        sampling: SamplingParams,
-        tenant_salt: str | None,
-    ) -> None:
+    def __init__(self, client: ServingClient, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingParams,
+                 tenant_salt: str | None, span: Span | None = None, tenant: str = "") -> None:
         self.client = client
+        self.tenant = tenant  # whose pool quota the request's blocks count against
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.tenant_salt = tenant_salt
+        self.span = span
         self.placement: ScheduleAccepted | None = None
         self.finished = False
-        self._queue: asyncio.Queue[TokenEvent | ErrorEvent] = asyncio.Queue()
+        self.order = StreamOrder()  # what reached the client: tokens, and the attempt now streaming
+        self.recovery = Recovery(client.deadlines.migration_limit)
+        self._queue: asyncio.Queue[TokenEvent | ErrorEvent | Lost] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._watching: set[str] = set()
-        self._streamed = False  # some token reached the client
+        self._handed_off = False  # decode of the current attempt has streamed
 
+    @property
+    def attempt(self) -> int:
+        return self.order.attempt
+
+    # ----------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> Generation:
         svc = self.client.service
-        subject = svc.subjects.stream(self.request_id)
         # NOTE: subscribe before submitting, or the first tokens could arrive to nobody
-        self._sub = await svc.nc.subscribe(subject, cb=self._on_stream)
+        self._sub = await svc.nc.subscribe(svc.subjects.stream(self.request_id), cb=self._on_stream)
         try:
-            await self._place_and_submit(subject)
+            await self._place_and_submit()
         except BaseException:
             await self._unsubscribe()
             raise
@@ -119,81 +128,79 @@ class Generation:
             self._unwatch(iid)
         await self._unsubscribe()
         if not self.finished and self.placement is not None:
-            await self.client.service.publish(
-                self.client.service.subjects.cancel, CancelRequest(request_id=self.request_id, reason="abandoned")
-            )
+            await self._cancel(None, "abandoned")
 
     async def _unsubscribe(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
 
-    async def _place_and_submit(self, stream_subject: str) -> None:
+    async def _cancel(self, attempt: int | None, reason: str) -> None:
+        svc = self.client.service
+        try:
+            await svc.publish(svc.subjects.cancel, CancelRequest(request_id=self.request_id, reason=reason,
+                                                                 attempt=attempt))
+        except nats.errors.Error as exc:  # an outage: the instance's own deadline frees the work
+            log.warning("cancel not sent", extra={"request_id": self.request_id, "error": str(exc)})
+
+    def _event(self, name: str, **attributes: str | int) -> None:
+        if self.span is not None and self.span.is_recording():
+            self.span.add_event(name, {"halfmoon.attempt": self.attempt, **attributes})
+
+    # ----------------------------------------------------------------- placement
+    async def _place_and_submit(self) -> None:
+        """Place attempt ``self.attempt`` (continuing after the tokens delivered so far) and submit it."""
         svc, dl = self.client.service, self.client.deadlines
         deadline = time.time() + dl.ttft_timeout_s
-        last: RemoteError | None = None
-        for _ in range(dl.submit_attempts):
+        refused = 0
+        while True:
             placement = await self._schedule(deadline)
             prefill = PrefillRequest(
-                request_id=self.request_id,
-                prompt_token_ids=self.prompt_ids,
-                sampling=self.sampling,
-                decode_instance=placement.decode_instance,
-                stream_subject=stream_subject,
-                deadline=deadline,
-                tenant_salt=self.tenant_salt,
+                request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
+                decode_instance=placement.decode_instance, stream_subject=svc.subjects.stream(self.request_id),
+                deadline=deadline, tenant_salt=self.tenant_salt, output_token_ids=tuple(self.order.tokens),
+                attempt=self.attempt, tenant=self.tenant,
             )
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)
             try:
-                await svc.request(
-                    svc.subjects.prefill_submit(placement.prefill_instance),
-                    prefill,
-                    codecs.SUBMIT_REPLY,
-                    dl.submit_timeout_s,
-                )
-            except (RemoteError, ProtocolError) as exc:
+                await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
+                                  codecs.SUBMIT_REPLY, dl.submit_timeout_s)
+            except (RemoteError, ProtocolError, nats.errors.Error) as exc:
                 self._unwatch(placement.prefill_instance)
                 self._unwatch(placement.decode_instance)
-                # NOTE: only retry when the instance surely did not take it (draining, gone); after a
-                # timeout it may be working, and a second placement would stream twice.
-                if isinstance(exc, ProtocolError) or exc.code is not ErrorCode.UNAVAILABLE:
-                    await svc.publish(
-                        svc.subjects.cancel, CancelRequest(request_id=self.request_id, reason="submit failed")
-                    )
-                    raise GenerationError(exc.code, f"prefill did not take the request: {exc}") from exc
-                last = exc
-                continue
-            self.placement = placement
+                self.recovery.exclude(placement.prefill_instance)
+                code = exc.code if isinstance(exc, RemoteError | ProtocolError) else ErrorCode.UNAVAILABLE
+                if code is ErrorCode.UNAVAILABLE and refused + 1 < dl.submit_attempts:
+                    refused += 1  # surely not taken (draining, gone): the same attempt elsewhere
+                    continue
+                # NOTE: after a timeout it may be working: only a new attempt may go elsewhere, so
+                # that whatever the old one streams is dropped
+                await self._cancel(self.attempt, "submit failed")
+                if code in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE) and self.recovery.allow(()):
+                    self.order.next_attempt()
+                    METRICS.migrations.labels(code.value).inc()
+                    self._event("migration", **{"halfmoon.reason": f"submit failed: {exc}"})
+                    continue
+                raise GenerationError(code, f"prefill did not take the request: {exc}") from exc
+            self.placement, self._handed_off = placement, False
+            self._event("placed", **{"halfmoon.prefill": placement.prefill_instance,
+                                     "halfmoon.decode": placement.decode_instance,
+                                     "halfmoon.resume_index": len(self.order.tokens)})
             return
-        assert last is not None
-        raise GenerationError(last.code, f"no prefill instance took the request: {last.reply.message}")
 
     async def _schedule(self, deadline: float) -> ScheduleAccepted:
+        """Ask the conductors; one that died or did not answer in time is asked again (a standby
+        takes over) until the deadline."""
         svc, dl = self.client.service, self.client.deadlines
+        context = self.prompt_ids + tuple(self.order.tokens)
         request = ScheduleRequest(
-            request_id=self.request_id,
-            model=self.client.model,
-            prompt_len=len(self.prompt_ids),
-            prompt_token_ids=self.prompt_ids,
-            sampling=self.sampling,
-            deadline=deadline,
-            tenant_salt=self.tenant_salt,
+            request_id=self.request_id, model=self.client.model, prompt_len=len(context),
+            prompt_token_ids=context, sampling=self.sampling, deadline=deadline, tenant_salt=self.tenant_salt,
+            exclude=tuple(sorted(self.recovery.excluded)),
         )
-        try:
-            reply = await svc.request(svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, dl.schedule_timeout_s)
-        except RemoteError as exc:
-            raise GenerationError(exc.code, f"conductor: {exc.reply.message}") from exc
-        except ProtocolError as exc:
-            raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
-        if isinstance(reply, ScheduleRejected):
-            METRICS.rejections.labels(reply.reason.value).inc()
-            raise GenerationError(
-                ErrorCode.OVERLOADED,
-                f"request rejected ({reply.reason.value}): {reply.message}",
-                retry_after_s=reply.retry_after_s,
-            )
-        return reply
+        return await schedule(svc, request, deadline, dl.schedule_timeout_s,
+                              lambda error: self._event("schedule_retry", **{"halfmoon.error": error}))
 
     def _watch(self, instance_id: str) -> None:
         self._watching.add(instance_id)
@@ -203,62 +210,113 @@ class Generation:
         self._watching.discard(instance_id)
         self.client.unwatch(instance_id, self)
 
+    # ----------------------------------------------------------------- failures
     async def _on_stream(self, msg: Msg) -> None:
         try:
             event = codecs.STREAM.decode(msg.data)
         except ProtocolError as exc:
-            event = ErrorEvent(request_id=self.request_id, code=exc.code, message=f"bad stream event: {exc.message}")
+            event = ErrorEvent(request_id=self.request_id, code=exc.code, message=f"bad stream event: {exc.message}",
+                               attempt=self.attempt)
         self._queue.put_nowait(event)
 
-    def _handed_off(self, event: TokenEvent) -> bool:
-        """Decode has the request: it streams from index 1 on (prefill sent index 0)."""
-        p = self.placement
-        if p is None or p.prefill_instance not in self._watching:
-            return False
-        return event.instance_id == p.decode_instance or (not event.instance_id and event.index >= 1)
-
-    def _from_placement(self, instance_id: str) -> bool:
-        p = self.placement
-        return not instance_id or p is None or instance_id in (p.prefill_instance, p.decode_instance)
-
     def instance_down(self, down: InstanceDown) -> None:
-        """Fail unless ``down`` is the prefill instance leaving gracefully after streaming the first
-        token: a draining prefill hands its requests off before it says goodbye."""
+        """Migrate unless ``down`` no longer matters: the prefill instance after decode took over, or
+        leaving gracefully after streaming (a draining prefill hands its requests off before it says goodbye)."""
         p = self.placement
-        graceful_after_handoff = (
-            p is not None and down.instance_id == p.prefill_instance and down.reason == "shutdown" and self._streamed
-        )
-        if not graceful_after_handoff:
-            self.fail(
-                ErrorCode.INSTANCE_DOWN, f"{down.role.value} instance {down.instance_id} went down ({down.reason})"
-            )
+        if p is None or down.instance_id not in (p.prefill_instance, p.decode_instance):
+            return
+        is_prefill = down.instance_id == p.prefill_instance and down.instance_id != p.decode_instance
+        if is_prefill and (self._handed_off or (down.reason == "shutdown" and self.order.tokens)):
+            return
+        self._queue.put_nowait(Lost(self.attempt, f"{down.role.value} instance {down.instance_id} went down "
+                                                  f"({down.reason})", ErrorCode.INSTANCE_DOWN, (down.instance_id,)))
+        self._event("instance_down", **{"halfmoon.instance": down.instance_id, "halfmoon.reason": down.reason})
 
-    def fail(self, code: ErrorCode, message: str) -> None:
-        self._queue.put_nowait(ErrorEvent(request_id=self.request_id, code=code, message=message))
+    async def _migrate(self, lost: Lost) -> None:
+        """Place the request again after ``lost``, or raise when it may not migrate any more."""
+        p = self.placement
+        # avoided, not banned: the conductor still places there if nothing else is left
+        failed = lost.instances or ((p.prefill_instance, p.decode_instance) if p else ())
+        if not self.recovery.allow(failed):
+            METRICS.migration_exhausted.inc()
+            self._event("migration_limit", **{"halfmoon.reason": lost.message})
+            suffix = f"; gave up after {self.recovery.used} migrations" if self.recovery.used else ""
+            raise GenerationError(lost.code, lost.message + suffix)
+        old = self.attempt
+        for iid in list(self._watching):
+            self._unwatch(iid)
+        await self._cancel(old, "migrated")
+        self.order.next_attempt()
+        METRICS.migrations.labels(lost.code.value).inc()
+        self._event("migration", **{"halfmoon.reason": lost.message, "halfmoon.from_attempt": old,
+                                    "halfmoon.resume_index": len(self.order.tokens)})
+        log.info("migrating request", extra={"request_id": self.request_id, "attempt": self.attempt,
+                                             "reason": lost.message, "resume_index": len(self.order.tokens)})
+        await self._place_and_submit()
 
+    async def _probe(self) -> Lost | None:
+        """Ask the current attempt's instances to re-send from the next index. A Lost when every one of
+        them answered that it does not hold the attempt (or is gone); None when one does, or may."""
+        p, svc = self.placement, self.client.service
+        if p is None:
+            return None
+        resume = ResumeRequest(request_id=self.request_id, attempt=self.attempt, from_index=len(self.order.tokens))
+        targets = tuple(dict.fromkeys((p.decode_instance, p.prefill_instance)))
+        self._event("stream_resume", **{"halfmoon.from_index": resume.from_index})
+        if await ask_to_resend(svc, resume, targets) is not Resend.NOBODY:
+            return None
+        return Lost(self.attempt, "no instance holds the stream any more", ErrorCode.UNAVAILABLE, targets)
+
+    # ----------------------------------------------------------------- the stream
     async def events(self) -> AsyncIterator[TokenEvent]:
         """TokenEvents in output order until the one with ``finish_reason``; raises GenerationError."""
         dl = self.client.deadlines
-        expected, early = 0, {}
-        timeout, phase = dl.ttft_timeout_s, "first token"
+        progress = probed = time.monotonic()  # last delivery (or new attempt), last resume request
         while not self.finished:
-            try:
-                event = await asyncio.wait_for(self._queue.get(), timeout)
-            except TimeoutError:
-                raise GenerationError(ErrorCode.TIMEOUT, f"no {phase} within {timeout}s") from None
-            if isinstance(event, ErrorEvent):
-                raise GenerationError(event.code, event.message)
-            if event.index < expected or not self._from_placement(event.instance_id):
-                continue  # a duplicate, or a stray from an instance that does not hold this request
-            early[event.index] = event
-            while expected in early:
-                ready = early.pop(expected)
-                expected += len(ready.token_ids)
-                self._streamed = True
-                if self._handed_off(ready):
-                    self._unwatch(self.placement.prefill_instance)
-                self.finished = ready.finish_reason is not None
-                timeout, phase = dl.itl_timeout_s, "next token"
-                yield ready
+            phase, limit = ("next token", dl.itl_timeout_s) if self.order.attempt_delivered else (
+                "first token", dl.ttft_timeout_s)
+            now = time.monotonic()
+            idle = now - progress
+            outcome: Lost | list[TokenEvent] | None = None
+            if idle >= limit:
+                outcome = Lost(self.attempt, f"no {phase} within {limit}s", ErrorCode.TIMEOUT, ())
+            elif idle >= dl.stall_probe_s and now - probed >= dl.stall_probe_s:
+                probed = now  # quiet, or stuck behind a gap: ask for what was lost
+                outcome = await self._probe()
+            if outcome is None:
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), min(dl.stall_probe_s, limit - idle))
+                except TimeoutError:
+                    continue
+                outcome = self._judge(item)
+            if isinstance(outcome, Lost):
+                await self._migrate(outcome)
+                progress = probed = time.monotonic()
+                continue
+            for event in outcome:
+                progress = time.monotonic()
+                self._note_holder(event)
+                self.finished = event.finish_reason is not None
+                yield event
                 if self.finished:
                     return
+
+    def _judge(self, item: TokenEvent | ErrorEvent | Lost) -> Lost | list[TokenEvent]:
+        """What one queue item means: a failure to recover from, or the events now deliverable."""
+        if isinstance(item, TokenEvent):
+            return self.order.accept(item)[0]
+        if item.attempt != self.attempt:
+            return []  # about an attempt already given up
+        if isinstance(item, Lost):
+            return item
+        if item.code not in (ErrorCode.UNAVAILABLE, ErrorCode.INSTANCE_DOWN, ErrorCode.INTERNAL):
+            raise GenerationError(item.code, item.message)
+        return Lost(self.attempt, item.message, item.code, ())
+
+    def _note_holder(self, event: TokenEvent) -> None:
+        """Once decode streams, the prefill instance no longer holds the request."""
+        p = self.placement
+        if p is not None and not self._handed_off and event.instance_id == p.decode_instance:
+            self._handed_off = True
+            if p.prefill_instance != p.decode_instance:
+                self._unwatch(p.prefill_instance)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from halfmoon.engine.context import context_limit
 from halfmoon.services.gateway.errors import ApiError, invalid
 from halfmoon.services.gateway.schemas import ChatMessage
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -18,22 +18,19 @@ class ServedModel:
     name: str
     tokenizer: PreTrainedTokenizerBase
     context_len: int
+    vocab_size: int  # ids the tokenizer and the model's embedding both know
 
     @classmethod
     def load(cls, model_dir: str, name: str = "", max_model_len: int = 0) -> ServedModel:
         directory = Path(model_dir)
-        config = json.loads((directory / "config.json").read_text())
-        context = int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
-        if max_model_len:
-            context = min(context, max_model_len) if context else max_model_len
+        config = AutoConfig.from_pretrained(directory)
+        # NOTE: the same rule and figures as the engine's check, so both agree token for token
+        context = context_limit(config, max_model_len)
         if context < 2:
-            raise ValueError(f"{model_dir}: cannot tell the context length (set max_model_len)")
+            raise ValueError(f"{model_dir}: a context of {context} tokens leaves no room to generate")
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        return cls(name or directory.name, tokenizer, context)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
+        vocab = min(len(tokenizer), getattr(config, "vocab_size", None) or len(tokenizer))
+        return cls(name or directory.name, tokenizer, context, vocab)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -53,10 +50,10 @@ class ServedModel:
             raise invalid(f"messages do not fit the model's chat template: {exc}", param="messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def check_ids(self, ids: list[int]) -> None:
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise invalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+            raise invalid(f"token id {bad} is outside the vocabulary [0, {self.vocab_size}).", param=param)
 
     def output_budget(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
         """max_tokens to use, or a context_length_exceeded error."""

@@ -11,6 +11,8 @@ import msgspec
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.services.gateway.errors import invalid
 
+MAX_STOP_TOKEN_IDS = 64  # ids outside the vocabulary are refused where the vocabulary is known (ServedModel)
+
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
@@ -71,6 +73,9 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true.", param="stream_options")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}.",
+                          param="stop_token_ids")
         stops = self.stop_strings()
         if len(stops) > 16 or any(not s for s in stops):
             raise invalid("stop must be a non-empty string or a list of at most 16 non-empty strings.", param="stop")

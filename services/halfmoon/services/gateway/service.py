@@ -35,7 +35,11 @@ class GatewayConfig(ServiceConfig):
     schedule_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for the conductor"})
     submit_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for prefill to accept"})
     ttft_timeout_s: float = field(default=60.0, metadata={"help": "fail if no first token by then"})
-    itl_timeout_s: float = field(default=30.0, metadata={"help": "fail if no next token by then"})
+    itl_timeout_s: float = field(default=30.0, metadata={"help": "migrate (or fail) if no next token by then"})
+    migration_limit: int = field(default=2, metadata={
+        "help": "place a request again at most this often when an instance fails it mid-way (0: never)"})
+    stall_probe_s: float = field(default=2.0, metadata={
+        "help": "a stream quiet this long asks its instances to re-send what NATS may have dropped"})
     api_keys_file: str = field(default="", metadata={
         "help": "API keys, one 'KEY TENANT [RPM] [TPM]' per line (KEY may be sha256:HEX); empty: no keys"})
     auth_secret_file: str = field(default="", metadata={
@@ -51,9 +55,11 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s"):
+        for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s", "stall_probe_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if not self.api_keys_file and not self.insecure_no_auth and not is_loopback(self.host):
             raise ValueError(f"listening on {self.host} without API keys would open the API to the network: "
                              "set api_keys_file (--api-keys-file, HALFMOON_API_KEYS_FILE) or insecure_no_auth")
@@ -111,7 +117,8 @@ class GatewayService(Service[GatewayConfig]):
     async def start(self) -> None:
         cfg = self.config
         self.served = await asyncio.to_thread(ServedModel.load, cfg.model_dir, cfg.model_name, cfg.max_model_len)
-        deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s)
+        deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s,
+                              migration_limit=cfg.migration_limit, stall_probe_s=cfg.stall_probe_s)
         self.client = ServingClient(self, self.served.name, deadlines)
         await self.client.start()
         keys, salts = await asyncio.to_thread(cfg.guard_parts)

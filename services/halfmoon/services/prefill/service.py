@@ -13,7 +13,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.protocol.registry import Role
-from halfmoon.protocol.work import DecodeRequest, PrefillRequest
+from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.service.pool_client import Fetched
 from halfmoon.service.streaming import token_event
 from halfmoon.service.worker import EngineWorker
@@ -39,16 +39,19 @@ class PrefillService(EngineWorker):
         return self.config.local_prefix_cache
 
     def block_keys(self, req: PrefillRequest) -> list[bytes]:
+        """Keys of the full blocks of the prompt and the tokens a migrated request already produced."""
         assert self.engine is not None
-        return self.engine.kv_spec.hasher(req.tenant_salt).keys(req.prompt_token_ids)
+        return self.engine.kv_spec.hasher(req.tenant_salt).keys(req.prompt_token_ids + req.output_token_ids)
 
     async def _serve(self, req: PrefillRequest) -> None:
         started = time.perf_counter()
         keys = self.block_keys(req)
-        # The last prompt token is always computed: its logits give the first output token.
-        reusable = keys[: (len(req.prompt_token_ids) - 1) // self.config.block_size]
-        # Local prefix cache first; the pool supplies what follows it.
-        local = await self.engine.call(lambda e: e.cached_prefix_blocks(reusable)) if self.local_cache else 0
+        context = len(req.prompt_token_ids) + len(req.output_token_ids)
+        # The last token is always computed: its logits give the next output token.
+        reusable = keys[: (context - 1) // self.config.block_size]
+        # Local prefix cache first (it keys prompt blocks only); the pool supplies what follows it.
+        prompt_blocks = reusable[: len(req.prompt_token_ids) // self.config.block_size]
+        local = await self.engine.call(lambda e: e.cached_prefix_blocks(prompt_blocks)) if self.local_cache else 0
         fetched = await self.pool.fetch_prefix(reusable[local:])
         METRICS.cache_hit_blocks.labels(self.role.value).inc(local + len(fetched.payloads))
         METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - local - len(fetched.payloads))
@@ -57,21 +60,25 @@ class PrefillService(EngineWorker):
                 computing = time.perf_counter()
                 first = await self._compute(req, keys, local, fetched.payloads)
             except EngineError as exc:
-                await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc))
+                await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
+                                      req.attempt)
                 return
             finished = time.perf_counter()
             self.done_computing(req.request_id)
-            await self.publish(req.stream_subject, token_event(first, req.sampling, self.instance_id,
-                                                               first.num_cached_tokens))
+            await self.publish_event(req.stream_subject, token_event(first, req.sampling, self.instance_id,
+                                                                     first.num_cached_tokens, req.attempt))
             self.meter.ttft_ms.append((finished - started) * 1000)
             METRICS.ttft.labels(self.instance_id).observe(finished - started)
             cached = first.num_cached_tokens
-            await self._publish_cache_events((len(req.prompt_token_ids) - cached, cached, finished - computing))
+            await self._publish_cache_events((context - cached, cached, finished - computing))
             if first.finish_reason == PREFILL_DONE:
                 await self._hand_off(req, first, keys, local, fetched)
         except (RemoteError, TransferError, OSError, EngineError) as exc:
-            code = exc.code if isinstance(exc, RemoteError) else ErrorCode.UNAVAILABLE
-            await self.send_error(req.stream_subject, req.request_id, code, f"hand-off to decode failed: {exc}")
+            # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
+            bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
+            code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE
+            await self.send_error(req.stream_subject, req.request_id, code, f"hand-off to decode failed: {exc}",
+                                  req.attempt)
         finally:
             await self.pool.release(fetched.lease_id)
 
@@ -85,15 +92,20 @@ class PrefillService(EngineWorker):
             span.set_attribute("halfmoon.blocks_hit", local + len(pooled))
             outputs = []
             try:
+                prompt_keys = keys[: len(req.prompt_token_ids) // self.config.block_size]
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
+                                                      output_token_ids=req.output_token_ids,
                                                       kv_blocks=pooled, kv_start_block=local,
-                                                      block_keys=keys if self.local_cache else (),
+                                                      block_keys=prompt_keys if self.local_cache else (),
                                                       prefill_only=True):
                     outputs.append(out)
             except asyncio.CancelledError:
                 await self.engine.abort(req.request_id)
                 raise
-            span.set_attribute("halfmoon.tokens_computed", len(req.prompt_token_ids) - outputs[-1].num_cached_tokens)
+            context = len(req.prompt_token_ids) + len(req.output_token_ids)
+            span.set_attribute("halfmoon.tokens_computed", context - outputs[-1].num_cached_tokens)
+            if req.attempt:
+                span.set_attribute("halfmoon.attempt", req.attempt)
             return outputs[-1]
 
     async def _publish_cache_events(self, sample: tuple[int, int, float]) -> None:
@@ -118,21 +130,39 @@ class PrefillService(EngineWorker):
                         fetched: Fetched) -> None:
         assert self.engine is not None
         rid = req.request_id
+        context = len(req.prompt_token_ids) + len(req.output_token_ids)
         try:
             payloads = await self.engine.call(lambda e: e.export_kv(rid))
         finally:
             await self.engine.call(lambda e: e.release(rid))
-        kv = await self.handoff.send(rid, len(req.prompt_token_ids), self.config.block_size, keys, payloads, local,
-                                     fetched)
+        kv = await self._place_kv(rid, context, keys, payloads, local, fetched, req.tenant)
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
             stream_subject=req.stream_subject, prefill_instance=self.instance_id, deadline=req.deadline,
-            cached_tokens=first.num_cached_tokens,
+            cached_tokens=min(first.num_cached_tokens, len(req.prompt_token_ids)),
+            output_token_ids=req.output_token_ids, attempt=req.attempt, tenant_salt=req.tenant_salt,
         )
         try:
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
                                HANDOFF_TIMEOUT_S)
         except RemoteError:
-            await self.handoff.discard(rid, len(payloads))
+            if kv is not None:
+                await self.handoff.discard(rid, len(payloads))
             raise
+
+    async def _place_kv(self, rid: str, context: int, keys: list[bytes], payloads: list[bytes], local: int,
+                        fetched: Fetched, tenant: str) -> KVLocation | None:
+        """Where decode finds the KV; None when nothing could take it (no live transfer node): decode then
+        recomputes it, slower but served, and the gauge says the pool is out until a hand-off works again."""
+        try:
+            kv = await self.handoff.send(rid, context, self.config.block_size, keys, payloads, local, fetched,
+                                         tenant=tenant)
+        except (RemoteError, TransferError, OSError) as exc:
+            self.log.warning("KV hand-off without the pool: decode recomputes", extra={"request_id": rid,
+                                                                                      "error": str(exc)})
+            METRICS.handoffs_without_pool.inc()
+            METRICS.pool_available.labels(self.instance_id).set(0)
+            return None
+        METRICS.pool_available.labels(self.instance_id).set(1)
+        return kv

@@ -18,7 +18,7 @@ from halfmoon.storage.nvme import DirTier
 from halfmoon.storage.s3 import S3Config, S3Tier
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.orders import execute
+from halfmoon.transfer.orders import authorized, execute
 from halfmoon.transfer.server import BlockServer
 from opentelemetry.trace import TracerProvider
 
@@ -36,6 +36,8 @@ class TransferConfig(ServiceConfig):
     s3_prefix: str = field(default="kv/", metadata={"help": "key prefix inside the bucket"})
     s3_access_key: str = field(default="halfmoon", metadata={"help": "S3 access key"})
     s3_secret_key: str = field(default="halfmoon", metadata={"help": "S3 secret key"})
+    max_connections: int = field(default=256, metadata={"help": "concurrent data-plane connections; more are refused"})
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "close a data-plane connection idle this long"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +45,8 @@ class TransferConfig(ServiceConfig):
             raise ValueError(f"dram_bytes must be at least 1 MiB, got {self.dram_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_connections < 1 or self.idle_timeout_s <= 0:
+            raise ValueError("max_connections must be >= 1 and idle_timeout_s > 0")
 
 
 class TransferService(Service[TransferConfig]):
@@ -53,7 +57,7 @@ class TransferService(Service[TransferConfig]):
         super().__init__(config, tracer_provider)
         self.store: NodeStore | None = None
         self.server: BlockServer | None = None
-        self.peers = TransferClient(same_host=False)
+        self.peers = TransferClient(same_host=False, keys=self.cluster_keys)
 
     @property
     def address(self) -> str:
@@ -77,16 +81,20 @@ class TransferService(Service[TransferConfig]):
             except TierUnavailable as exc:  # the pool still serves from DRAM and NVMe
                 self.log.warning("S3 tier unavailable at start", extra={"error": str(exc)})
         self.store = NodeStore(ShmTier(cfg.dram_bytes), nvme, s3)
-        self.server = BlockServer(self.store, cfg.host, cfg.port)
+        self.server = BlockServer(self.store, cfg.host, cfg.port, node_id=self.instance_id, keys=self.cluster_keys,
+                                  max_connections=cfg.max_connections, idle_timeout_s=cfg.idle_timeout_s)
         await self.server.start()
         await self.serve(self.subjects.transfer_orders(self.instance_id), codecs.ORDER_BATCH, self._on_orders,
                          span_name="transfer.orders")
         self.log.info("serving blocks", extra={"address": self.address})
 
     async def _on_orders(self, batch: OrderBatch) -> OrderResults:
-        assert self.store is not None
-        ok = [await execute(order_from_wire(order), self.store, self.peers, batch.addresses.__getitem__)
-              for order in batch.orders]
+        assert self.store is not None and self.server is not None
+        ok = []
+        for wire in batch.orders:
+            order = order_from_wire(wire)
+            ok.append(authorized(wire, order, self.server.checker) and await execute(
+                order, self.store, self.peers, batch.addresses.__getitem__, wire.source_capability))
         METRICS.errors.labels("order_failed").inc(ok.count(False))
         return OrderResults(ok=tuple(ok), unavailable_tiers=tuple(int(t) for t in self.store.unavailable))
 

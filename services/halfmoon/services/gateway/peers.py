@@ -1,0 +1,64 @@
+"""The gateway's questions to its peers that may need asking twice: placement, and re-sending a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from enum import Enum
+
+import nats.errors
+from halfmoon.protocol import codecs
+from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
+from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.stream import ResumeRequest
+from halfmoon.service import Service
+from halfmoon.services.gateway.attempts import GenerationError
+from halfmoon.telemetry.metrics import METRICS
+
+RESUME_TIMEOUT_S = 1.0
+SCHEDULE_BACKOFF_S = 0.2
+
+
+async def schedule(svc: Service, request: ScheduleRequest, deadline: float, timeout_s: float,
+                   on_retry: Callable[[str], None]) -> ScheduleAccepted:
+    """Ask the conductors; one that died or did not answer in time is asked again (a standby
+    takes over) until ``deadline``. Raises GenerationError on a rejection or past the deadline."""
+    while True:
+        timeout = min(timeout_s, max(0.1, deadline - time.time()))
+        try:
+            reply = await svc.request(svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, timeout)
+        except (RemoteError, nats.errors.Error) as exc:
+            code = exc.code if isinstance(exc, RemoteError) else ErrorCode.UNAVAILABLE
+            retryable = code in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE)
+            if not retryable or time.time() + SCHEDULE_BACKOFF_S >= deadline:
+                raise GenerationError(code, f"conductor: {exc}") from exc
+            METRICS.schedule_retries.inc()
+            on_retry(str(exc))
+            await asyncio.sleep(SCHEDULE_BACKOFF_S)
+            continue
+        except ProtocolError as exc:
+            raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
+        if isinstance(reply, ScheduleRejected):
+            METRICS.rejections.labels(reply.reason.value).inc()
+            raise GenerationError(ErrorCode.OVERLOADED, f"request rejected ({reply.reason.value}): {reply.message}",
+                                  retry_after_s=reply.retry_after_s)
+        return reply
+
+
+class Resend(Enum):
+    HELD = "held"  # an instance holds the attempt (and re-sent what it had)
+    NOBODY = "nobody"  # every instance answered that it does not, or is gone
+    UNKNOWN = "unknown"  # some did not answer (an outage, a stalled process): wait for the liveness verdict
+
+
+async def ask_to_resend(svc: Service, resume: ResumeRequest, targets: tuple[str, ...]) -> Resend:
+    """Ask ``targets`` to re-send ``resume``'s stream."""
+    METRICS.stream_resumes.inc()
+    replies = await asyncio.gather(*(svc.request(svc.subjects.resume(t), resume, codecs.SUBMIT_REPLY,
+                                                 RESUME_TIMEOUT_S) for t in targets), return_exceptions=True)
+    if any(isinstance(r, Ack) for r in replies):
+        return Resend.HELD
+    if any(not isinstance(r, RemoteError) or r.code is ErrorCode.TIMEOUT for r in replies):
+        return Resend.UNKNOWN
+    return Resend.NOBODY

@@ -1,0 +1,151 @@
+"""Failover: a read that fails on one path retries on the next path to the same node, then on
+another replica; a write retries on the next path to the same node (its extents were placed
+there by the cache-manager, so another node needs a new placement: the caller's ``put_start``).
+
+The order of attempts and the memory of failed paths are pure (``attempt_order``,
+``PathHealth``); ``FailoverReader`` only executes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple
+
+from halfmoon.core.tiers import Tier
+from halfmoon.storage.allocator import Extent
+from halfmoon.storage.base import BlockNotFound, Buffer
+from halfmoon.transfer.transport import TransferError, Transport
+
+
+class BatchSource(NamedTuple):
+    """A node holding the blocks, with their DRAM extents there when a lookup reported them."""
+
+    address: str
+    extents: Sequence[Extent] | None = None
+
+
+class Path(NamedTuple):
+    kind: str  # "shm", "rdma", "mooncake", "tcp"
+    transport: Transport
+
+
+class PathHealth:
+    """Which (node, path kind) failed recently. Contract: after ``failed`` a path is skipped
+    for ``cooldown_s`` (doubling with each consecutive failure, up to ``max_cooldown_s``),
+    unless it is the last one left; ``succeeded`` forgets its failures. Time is passed in."""
+
+    def __init__(self, cooldown_s: float = 1.0, max_cooldown_s: float = 60.0) -> None:
+        if cooldown_s <= 0 or max_cooldown_s < cooldown_s:
+            raise ValueError("need 0 < cooldown_s <= max_cooldown_s")
+        self.cooldown_s, self.max_cooldown_s = cooldown_s, max_cooldown_s
+        self._failures: dict[tuple[str, str], tuple[int, float]] = {}
+
+    def failed(self, address: str, kind: str, now: float) -> None:
+        count, _ = self._failures.get((address, kind), (0, 0.0))
+        until = now + min(self.max_cooldown_s, self.cooldown_s * 2**count)
+        self._failures[(address, kind)] = (count + 1, until)
+
+    def succeeded(self, address: str, kind: str) -> None:
+        self._failures.pop((address, kind), None)
+
+    def healthy(self, address: str, kind: str, now: float) -> bool:
+        entry = self._failures.get((address, kind))
+        return entry is None or now >= entry[1]
+
+
+def attempt_order(
+    replicas: Sequence[BatchSource], kinds: Callable[[str], Sequence[str]], health: PathHealth, now: float
+) -> list[tuple[int, str]]:
+    """(replica index, path kind) to try, in order: each replica's healthy paths in preference
+    order, replicas in the given order; paths in cool-down go last, so a request is never
+    refused while any path might still work."""
+    healthy, cooling = [], []
+    for i, rep in enumerate(replicas):
+        for kind in kinds(rep.address):
+            (healthy if health.healthy(rep.address, kind, now) else cooling).append((i, kind))
+    return healthy + cooling
+
+
+class FailoverReader:
+    """Contract: ``read`` returns the blocks from the first (replica, path) that delivers all of
+    them; a ``TransferError`` or ``BlockNotFound`` moves on to the next; when every attempt
+    failed it raises ``TransferError`` listing each (or ``BlockNotFound`` if every replica that
+    answered lacked blocks). ``paths(address)`` gives a node's transports, fastest first."""
+
+    def __init__(
+        self,
+        paths: Callable[[str], Awaitable[Sequence[Path]]],
+        health: PathHealth | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        import time
+
+        self._paths = paths
+        self.health = health or PathHealth()
+        self._clock = clock or time.monotonic
+        self.attempts: list[tuple[str, str, str]] = []  # (address, kind, outcome) of the last call
+
+    async def _kinds(self, replicas: Sequence[BatchSource]) -> dict[str, dict[str, Transport]]:
+        opened: dict[str, dict[str, Transport]] = {}
+        for rep in replicas:
+            if rep.address in opened:
+                continue
+            try:
+                opened[rep.address] = {p.kind: p.transport for p in await self._paths(rep.address)}
+            except TransferError as exc:
+                self.attempts.append((rep.address, "open", str(exc)))
+                opened[rep.address] = {}
+        return opened
+
+    async def read(
+        self, keys: Sequence[bytes], replicas: Sequence[BatchSource], *, into: memoryview | None = None
+    ) -> list[memoryview]:
+        if not replicas:
+            raise ValueError("no replica to read from")
+        self.attempts = []
+        opened = await self._kinds(replicas)
+        order = attempt_order(replicas, lambda a: list(opened[a]), self.health, self._clock())
+        missing: BlockNotFound | None = None
+        for i, kind in order:
+            rep = replicas[i]
+            try:
+                views = await opened[rep.address][kind].read(keys, extents=rep.extents, into=into)
+            except TransferError as exc:
+                self.health.failed(rep.address, kind, self._clock())
+                self.attempts.append((rep.address, kind, str(exc)))
+                continue
+            except BlockNotFound as exc:  # this replica lost them (evicted, node restarted)
+                missing = exc
+                self.attempts.append((rep.address, kind, f"missing {len(exc.keys)}"))
+                continue
+            self.health.succeeded(rep.address, kind)
+            self.attempts.append((rep.address, kind, "ok"))
+            return views  # type: ignore[return-value]
+        if missing is not None and all(outcome.startswith("missing") for *_, outcome in self.attempts):
+            raise missing
+        tried = "; ".join(f"{a} {k}: {o}" for a, k, o in self.attempts)
+        raise TransferError(f"every path to every replica failed: {tried}")
+
+    async def write(
+        self,
+        address: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        tier: Tier = Tier.DRAM,
+    ) -> str:
+        """Store on one node through its first path that works; returns the path kind used."""
+        self.attempts = []
+        opened = (await self._kinds([BatchSource(address)]))[address]
+        order = attempt_order([BatchSource(address)], lambda a: list(opened), self.health, self._clock())
+        for _, kind in order:
+            try:
+                await opened[kind].write(keys, payloads, offsets=offsets, tier=tier)
+            except TransferError as exc:
+                self.health.failed(address, kind, self._clock())
+                self.attempts.append((address, kind, str(exc)))
+                continue
+            self.health.succeeded(address, kind)
+            return kind
+        raise TransferError(f"{address}: every path failed: " + "; ".join(f"{k}: {o}" for _, k, o in self.attempts))
