@@ -8,12 +8,15 @@ one with an API-keys file, one without. There are no engine instances, so every 
 parsed, tokenised, admitted and scheduled, then refused by the conductor (no prefill
 instance, 429 or 503): the latency is the gateway's own path plus one conductor round trip, which the key
 check and the rate limit add to. Requests alternate between the three cases, one at a time, so
-noise from other work on the machine hits all three alike.
+noise from other work on the machine hits all three alike. The two gateways are separate processes,
+so on a busy machine their difference can exceed the door's cost: the door is also timed on its own,
+in process (a key check; a rate-limit admission against the live NATS beside a plain NATS round trip).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import tempfile
@@ -21,11 +24,14 @@ import time
 from pathlib import Path
 
 import httpx
-from rich.console import Console
-from rich.table import Table
-
+import nats
 from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.deploy.topology import SERVICES
+from halfmoon.protocol.subjects import Subjects
+from halfmoon.services.gateway.auth import KeyRing, Tenant, bearer_key
+from halfmoon.services.gateway.ratelimit import SharedRateLimiter
+from rich.console import Console
+from rich.table import Table
 
 CASES = ("no keys", "key check", "key check + rate limit")
 
@@ -53,18 +59,19 @@ def start_plain_gateway(cluster: LocalCluster) -> tuple[object, str]:
     env = cluster.env_for(spec, "gateway-plain")
     env = {k: v for k, v in env.items() if k not in ("HALFMOON_API_KEYS_FILE", "HALFMOON_AUTH_SECRET_FILE")}
     env["HALFMOON_PORT"] = str(port)
-    proc = subprocess.Popen([sys.executable, "-m", spec.module], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    with open(cluster.run_dir / "logs" / "gateway-plain.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", spec.module], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
-    raise TimeoutError("the gateway without keys did not come up")
+    tail = (cluster.run_dir / "logs" / "gateway-plain.log").read_text()[-2000:]
+    raise TimeoutError(f"the gateway without keys did not come up (exit {proc.poll()}):\n{tail}")
 
 
 def timed(client: httpx.Client, url: str, headers: dict[str, str], body: dict) -> float:
@@ -97,10 +104,47 @@ def main() -> None:
         plain, plain_url = start_plain_gateway(cluster)
         try:
             runs = measure(cluster.url, plain_url, keys, args.requests)
+            check_us = key_check_us(Path(tmp) / "api-keys", keys["open"])
+            admits, flushes = asyncio.run(admission_vs_round_trip(cluster, args.requests))
         finally:
             plain.kill()  # type: ignore[attr-defined]
             cluster.stop()
     report(runs, args)
+    Console().print(f"in process: key check {check_us:.1f} us ({args.keys} keys); rate-limit admission "
+                    f"p50 {1000 * pct(admits, 0.5):.2f} ms, p99 {1000 * pct(admits, 0.99):.2f} ms against a NATS "
+                    f"round trip p50 {1000 * pct(flushes, 0.5):.2f} ms, p99 {1000 * pct(flushes, 0.99):.2f} ms "
+                    f"({statistics.median(admits) / statistics.median(flushes):.1f}x)")
+
+
+def key_check_us(path: Path, key: str, rounds: int = 2000) -> float:
+    """Microseconds per key check (header parse, SHA-256, constant-time compare against every key)."""
+    ring = KeyRing.load(path)
+    header = f"Bearer {key}"
+    start = time.perf_counter()
+    for _ in range(rounds):
+        ring.tenant(bearer_key(header) or "")
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
+async def admission_vs_round_trip(cluster: LocalCluster, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per rate-limit admission (read + compare-and-set in the shared bucket) and, interleaved,
+    per plain NATS round trip (a flush), both over the gateway's own NATS credentials."""
+    assert cluster.nats_auth is not None
+    nc = await nats.connect(cluster.nats_url, **cluster.nats_auth.connect_options("gateway"))
+    try:
+        limiter = await SharedRateLimiter.open(nc, Subjects(cluster.namespace), time.time)
+        tenant = Tenant("bench-direct", 10**9, 10**12)
+        admits, flushes = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await limiter.admit(tenant, 20)
+            admits.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await nc.flush()
+            flushes.append(time.perf_counter() - start)
+        return admits, flushes
+    finally:
+        await nc.close()
 
 
 def measure(keyed_url: str, plain_url: str, keys: dict[str, str], requests: int) -> dict[str, list[float]]:

@@ -13,7 +13,6 @@ import torch
 from halfmoon.deploy.local import LocalCluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
 API_KEY = "sk-e2e-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -12,7 +12,6 @@ import pytest
 from halfmoon.deploy.local import LocalCluster
 from transformers import AutoTokenizer
 
-
 from tests.e2e.conftest import API_KEY, AUTH, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 16

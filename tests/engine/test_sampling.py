@@ -92,3 +92,13 @@ class TestLogprobs:
         expected = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(tokens(outs))[:, None])
         got = torch.tensor([lp for o in outs for lp in o.new_logprobs])
         assert torch.allclose(got, expected.squeeze(1), atol=1e-4)
+
+
+class TestTinyTemperature:
+    @pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-38])
+    def test_a_temperature_that_overflows_the_logits_samples_greedily(self, engine: LLMEngine,
+                                                                       temperature: float) -> None:
+        prompt = [5, 9, 11, 42]
+        greedy = tokens(run(engine, prompt, SamplingParams(max_tokens=4, temperature=0.0), "g"))
+        tiny = tokens(run(engine, prompt, SamplingParams(max_tokens=4, temperature=temperature, top_p=5e-324), "t"))
+        assert tiny == greedy

@@ -6,11 +6,15 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
-                                 status_code_conformance)
-
 from halfmoon.deploy.local import LocalCluster
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
 from tests.security.conftest import bearer
 
 EXAMPLES = 30  # per operation; bounded so the whole run takes minutes on a CPU

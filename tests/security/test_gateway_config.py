@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from halfmoon.cli.main import main as halfmoon
 from halfmoon.service.config import load_config
 from halfmoon.services.gateway.auth import KeyRing, key_digest
@@ -33,7 +32,8 @@ class TestNoKeysMeansLoopbackOnly:
 
 class TestKeysFile:
     def test_keys_map_to_tenants_with_limits(self) -> None:
-        ring = KeyRing.parse(f"# comment\nsk-0123456789abcdef acme 10 1000\n\nsha256:{key_digest('sk-hidden-0123456789').hex()} globex\n")
+        hidden = key_digest("sk-hidden-0123456789").hex()
+        ring = KeyRing.parse(f"# comment\nsk-0123456789abcdef acme 10 1000\n\nsha256:{hidden} globex\n")
         acme, globex = ring.tenant("sk-0123456789abcdef"), ring.tenant("sk-hidden-0123456789")
         assert acme is not None and (acme.name, acme.requests_per_minute, acme.tokens_per_minute) == ("acme", 10, 1000)
         assert globex is not None and globex.name == "globex" and not globex.limited

@@ -1,5 +1,6 @@
-"""NATS over TLS with the certificates `halfmoon certs` makes: a service with its role's client
-certificate connects; one without a client certificate, or trusting another CA, does not."""
+"""NATS over TLS with what `halfmoon certs` and `halfmoon secrets` write: a service with its role's
+credentials and client certificate connects; one without a client certificate, or trusting another CA,
+does not."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from halfmoon.cli.main import main as halfmoon
 from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
-from halfmoon.deploy.nats_auth import NatsAuth, TlsFiles, write_private
+from halfmoon.deploy.nats_auth import NatsAuth
 from halfmoon.service.config import ServiceConfig
 from halfmoon.service.host import connect_nats
 
@@ -33,12 +33,12 @@ def tls_nats(tmp_path: Path) -> Iterator[TlsNats]:
     certs = tmp_path / "certs"
     assert halfmoon(["certs", str(certs), "--hosts", "localhost,127.0.0.1"]) == 0
     assert (certs / "gateway-key.pem").stat().st_mode & 0o777 == 0o600
-    auth = NatsAuth.generate("tls")
-    port = free_port()
-    conf = write_private(tmp_path / "nats.conf", auth.server_config(
-        "127.0.0.1", port, None, TlsFiles(certs / "ca.pem", certs / "server.pem", certs / "server-key.pem")))
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    port, secrets = free_port(), tmp_path / "secrets"
+    assert halfmoon(["secrets", str(secrets), "--namespace", "tls", "--nats-host", "127.0.0.1", "--nats-port", str(port),
+                     "--store-dir", str(tmp_path / "js"), "--monitor-port", "0", "--tls-dir", str(certs)]) == 0
+    auth = NatsAuth.load(secrets / "nats-credentials.json")
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats-server.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, 10, proc)
         yield TlsNats(f"tls://127.0.0.1:{port}", certs, auth)

@@ -19,7 +19,7 @@ def _secrets(args: argparse.Namespace) -> int:
         tls_dir = Path(args.tls_dir)
         tls = TlsFiles(tls_dir / "ca.pem", tls_dir / "server.pem", tls_dir / "server-key.pem")
     write_private(out / "nats-server.conf", auth.server_config(args.nats_host, args.nats_port, Path(args.store_dir),
-                                                              tls))
+                                                              tls, args.monitor_port))
     for role in ROLES:
         write_private(out / f"{role}.env", "".join(f"{k}={v}\n" for k, v in auth.env(role).items()))
     keys = [(f"sk-hm-{secrets.token_urlsafe(32)}", tenant) for tenant in args.tenants.split(",") if tenant]
@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sec.add_argument("--tenants", default="default", help="comma-separated tenants to make one API key each for")
     sec.add_argument("--nats-host", default="0.0.0.0", help="address nats-server listens on")
     sec.add_argument("--nats-port", type=int, default=4222, help="port nats-server listens on")
-    sec.add_argument("--store-dir", default="/data/nats", help="JetStream store inside the NATS container")
+    sec.add_argument("--store-dir", default="/data", help="JetStream store inside the NATS container")
+    sec.add_argument("--monitor-port", type=int, default=8222, help="nats-server monitoring port (0: off)")
     sec.add_argument("--tls-dir", help="where `halfmoon certs` output is mounted in the NATS container (TLS on)")
     sec.set_defaults(func=_secrets)
     certs = subparsers.add_parser("certs", help="a CA, a NATS server certificate and per-role client certificates")

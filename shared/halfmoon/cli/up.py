@@ -42,7 +42,8 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
         raise SystemExit(f"halfmoon up: --host {args.host} without --api-keys-file would open the API to the "
                          "network; pass --api-keys-file FILE, or --insecure-no-auth if you mean it")
     env["HALFMOON_INSECURE_NO_AUTH"] = "1"
-    return env, f"[red]no API keys, listening on {args.host}[/] (--insecure-no-auth): anyone who can reach it can use it"
+    return env, (f"[red]no API keys, listening on {args.host}[/] (--insecure-no-auth): anyone who can reach it "
+                 "can use it")
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -64,9 +64,13 @@ class NatsAuth:
             **({"allow_responses": True} if perms.responds else {}),
         }}
 
-    def server_config(self, host: str, port: int, store_dir: Path | None, tls: TlsFiles | None = None) -> str:
-        """A nats-server config (JSON is valid NATS config syntax) admitting only these users."""
+    def server_config(self, host: str, port: int, store_dir: Path | None, tls: TlsFiles | None = None,
+                      monitor_port: int = 0) -> str:
+        """A nats-server config (JSON is valid NATS config syntax) admitting only these users; the
+        monitoring port (health checks) carries no messages and needs no credentials."""
         config: dict = {"host": host, "port": port, "authorization": {"users": [self.user(r) for r in ROLES]}}
+        if monitor_port:
+            config["http_port"] = monitor_port
         if store_dir is not None:
             config["jetstream"] = {"store_dir": str(store_dir)}
         if tls is not None:

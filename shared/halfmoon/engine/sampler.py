@@ -45,6 +45,10 @@ class Sampler:
                 continue
             scaled = _filter(logits[row] / params.temperature, params.top_k, params.top_p)
             probs = torch.softmax(scaled, dim=-1)
+            if not bool(torch.isfinite(probs).all()):
+                # A temperature so close to 0 that the logits overflow: its limit is greedy.
+                tokens.append(int(greedy[row]))
+                continue
             tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator or self.generator)))
         chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
         return Sampled(tokens, chosen.tolist())

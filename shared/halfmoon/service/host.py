@@ -153,7 +153,8 @@ class ServiceHost:
 
     async def beat(self) -> None:
         assert self._nc is not None
-        await self._nc.publish(self.service.subjects.heartbeat_from(self.service.role.value), HEARTBEAT.encode(self.heartbeat()))
+        subject = self.service.subjects.heartbeat_from(self.service.role.value)
+        await self._nc.publish(subject, HEARTBEAT.encode(self.heartbeat()))
 
     async def _beat_forever(self) -> None:
         while True:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -119,6 +118,34 @@ _ERRORS = {
 }
 
 
+# The ranges ``schemas.py`` checks after decoding (``check()``), published so clients and fuzzers see them.
+_NON_EMPTY = {"type": "string", "minLength": 1}
+_COMMON_RANGES: dict[str, dict[str, Any]] = {
+    "max_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "maximum": 2},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": 0},
+    "n": {"minimum": 1, "maximum": 1},
+    "presence_penalty": {"minimum": 0, "maximum": 0},
+    "frequency_penalty": {"minimum": 0, "maximum": 0},
+    "stop": {"anyOf": [_NON_EMPTY, {"type": "array", "items": _NON_EMPTY, "maxItems": 16}, {"type": "null"}]},
+}
+_RANGES: dict[str, dict[str, dict[str, Any]]] = {
+    "CompletionRequest": {**_COMMON_RANGES, "logprobs": {"minimum": 0, "maximum": 0}, "echo": {"const": False}},
+    "ChatCompletionRequest": {**_COMMON_RANGES, "messages": {"minItems": 1}, "max_completion_tokens": {"minimum": 1},
+                              "top_logprobs": {"minimum": 0, "maximum": 0}},
+}
+
+
+def _request_schema(schema: dict[str, Any], name: str, model: str) -> None:
+    properties = schema["properties"]
+    properties["model"] = {"type": "string", "enum": [model]}
+    for field, ranges in _RANGES[name].items():
+        if "anyOf" in ranges:
+            properties[field] = {k: v for k, v in properties[field].items() if k not in ("anyOf", "type")}
+        properties[field].update(ranges)
+
+
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -132,7 +159,10 @@ def _errors(*statuses: str) -> dict[str, Any]:
 
 
 def _generation(request: str, response: str, summary: str, secured: list) -> dict[str, Any]:
-    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    event = {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "description": "one JSON chunk, an error body, or [DONE] at the end"}}}
+    sse = {"text/event-stream": {"schema": event}}  # each server-sent event
     return {"post": {
         "summary": summary,
         "security": secured,
@@ -149,8 +179,8 @@ def openapi_document(authenticated: bool, model: str) -> dict[str, Any]:
     """OpenAPI 3.1 for the routes this gateway serves; with keys, /v1 routes need a bearer key.
     ``model`` is the one model it serves (any other name is a documented 404)."""
     _, components = msgspec.json.schema_components(_TYPES, ref_template="#/components/schemas/{name}")
-    for request in ("CompletionRequest", "ChatCompletionRequest"):
-        components[request]["properties"]["model"] = {"type": "string", "enum": [model]}
+    for request in _RANGES:
+        _request_schema(components[request], request, model)
     secured = [{"bearerAuth": []}] if authenticated else []
     return {
         "openapi": "3.1.0",

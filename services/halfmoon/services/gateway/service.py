@@ -16,11 +16,11 @@ from halfmoon.protocol.registry import Load, Role
 from halfmoon.service import Service, ServiceConfig
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
 from halfmoon.services.gateway.auth import KeyRing, TenantSalts
-from halfmoon.services.gateway.guard import Guard
-from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 from halfmoon.services.gateway.client import Deadlines, ServingClient
+from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
+from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 from opentelemetry.trace import TracerProvider
 
 
