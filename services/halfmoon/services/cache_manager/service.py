@@ -103,8 +103,8 @@ class CacheManagerService(Service[CacheManagerConfig]):
         return Load(running=stats.blocks, queue_len=stats.orders_in_flight)
 
     async def start(self) -> None:
-        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self._on_heartbeat)
-        await self.listen(self.subjects.down, codecs.DOWN, self._on_down)
+        await self.listen_heartbeats(self._on_heartbeat)
+        await self.listen_downs(self._on_down)
         cache = self.subjects.cache
         await self.serve(cache("put_start"), codecs.CACHE_PUT_START, self._put_start, span_name="cache.put_start")
         await self.serve(cache("put_end"), codecs.CACHE_PUT_END, self._put_end, span_name="cache.put_end")
