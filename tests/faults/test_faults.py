@@ -77,8 +77,12 @@ class TestGreedyMigration:
     def test_migrated_output_equals_unmigrated(self, cluster: LocalCluster) -> None:
         body = {"model": model_name(cluster), "prompt": "the same question every time", "max_tokens": 96,
                 "temperature": 0, "ignore_eos": True}
+        stored = pool_block_count(cluster)
         plain = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
-        migrated = kill_holder_mid_stream(cluster, body)
+        # the prompt fills no block: what the pool gained is generated tokens' KV, stored by decode
+        assert pool_block_count(cluster) >= stored + 4
+        # killed after 72 tokens: the continuation finds the first 4 blocks (64 tokens) in the pool
+        migrated = kill_holder_mid_stream(cluster, body, at_index=72)
         assert migrated["text"] == plain["choices"][0]["text"]
         assert migrated["tokens"] == 96
 
