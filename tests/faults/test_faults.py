@@ -86,8 +86,10 @@ class TestGreedyMigration:
             time.sleep(0.25)
         # killed after 72 tokens: the continuation finds the first 4 blocks (64 tokens) in the pool
         migrated = kill_holder_mid_stream(cluster, body, at_index=72)
+        restart(cluster, migrated["killed"])
         assert migrated["text"] == plain["choices"][0]["text"]
         assert migrated["tokens"] == 96
+        wait_live(cluster, {migrated["killed"]}, timeout=300)
 
 
 class TestDecodeKilled:
