@@ -77,10 +77,19 @@ class TestGreedyMigration:
     def test_migrated_output_equals_unmigrated(self, cluster: LocalCluster) -> None:
         body = {"model": model_name(cluster), "prompt": "the same question every time", "max_tokens": 96,
                 "temperature": 0, "ignore_eos": True}
+        stored = pool_block_count(cluster)
         plain = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
-        migrated = kill_holder_mid_stream(cluster, body)
+        # the prompt fills no block: what the pool gains is generated tokens' KV, stored by decode
+        end = time.monotonic() + 15
+        while pool_block_count(cluster) < stored + 4:
+            assert time.monotonic() < end, "decode stored no generated blocks in the pool"
+            time.sleep(0.25)
+        # killed after 72 tokens: the continuation finds the first 4 blocks (64 tokens) in the pool
+        migrated = kill_holder_mid_stream(cluster, body, at_index=72)
+        restart(cluster, migrated["killed"])
         assert migrated["text"] == plain["choices"][0]["text"]
         assert migrated["tokens"] == 96
+        wait_live(cluster, {migrated["killed"]}, timeout=300)
 
 
 class TestDecodeKilled:

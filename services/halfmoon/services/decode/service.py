@@ -57,10 +57,10 @@ class DecodeService(EngineWorker):
                                                                              req.cached_tokens, req.attempt))
                     saver.progress(out)
             except asyncio.CancelledError:
+                await saver.close(wait=False)
                 await self.engine.abort(req.request_id)
                 raise
-            finally:
-                await saver.close()
+            await saver.close(wait=True)
             span.set_attribute("halfmoon.tokens_generated", produced)
 
 
@@ -96,8 +96,11 @@ class _GeneratedKV:
         if end > start:
             await worker.pool.store(keys[start:end], payloads[start:end], first_position=start)
 
-    async def close(self) -> None:
-        if self._task is not None and not self._task.done():
+    async def close(self, wait: bool) -> None:
+        """Let the store in flight finish (the request ended) or drop it (the request was cancelled)."""
+        if self._task is None or self._task.done():
+            return
+        if not wait:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
