@@ -58,7 +58,7 @@ def _up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     env, api_line = gateway_security(args, run_dir)
     model = Path(args.model) if args.model else ensure_default_model(console)
-    counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer}
+    counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer, "conductor": args.conductors}
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
                            gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
@@ -108,6 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--prefill", type=int, default=1, help="prefill instances")
     up.add_argument("--decode", type=int, default=1, help="decode instances")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
+    up.add_argument("--conductors", type=int, default=1, help="conductors (2: a hot standby shares the placements)")
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free one)")
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address (beyond loopback needs API keys)")
     up.add_argument("--api-keys-file", help="require these API keys (env HALFMOON_API_KEYS_FILE; format in "
