@@ -316,29 +316,50 @@ class Stack:
 
         poll("every replica running and healthy", ready, timeout, interval=2)
 
+    def settled(self) -> list[str]:
+        """The containers that exist but are not yet healthy (or a job not yet done)."""
+        waiting = []
+        for c in self.containers():
+            health = (c["State"].get("Health") or {}).get("Status")
+            if c["State"]["Running"] and health in ("starting", "unhealthy"):
+                waiting.append(f"{c['Name'].lstrip('/')}: {health}")
+            elif self.service(c) in LONG_RUNNING and not c["State"]["Running"] and c["State"]["Status"] != "created":
+                waiting.append(f"{c['Name'].lstrip('/')}: {c['State']['Status']}")
+        return waiting
+
     def up(self, timeout: float) -> None:
         scale = [a for name, n in SCALE.items() for a in ("--scale", f"{name}={n}")]
         deadline = time.monotonic() + timeout
-        # `up` gives up when a dependency is still unhealthy at that moment (Compose v1 and v2 alike);
-        # the health checks keep running, so wait on them and run `up` again for what is left (lb).
+        # `up` gives up when a dependency is unhealthy at that moment (Compose v1 and v2 alike: on a busy
+        # host a probe can time out while torch is imported next door). The health checks go on, so
+        # wait until every container there is healthy and run the same `up` again for what is left.
+        attempt = 0
         while True:
+            attempt += 1
             result = self.run("up", "-d", "--no-build", *scale, check=False, capture=True,
                               timeout=max(60.0, deadline - time.monotonic()))
-            (self.logs / "up.log").open("a").write(result.stdout + result.stderr)
+            with (self.logs / "up.log").open("a") as f:
+                f.write(result.stdout + result.stderr)
             if result.returncode == 0:
                 break
-            log(f"`up` exited {result.returncode}: {(result.stderr or '').strip().splitlines()[-1:]}; waiting on health")
-            if time.monotonic() > deadline:
-                raise Failed("`up` never completed; see up.log")
-            try:
-                self.wait_ready(max(30.0, deadline - time.monotonic()))
-            except Failed:
-                services = self.by_service()
-                if all(c["State"]["Running"] for n in LONG_RUNNING if n != "lb" for c in services.get(n, [])):
-                    continue
-                raise
+            log(f"`up` #{attempt} exited {result.returncode}: "
+                f"{(result.stderr or '').strip().splitlines()[-1:]}; waiting on the health checks, then again")
+            if attempt >= 5 or time.monotonic() > deadline:
+                raise Failed(f"`up` did not complete in {attempt} tries; see {self.logs / 'up.log'}")
+            last: list[str] = []
+
+            def settled() -> bool:
+                nonlocal last
+                waiting = self.settled()
+                if waiting != last:
+                    log("waiting: " + ("; ".join(waiting) or "every container there is healthy"))
+                    last = waiting
+                return not waiting
+
+            poll("the containers there to turn healthy", settled, max(30.0, deadline - time.monotonic()), interval=2)
         self.wait_ready(max(60.0, deadline - time.monotonic()))
         poll("the API through nginx", lambda: http_json("GET", f"{self.api}/v1/models")[0], 120)
+        self.up_attempts = attempt
 
     def exec_python(self, service: str, code: str, timeout: float = 600) -> str:
         return run(self.cmd("exec", "-T", service, "python", "-c", code), env=self.env, capture=True,
