@@ -327,7 +327,7 @@ class Stack:
                 waiting.append(f"{c['Name'].lstrip('/')}: {c['State']['Status']}")
         return waiting
 
-    def up(self, timeout: float) -> None:
+    def up(self, timeout: float) -> str:
         scale = [a for name, n in SCALE.items() for a in ("--scale", f"{name}={n}")]
         deadline = time.monotonic() + timeout
         # `up` gives up when a dependency is unhealthy at that moment (Compose v1 and v2 alike: on a busy
@@ -359,7 +359,7 @@ class Stack:
             poll("the containers there to turn healthy", settled, max(30.0, deadline - time.monotonic()), interval=2)
         self.wait_ready(max(60.0, deadline - time.monotonic()))
         poll("the API through nginx", lambda: http_json("GET", f"{self.api}/v1/models")[0], 120)
-        self.up_attempts = attempt
+        return f"`up` run {attempt} time(s); every replica running and healthy, the API answers through nginx"
 
     def exec_python(self, service: str, code: str, timeout: float = 600) -> str:
         return run(self.cmd("exec", "-T", service, "python", "-c", code), env=self.env, capture=True,
@@ -389,18 +389,44 @@ class Stack:
 
 # ---------------------------------------------------------------------------------------------- HTTP
 
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 180) -> tuple[dict, dict]:
+RETRIED = {"n": 0}  # 429/502/503/504 answers retried (after Retry-After), reported in the summary
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 180,
+              retry_for: float = 120) -> tuple[dict, dict]:
+    """One JSON request; an overloaded answer (429, 502-504) is retried as an OpenAI client would,
+    after its Retry-After, for up to ``retry_for`` seconds; anything else raises Failed with the body."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read()), dict(resp.headers)
+    deadline = time.monotonic() + retry_for
+    while True:
+        req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read()), dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            if exc.code in (429, 502, 503, 504) and time.monotonic() < deadline:
+                RETRIED["n"] += 1
+                time.sleep(min(5.0, float(exc.headers.get("retry-after") or 1)))  # the server's Retry-After
+                continue
+            raise Failed(f"{method} {url}: HTTP {exc.code} {detail}") from None
 
 
 def stream_text(url: str, body: dict, timeout: float = 180) -> tuple[str, int]:
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
                                  headers={"content-type": "application/json"})
     text, chunks, done = "", 0, False
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            resp = urllib.request.urlopen(req, timeout=timeout)
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code not in (429, 502, 503, 504) or time.monotonic() > deadline:
+                raise Failed(f"stream: HTTP {exc.code} {exc.read().decode(errors='replace')[:300]}") from None
+            RETRIED["n"] += 1
+            time.sleep(min(5.0, float(exc.headers.get("retry-after") or 1)))  # the server's Retry-After
+    with resp:
         assert resp.headers.get_content_type() == "text/event-stream", resp.headers.get_content_type()
         for raw in resp:
             line = raw.decode().strip()
@@ -439,9 +465,35 @@ print(json.dumps({"prompts": prompts, "texts": out, "long": long}))
 
 # ---------------------------------------------------------------------------------------------- checks
 
+MAX_TOKENS = 16
+
+
+class Reference(threading.Thread):
+    """transformers `generate` on the image's baked model (the one the `models` volume is filled
+    from), in a one-off container started while the stack comes up."""
+
+    def __init__(self, image: str) -> None:
+        super().__init__(daemon=True)
+        self.image, self.result, self.error = image, None, None
+
+    def run(self) -> None:
+        try:
+            out = run([DOCKER, "run", "--rm", "--network", "none", "--entrypoint", "python", self.image, "-c",
+                       REFERENCE.replace("MAX", str(MAX_TOKENS))], capture=True, quiet=True, timeout=1800).stdout
+            self.result = json.loads(out.strip().splitlines()[-1])
+        except Exception as exc:  # noqa: BLE001 - reported by the serve step
+            self.error = exc
+
+    def get(self) -> dict:
+        self.join(timeout=1800)
+        if self.result is None:
+            raise Failed(f"the transformers reference failed: {self.error}")
+        return self.result
+
+
 def check_serve(stack: Stack, facts: dict) -> str:
-    max_tokens = 16
-    ref = json.loads(stack.exec_python("gateway", REFERENCE.replace("MAX", str(max_tokens))).strip().splitlines()[-1])
+    max_tokens = MAX_TOKENS
+    ref = facts["reference"].get()
     model = http_json("GET", f"{stack.api}/v1/models")[0]["data"][0]["id"]
     facts["model"] = model
     url = f"{stack.api}/v1/completions"
@@ -511,7 +563,7 @@ class Load:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                http_json("POST", self.url, self.body, timeout=120)
+                http_json("POST", self.url, self.body, timeout=120, retry_for=30)
                 self.ok += 1
             except Exception as exc:  # noqa: BLE001
                 self.failed += 1
@@ -621,7 +673,12 @@ def main() -> int:
         log(f"step {name} ...")
         t0 = time.monotonic()
         try:
-            detail = fn(*a)
+            try:
+                detail = fn(*a)
+            except (Failed, Skipped):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any surprise is this step's failure, with its type
+                raise Failed(f"{type(exc).__name__}: {exc}") from exc
         except Failed as exc:
             results.append((name, "FAIL", time.monotonic() - t0, str(exc)))
             log(f"step {name}: FAIL after {time.monotonic() - t0:.0f} s: {exc}")
@@ -632,7 +689,8 @@ def main() -> int:
 
     def summary(verdict: str) -> str:
         steps = " ".join(f"{n}={s}({t:.0f}s)" for n, s, t, _ in results)
-        return f"compose-check: {verdict} ({mode}, {' '.join(compose) if compose else '?'}) {steps} total={time.monotonic() - t_start:.0f}s logs={logs}"
+        return (f"compose-check: {verdict} ({mode}, {' '.join(compose) if compose else '?'}) {steps} "
+                f"retried-429/503={RETRIED['n']} total={time.monotonic() - t_start:.0f}s logs={logs}")
 
     compose: list[str] = []
     try:
@@ -661,6 +719,8 @@ def main() -> int:
             log(f"removing a previous {args.project} stack")
             stack.down()
         step("images", build_images, offline, image, prefix, compose, files, env, state)
+        facts["reference"] = Reference(image)
+        facts["reference"].start()
         step("up", stack.up, args.up_timeout)
         step("serve", check_serve, stack, facts)
         step("metrics", check_metrics, stack)
