@@ -711,7 +711,8 @@ def main() -> int:
     env = {**os.environ, "HALFMOON_IMAGE": image, "HALFMOON_OFFLINE_PREFIX": prefix,
            "HALFMOON_GATEWAY_PORT": str(free_port()), "HALFMOON_PROMETHEUS_PORT": str(free_port()),
            "HALFMOON_JAEGER_PORT": str(free_port()), "HALFMOON_GRAFANA_PORT": str(free_port()),
-           "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500")}
+           "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500"),
+           "HALFMOON_HEALTHCHECK_TIMEOUT": os.environ.get("HALFMOON_HEALTHCHECK_TIMEOUT", "10s")}
     stack = Stack(compose, files, args.project, env, offline, logs)
     verdict = "FAIL"
     try:
