@@ -384,6 +384,7 @@ class Stack:
         return left
 
     def down(self) -> None:
+        subprocess.run([DOCKER, "rm", "-f", f"{self.project}-reference"], capture_output=True)
         self.run("down", "-v", "--remove-orphans", "--timeout", "20", capture=True, timeout=600)
 
 
@@ -472,13 +473,16 @@ class Reference(threading.Thread):
     """transformers `generate` on the image's baked model (the one the `models` volume is filled
     from), in a one-off container started while the stack comes up."""
 
-    def __init__(self, image: str) -> None:
+    def __init__(self, image: str, project: str) -> None:
         super().__init__(daemon=True)
         self.image, self.result, self.error = image, None, None
+        self.name = f"{project}-reference"
+        subprocess.run([DOCKER, "rm", "-f", self.name], capture_output=True)  # one a killed run left
 
     def run(self) -> None:
         try:
-            out = run([DOCKER, "run", "--rm", "--network", "none", "--entrypoint", "python", self.image, "-c",
+            out = run([DOCKER, "run", "--rm", "--name", self.name, "--label", f"com.docker.compose.project={self.name[:-10]}",
+                       "--network", "none", "--entrypoint", "python", self.image, "-c",
                        REFERENCE.replace("MAX", str(MAX_TOKENS))], capture=True, quiet=True, timeout=1800).stdout
             self.result = json.loads(out.strip().splitlines()[-1])
         except Exception as exc:  # noqa: BLE001 - reported by the serve step
@@ -720,7 +724,7 @@ def main() -> int:
             log(f"removing a previous {args.project} stack")
             stack.down()
         step("images", build_images, offline, image, prefix, compose, files, env, state)
-        facts["reference"] = Reference(image)
+        facts["reference"] = Reference(image, args.project)
         facts["reference"].start()
         step("up", stack.up, args.up_timeout)
         step("serve", check_serve, stack, facts)
