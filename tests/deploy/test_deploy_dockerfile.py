@@ -25,7 +25,7 @@ def instructions() -> list[tuple[str, list[str]]]:
 def copies() -> list[tuple[list[str], str]]:
     result = []
     for op, args in instructions():
-        if op == "COPY":
+        if op == "COPY" and not any(a.startswith("--from=") for a in args):  # --from: another stage, not the context
             paths = [a for a in args if not a.startswith("--")]
             result.append((paths[:-1], paths[-1]))
     return result
