@@ -22,6 +22,7 @@ NAMES = (
     "halfmoon_transfer_bytes",
     "halfmoon_rejections",
     "halfmoon_errors",
+    "halfmoon_ttft_prediction_error_ratio",
 )
 
 

@@ -101,6 +101,7 @@ class Generation:
         self._sub: Subscription | None = None
         self._watching: set[str] = set()
         self._streamed = False  # some token reached the client
+        self._placed_at = 0.0  # when the conductor's placement (and its TTFT prediction) arrived
 
     async def __aenter__(self) -> Generation:
         svc = self.client.service
@@ -134,6 +135,7 @@ class Generation:
         last: RemoteError | None = None
         for _ in range(dl.submit_attempts):
             placement = await self._schedule(deadline)
+            placed_at = time.monotonic()
             prefill = PrefillRequest(
                 request_id=self.request_id,
                 prompt_token_ids=self.prompt_ids,
@@ -164,7 +166,7 @@ class Generation:
                     raise GenerationError(exc.code, f"prefill did not take the request: {exc}") from exc
                 last = exc
                 continue
-            self.placement = placement
+            self.placement, self._placed_at = placement, placed_at
             return
         assert last is not None
         raise GenerationError(last.code, f"no prefill instance took the request: {last.reply.message}")
@@ -254,6 +256,9 @@ class Generation:
             while expected in early:
                 ready = early.pop(expected)
                 expected += len(ready.token_ids)
+                if not self._streamed and self.placement is not None and self.placement.predicted_ttft_ms is not None:
+                    METRICS.record_ttft_prediction(self.placement.predicted_ttft_ms / 1000,
+                                                   time.monotonic() - self._placed_at)
                 self._streamed = True
                 if self._handed_off(ready):
                     self._unwatch(self.placement.prefill_instance)
