@@ -96,7 +96,8 @@ class HalfmoonServer(PeerServer):
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "halfmoon.cli.main", "up", "--model", str(self.model_dir), "--port",
-                str(self.port), "--run-dir", str(self.run_dir / "halfmoon-run"), "--namespace", "peers"]
+                str(self.port), "--run-dir", str(self.run_dir / "halfmoon-run"), "--namespace", "peers",
+                "--timeout", str(self.start_timeout_s)]
 
 
 class VllmServer(PeerServer):

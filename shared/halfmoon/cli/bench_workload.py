@@ -28,6 +28,9 @@ class TokenRange(NamedTuple):
             raise ValueError(f"token range must satisfy 0 <= low < high, got [{self.low}, {self.high})")
 
 
+DEFAULT_TOKENS = TokenRange()
+
+
 class BenchRequest(NamedTuple):
     prompt: list[int]
     max_tokens: int
@@ -35,7 +38,7 @@ class BenchRequest(NamedTuple):
     hash_ids: tuple[int, ...] = ()
 
 
-def fixed_requests(count: int, input_tokens: int, output_tokens: int, tokens: TokenRange = TokenRange(),
+def fixed_requests(count: int, input_tokens: int, output_tokens: int, tokens: TokenRange = DEFAULT_TOKENS,
                    seed: int = 0) -> list[BenchRequest]:
     """``count`` requests of independent random prompts (nothing shared between them)."""
     if count < 0 or input_tokens < 1 or output_tokens < 1:
@@ -77,8 +80,8 @@ class BlockTokens:
         return block
 
 
-def trace_requests(trace: Sequence[TraceRequest], scaling: TraceScaling = TraceScaling(),
-                   tokens: TokenRange = TokenRange()) -> list[BenchRequest]:
+def trace_requests(trace: Sequence[TraceRequest], scaling: TraceScaling,
+                   tokens: TokenRange = DEFAULT_TOKENS) -> list[BenchRequest]:
     """The trace, scaled: a prompt is its blocks' tokens cut to ``input_length`` scaled the same way;
     arrivals are relative to the first request."""
     scaling.check()
