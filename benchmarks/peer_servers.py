@@ -17,7 +17,7 @@ from halfmoon.deploy.local import free_port
 
 
 class PeerServer:
-    """Contract: ``start`` returns once ``/v1/models`` answers (or raises, leaving nothing running);
+    """Contract: ``start`` returns once a completion succeeds (or raises, leaving nothing running);
     ``stop`` interrupts the whole process group, waits, then kills what is left."""
 
     name = "server"
@@ -61,14 +61,18 @@ class PeerServer:
         return self
 
     def _wait_ready(self) -> None:
+        """Ready when a one-token completion succeeds: a gateway may list models before its engines join."""
         assert self.proc is not None
         end = time.monotonic() + self.start_timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(f"{self.base_url}/models", timeout=5).status_code == 200:
-                    return
+                models = httpx.get(f"{self.base_url}/models", timeout=5)
+                if models.status_code == 200:
+                    probe = {"model": models.json()["data"][0]["id"], "prompt": [100], "max_tokens": 1}
+                    if httpx.post(f"{self.base_url}/completions", json=probe, timeout=60).status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
