@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -21,9 +22,9 @@ class PeerServer:
     ``stop`` interrupts the whole process group, waits, then kills what is left."""
 
     name = "server"
-    start_timeout_s = 600.0
 
-    def __init__(self, model_dir: Path, run_dir: Path) -> None:
+    def __init__(self, model_dir: Path, run_dir: Path, start_timeout_s: float = 1800.0) -> None:
+        self.start_timeout_s = start_timeout_s
         self.model_dir = model_dir
         self.run_dir = run_dir
         self.port = free_port()
@@ -109,16 +110,18 @@ class VllmServer(PeerServer):
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, run_dir: Path, python: str, kv_cache_gib: int = 2) -> None:
+    def __init__(self, model_dir: Path, run_dir: Path, python: str, extra_args: Sequence[str] = (),
+                 kv_cache_gib: int = 2) -> None:
         super().__init__(model_dir, run_dir)
         self.python = python
+        self.extra_args = list(extra_args)
         self.kv_cache_gib = kv_cache_gib
 
     def command(self) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                 "--served-model-name", self.model_dir.name, "--dtype", "float32", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details", "--max-model-len", "4096", "--host", "127.0.0.1",
-                "--port", str(self.port)]
+                "--port", str(self.port), *self.extra_args]
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HALFMOON_", "VIRTUAL_ENV", "PYTHON"))}

@@ -121,6 +121,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help=f"model directory (default: SmolLM2-135M-Instruct in {DEFAULT_MODEL})")
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="python of vLLM's own venv")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for vLLM's server (repeat; e.g. --vllm-arg=--enforce-eager)")
+    parser.add_argument("--start-timeout", type=float, default=1800.0,
+                        help="seconds a server may take to answer its first completion (vLLM compiles on first start)")
     parser.add_argument("--only", choices=("halfmoon", "vllm"), help="run one server only")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48)
@@ -146,13 +150,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.run_dir or tmp)
         servers = {"halfmoon": lambda: HalfmoonServer(model, run_dir),
-                   "vllm": lambda: VllmServer(model, run_dir, args.vllm_python)}
+                   "vllm": lambda: VllmServer(model, run_dir, args.vllm_python, args.vllm_arg)}
+        failures: dict[str, str] = {}
         for name, make in servers.items():
             if args.only in (None, name):
-                results[name] = measure(make(), loads, slo, console)
+                server = make()
+                server.start_timeout_s = args.start_timeout
+                try:
+                    results[name] = measure(server, loads, slo, console)
+                except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError; the other server still runs
+                    failures[name] = str(exc)
+                    console.print(f"[red]{name} failed[/]: {exc}")
     report(results, args, console)
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"config": vars(args), "results": results, "failures": failures},
+                                              indent=2))
 
 
 if __name__ == "__main__":
