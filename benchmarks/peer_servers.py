@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import IO
 
 import httpx
-
 from halfmoon.deploy.local import free_port
 
 

@@ -22,15 +22,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
 from halfmoon.cli.bench import DEFAULT_TRACE, drive, first_model
 from halfmoon.cli.bench_driver import Endpoint
 from halfmoon.cli.bench_stats import SLO
 from halfmoon.cli.bench_workload import TraceScaling, fixed_requests, trace_requests
 from halfmoon.sim.trace import load_trace
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
 
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"
 # (label, workload, path into the summary, higher is better)

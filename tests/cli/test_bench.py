@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from halfmoon.cli import main as cli_main
 from halfmoon.cli.bench import parse_prediction_error, prediction_error
 from halfmoon.cli.bench_workload import TraceScaling, trace_requests
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.sim.trace import load_trace
 from halfmoon.telemetry.metrics import Metrics
+
 from tests.cli.openai_stub import Serving, StubServer
 from tests.e2e.conftest import start_cluster
 

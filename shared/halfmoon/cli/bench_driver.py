@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
-
 from halfmoon.cli.bench_workload import BenchRequest
 
 
