@@ -141,8 +141,15 @@ def main() -> None:
     parser.add_argument("--slo-itl-ms", type=float, default=250.0)
     parser.add_argument("--run-dir", help="logs of both servers (default: a temporary directory)")
     parser.add_argument("--json", help="write every figure of both servers here")
+    parser.add_argument("--from-json", nargs="+", metavar="FILE",
+                        help="run nothing: print the table from earlier --json files (e.g. one --only run each)")
     args = parser.parse_args()
     console = Console()
+    if args.from_json:
+        saved = [json.loads(Path(f).read_text()) for f in args.from_json]
+        report({k: v for d in saved for k, v in d["results"].items()}, argparse.Namespace(**saved[0]["config"]),
+               console)
+        return
     model = model_dir(args.model, console)
     loads = workloads(args)
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
