@@ -125,7 +125,8 @@ class TestTraceReplay:
         assert code == 0
         summary = report["summary"]
         assert (summary["requests"], summary["completed"]) == (4, 4)
-        assert [s.body["max_tokens"] for s in server.seen] == [6, 6, 5, 6]
+        # 2nd and 3rd arrive 0.1 s apart: a loaded machine may deliver them in either order
+        assert sorted(s.body["max_tokens"] for s in server.seen) == [5, 6, 6, 6]
         # arrivals 100..600 ms of the trace at half speed: the last request starts at least 1 s after the first
         assert server.seen[-1].received_at - server.seen[0].received_at >= 0.95
         # prompts of 12, 16, 8 and 20 tokens; the 2nd reuses the 1st's 12, the 3rd block 0 (4), the 4th the 2nd's 16
