@@ -22,6 +22,7 @@ NAMES = (
     "halfmoon_rejections",
     "halfmoon_errors",
     "halfmoon_auth_rejections",
+    "halfmoon_ttft_prediction_error_ratio",
 )
 
 

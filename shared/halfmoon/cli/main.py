@@ -15,13 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfmoon", description="KVCache-centric disaggregated LLM serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(subparsers)
+        # NOTE: a listed command that fails to import is a broken install: raise, never hide the command
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

@@ -28,6 +28,8 @@ log = logging.getLogger("halfmoon.metrics")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+# |predicted - delivered| / delivered: 0.1 is a good prediction, 100 one that is off by two orders of magnitude
+_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0, 1000.0)
 
 ScrapeSource = Callable[["Metrics"], None]
 
@@ -100,6 +102,14 @@ class Metrics:
         self.auth_rejections = Counter(
             "halfmoon_auth_rejections", "API requests refused at the gateway's door", ["reason"], registry=r
         )
+        self.ttft_prediction_error = Histogram(
+            "halfmoon_ttft_prediction_error_ratio",
+            "|conductor's predicted TTFT - delivered TTFT| / delivered TTFT, per request; direction: over "
+            "(predicted >= delivered) or under",
+            ["direction"],
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._sources: list[ScrapeSource] = []
 
@@ -107,6 +117,10 @@ class Metrics:
         """Run ``source(self)`` before every render; returns the function that unregisters it."""
         self._sources.append(source)
         return lambda: self._sources.remove(source) if source in self._sources else None
+
+    def record_ttft_prediction(self, predicted_s: float, delivered_s: float) -> None:
+        error = abs(predicted_s - delivered_s) / max(delivered_s, 1e-6)
+        self.ttft_prediction_error.labels("over" if predicted_s >= delivered_s else "under").observe(error)
 
     def render(self) -> bytes:
         for source in list(self._sources):

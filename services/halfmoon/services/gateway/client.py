@@ -106,6 +106,8 @@ class Generation:
         self._sub: Subscription | None = None
         self._watching: set[str] = set()
         self._handed_off = False  # decode of the current attempt has streamed
+        self._placed_at = 0.0  # when the conductor's placement (and its TTFT prediction) arrived
+        self._prediction_recorded = False
 
     @property
     def attempt(self) -> int:
@@ -155,6 +157,7 @@ class Generation:
         refused = 0
         while True:
             placement = await self._schedule(deadline)
+            placed_at = time.monotonic()
             prefill = PrefillRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
                 decode_instance=placement.decode_instance, stream_subject=svc.subjects.stream(self.request_id),
@@ -183,7 +186,7 @@ class Generation:
                     self._event("migration", **{"halfmoon.reason": f"submit failed: {exc}"})
                     continue
                 raise GenerationError(code, f"prefill did not take the request: {exc}") from exc
-            self.placement, self._handed_off = placement, False
+            self.placement, self._handed_off, self._placed_at = placement, False, time.monotonic()
             self._event("placed", **{"halfmoon.prefill": placement.prefill_instance,
                                      "halfmoon.decode": placement.decode_instance,
                                      "halfmoon.resume_index": len(self.order.tokens)})
@@ -295,6 +298,7 @@ class Generation:
                 continue
             for event in outcome:
                 progress = time.monotonic()
+                self._record_prediction(progress)
                 self._note_holder(event)
                 self.finished = event.finish_reason is not None
                 yield event
@@ -312,6 +316,13 @@ class Generation:
         if item.code not in (ErrorCode.UNAVAILABLE, ErrorCode.INSTANCE_DOWN, ErrorCode.INTERNAL):
             raise GenerationError(item.code, item.message)
         return Lost(self.attempt, item.message, item.code, ())
+
+    def _record_prediction(self, now: float) -> None:
+        """The first token's delivered TTFT against the conductor's prediction for the placement that made it."""
+        p = self.placement
+        if not self._prediction_recorded and p is not None and p.predicted_ttft_ms is not None:
+            METRICS.record_ttft_prediction(p.predicted_ttft_ms / 1000, now - self._placed_at)
+        self._prediction_recorded = True
 
     def _note_holder(self, event: TokenEvent) -> None:
         """Once decode streams, the prefill instance no longer holds the request."""
