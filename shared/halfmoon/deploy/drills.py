@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from typing import Literal
 
 import httpx
 import nats
-from halfmoon.deploy.local import LocalCluster, nats_server_binary, wait_for_port
+from halfmoon.deploy.local import LocalCluster, wait_for_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import Heartbeat
@@ -169,10 +168,7 @@ def restart_nats(cluster: LocalCluster, down_s: float) -> None:
     proc.wait()
     time.sleep(down_s)
     port = int(cluster.nats_url.rsplit(":", 1)[1])
-    conf = cluster.run_dir / "nats-server.conf"  # the launcher's: same port, users and permissions
-    cluster._nats = subprocess.Popen(  # noqa: SLF001
-        [nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
+    cluster.respawn_nats()  # the launcher's config and port: same users and permissions
     wait_for_port(port, 15, cluster._nats)  # noqa: SLF001
 
 

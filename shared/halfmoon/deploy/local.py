@@ -167,7 +167,7 @@ class LocalCluster:
         shutil.rmtree(ports_dir, ignore_errors=True)
         ports_dir.mkdir(parents=True)
         self.nats_auth, self._nats_config = embedded_server_config(self.run_dir, self.namespace, -1)
-        self._spawn_nats("--ports_file_dir", str(ports_dir))
+        self.respawn_nats("--ports_file_dir", str(ports_dir))
         assert self._nats is not None
         end = time.monotonic() + timeout
         while not (found := list(ports_dir.glob("*.ports"))):
@@ -180,11 +180,13 @@ class LocalCluster:
         self._nats_port = int(url.rsplit(":", 1)[1])
         wait_for_port(self._nats_port, timeout, self._nats)
 
-    def _spawn_nats(self, *extra: str) -> None:
+    def respawn_nats(self, *extra: str) -> None:
+        """Start the cluster's NATS server (again) with its config, on its port once it has one."""
         log = open(self.log_file("nats"), "ab")
         self._nats = subprocess.Popen(
+            # the config holds the users, permissions and JetStream's store dir; the port is ours to choose
             [nats_server_binary(), "-c", str(self._nats_config), "-a", "127.0.0.1", "-p", str(self._nats_port or -1),
-             "-js", "-sd", str(self.run_dir / "nats"), *extra],
+             *extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.supervision.started("nats", time.monotonic())
@@ -234,7 +236,7 @@ class LocalCluster:
             if due <= now:
                 del self._restart_at[name]
                 if name == "nats":
-                    self._spawn_nats()  # same port: every service reconnects to the URL it knows
+                    self.respawn_nats()  # same port: every service reconnects to the URL it knows
                 else:
                     self.start_instance(self.specs[name], name)
                     self._coming_up.add(name)
