@@ -27,14 +27,15 @@ class Up:
         self.output = run_dir.parent / f"{run_dir.name}.out"
         with open(self.output, "wb") as out:
             self.proc = processes.start(
-                ["-m", "halfmoon.cli.main", "up", "--model", str(model), "--run-dir", str(run_dir), *args],
+                ["-m", "halfmoon.cli.main", "up", "--model", str(model), "--run-dir", str(run_dir),
+                 "--timeout", "900", *args],  # a shared, loaded machine can take minutes to import torch
                 {"COLUMNS": "400", "HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5"},
                 stdout=out, stderr=subprocess.STDOUT)
 
     def text(self) -> str:
         return self.output.read_text(errors="replace")
 
-    def wait_for_output(self, needle: str, deadline_s: float = 300.0) -> None:
+    def wait_for_output(self, needle: str, deadline_s: float = 900.0) -> None:
         end = time.monotonic() + deadline_s
         while needle not in self.text():
             assert self.proc.poll() is None, f"halfmoon up exited ({self.proc.returncode}):\n{self.text()}"
