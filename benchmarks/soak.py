@@ -6,7 +6,9 @@ as it goes, and the slope of each after a warm-up. A leak shows as a slope that 
 Every client loops: a streaming completion of a fresh random prompt, of which one in
 ``--disconnect-every`` is dropped after its first token (the path that used to leak). The baseline
 of each process is its RSS at the end of the warm-up; the table gives that, the last sample, and the
-least-squares slope of the samples after the warm-up, per minute and per 1,000 requests.
+least-squares slope of the samples after the warm-up, per minute and per 1,000 requests. The pool's
+tiers are small (``--dram-mib``, ``--nvme-mib``) so that it is full before the warm-up ends: the
+cache-manager's index grows with the blocks held (~600 bytes each) until the tiers are full, as it should.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ from pathlib import Path
 import httpx
 import nats
 import psutil
-from rich.console import Console
-from rich.table import Table
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.service import request
+from rich.console import Console
+from rich.table import Table
 
 NAMESPACE = "soak"
 MIB = 1 << 20
@@ -151,6 +152,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--disconnect-every", type=int, default=4, help="drop one stream in this many early")
+    parser.add_argument("--dram-mib", type=int, default=64, help="each transfer node's DRAM tier")
+    parser.add_argument("--nvme-mib", type=int, default=128, help="each transfer node's NVMe tier")
     parser.add_argument("--model")
     args = parser.parse_args()
     if args.warmup_minutes >= args.minutes:
@@ -162,8 +165,10 @@ def main() -> None:
             from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny-llama"))
+        # Small tiers, so the pool is full within the warm-up: from then on its index must stay flat.
+        env = {"HALFMOON_DRAM_BYTES": str(args.dram_mib << 20), "HALFMOON_NVME_BYTES": str(args.nvme_mib << 20)}
         cluster = LocalCluster(model, Path(tmp) / "run", {"prefill": args.prefill, "decode": args.decode},
-                               gateway_port=0, namespace=NAMESPACE)
+                               gateway_port=0, namespace=NAMESPACE, env=env)
         cluster.start(timeout=300)
         try:
             samples = asyncio.run(soak(cluster, args, console))

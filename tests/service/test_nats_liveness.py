@@ -42,10 +42,15 @@ async def until(condition, deadline_s: float = 30.0, what: str = "condition") ->
         await asyncio.sleep(0.05)
 
 
+async def get(url: str) -> httpx.Response:
+    """Async: the endpoint is served on this test's own event loop."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        return await client.get(url)
+
+
 def status_is(url: str, code: int):  # type: ignore[no-untyped-def]
     async def check() -> bool:
-        async with httpx.AsyncClient(timeout=5) as client:
-            return (await client.get(url)).status_code == code
+        return (await get(url)).status_code == code
     return check
 
 
@@ -59,17 +64,19 @@ class TestMetricsPortHealth:
         config = ServiceConfig(**settings(own_nats, namespace, instance_id="idle-1", metrics_port=-1))
         async with ServiceHost(Idle(config)) as host:
             health = f"http://127.0.0.1:{host.metrics.port}/health"
-            assert (await httpx.AsyncClient().get(health)).text == "ok\n"
+            assert (await get(health)).text == "ok\n"
             own_nats.stop()
             await until(status_is(health, 503), what="503 after NATS died")
-            assert "NATS unreachable" in httpx.get(health, timeout=5).text
+            assert "NATS unreachable" in (await get(health)).text
             own_nats.start()
             await until(status_is(health, 200), what="200 after NATS came back")
             beats: asyncio.Queue[str] = asyncio.Queue()
             watcher = await nats.connect(own_nats.url)
             try:
-                await watcher.subscribe(Subjects(namespace).heartbeat,
-                                        cb=lambda m: beats.put_nowait(codecs.HEARTBEAT.decode(m.data).instance_id))
+                async def on_beat(msg) -> None:  # type: ignore[no-untyped-def]
+                    beats.put_nowait(codecs.HEARTBEAT.decode(msg.data).instance_id)
+
+                await watcher.subscribe(Subjects(namespace).heartbeat, cb=on_beat)
                 assert await asyncio.wait_for(beats.get(), 10) == "idle-1"
             finally:
                 await watcher.close()
@@ -80,10 +87,10 @@ class TestGatewayHealth:
         config = GatewayConfig(**settings(own_nats, namespace, model_dir=str(tiny_model_dir), port=0))
         async with ServiceHost(GatewayService(config)) as host:
             health = f"{host.service.url}/health"
-            assert httpx.get(health, timeout=5).json() == {"status": "ok"}
+            assert (await get(health)).json() == {"status": "ok"}
             own_nats.stop()
             await until(status_is(health, 503), what="gateway 503 after NATS died")
-            assert httpx.get(health, timeout=5).json()["status"] == "nats_unreachable"
+            assert (await get(health)).json()["status"] == "nats_unreachable"
             own_nats.start()
             await until(status_is(health, 200), what="gateway 200 after NATS came back")
 
@@ -115,7 +122,11 @@ async def wait_for_heartbeat(url: str, namespace: str) -> None:
     nc = await nats.connect(url, connect_timeout=5)
     try:
         got = asyncio.Event()
-        await nc.subscribe(Subjects(namespace).heartbeat, cb=lambda _m: got.set())
+
+        async def on_beat(_msg) -> None:  # type: ignore[no-untyped-def]
+            got.set()
+
+        await nc.subscribe(Subjects(namespace).heartbeat, cb=on_beat)
         await asyncio.wait_for(got.wait(), 60)
     finally:
         await nc.close()

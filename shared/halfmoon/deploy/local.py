@@ -59,6 +59,9 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes]) -> N
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+DEFAULT_POLICY = RestartPolicy()
+
+
 def log_tail(path: Path, lines: int = 12) -> list[str]:
     try:
         with open(path, "rb") as f:
@@ -81,7 +84,7 @@ class LocalCluster:
     def __init__(self, model_dir: str | Path, run_dir: str | Path, counts: dict[str, int] | None = None, *,
                  nats_url: str | None = None, namespace: str = "halfmoon", gateway_port: int = 8000,
                  env: dict[str, str] | None = None, metrics: bool = False, supervised: bool = False,
-                 policy: RestartPolicy = RestartPolicy(), events: Callable[[str], None] = lambda _m: None) -> None:
+                 policy: RestartPolicy = DEFAULT_POLICY, events: Callable[[str], None] = lambda _m: None) -> None:
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir).resolve()  # services run from the repository root
         self.plan = instances(counts or {})

@@ -190,6 +190,8 @@ class ServiceHost:
         await svc.close()
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._nc.drain()
+        if not self._nc.is_closed:  # drain refuses while reconnecting; stop the reconnect loop too
+            await self._nc.close()
         self._unscrape()
         if self.metrics is not None:
             await self.metrics.stop()
