@@ -11,9 +11,8 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.aio.client import Client as NATS
-
 from halfmoon.deploy.local import SOURCE_ROOTS, free_port, nats_server_binary, wait_for_port
+from nats.aio.client import Client as NATS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

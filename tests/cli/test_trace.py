@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import httpx
 import pytest
-
 from halfmoon.cli.main import main
 from halfmoon.cli.trace import build_waterfall
 from halfmoon.cli.trace_sources import (
@@ -24,7 +23,8 @@ from halfmoon.cli.trace_sources import (
 )
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import REQUEST_PATH
-from tests.e2e.conftest import model_name, start_cluster
+
+from tests.e2e.conftest import AUTH, model_name, start_cluster
 
 # sequential phases of one request: none overlaps another, so their durations add up within the total
 PHASES = ("conductor.schedule", "prefill.compute", "prefill.kv_write", "decode.kv_read", "decode.generate")
@@ -84,6 +84,7 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         for max_tokens in (2, 12, 6):
             reply = httpx.post(
                 f"{cluster.url}/v1/completions",
+                headers=AUTH,
                 timeout=60,
                 json={
                     "model": model_name(cluster),

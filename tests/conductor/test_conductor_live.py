@@ -9,8 +9,6 @@ import time
 import msgspec
 import pytest
 from fake_instances import reporter_host, wait_until
-
-from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 from halfmoon.protocol import (
     CancelRequest,
     ErrorCode,
@@ -27,6 +25,7 @@ from halfmoon.protocol import (
     codecs,
 )
 from halfmoon.service import ServiceHost, request
+from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
 
 def schedule_request(rid: str = "r1", deadline_in: float = 30.0) -> ScheduleRequest:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
+from halfmoon.protocol import Heartbeat, Load, RejectReason, Role, SamplingParams, ScheduleRequest
+from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection
 from halfmoon.services.conductor.registry import InstanceTable
-from halfmoon.protocol import Heartbeat, Load, RejectReason, Role, SamplingParams, ScheduleRequest
 
 REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=4, sampling=SamplingParams(), deadline=0.0)
 
@@ -102,3 +102,15 @@ class TestLeastLoaded:
         _, p, d = self.views(*beats)
         result = LeastLoaded().place(REQUEST, p, d)
         assert isinstance(result, Rejection) and result.reason is reason and result.message
+
+
+class TestLiveBlockIndexMatch:
+    def test_counts_leading_blocks_any_instance_holds(self):
+        index = LiveBlockIndex()
+        index.apply("p0", [b"k0", b"k1"], [])
+        index.apply("p1", [b"k2"], [])
+        assert index.match([b"k0", b"k1", b"k2", b"k3"]) == 3
+        index.apply("p1", [], [b"k2"])
+        assert index.match([b"k0", b"k1", b"k2"]) == 2
+        index.forget("p0")
+        assert index.match([b"k0"]) == 0

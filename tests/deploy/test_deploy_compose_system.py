@@ -17,8 +17,8 @@ from typing import Any
 import boto3
 import httpx
 import pytest
-
 from halfmoon.deploy.topology import SERVICES
+
 from tests.conftest import REPO_ROOT, NatsServer, free_port, service_env
 from tests.deploy.conftest import env_of
 from tests.fixtures.s3 import S3Server, s3_server  # noqa: F401  (fixture)

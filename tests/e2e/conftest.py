@@ -7,17 +7,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 import torch
+from halfmoon.deploy.local import LocalCluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from halfmoon.deploy.local import LocalCluster
+
+API_KEY = "sk-e2e-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None, **counts: int) -> LocalCluster:
+def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None, api_keys: str = f"{API_KEY} e2e\n",
+                  **counts: int) -> LocalCluster:
+    """Security on, as ``halfmoon up`` with keys: per-role NATS credentials, and API keys (send ``AUTH``)."""
+    keys = run_dir / "api-keys"
+    keys.write_text(api_keys)
     # Heartbeats every 0.25 s, so the conductor notices a killed instance within about a second.
     env = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
-           "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100", **(env or {})}
+           "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100", "HALFMOON_API_KEYS_FILE": str(keys),
+           **(env or {})}
     cluster = LocalCluster(model, run_dir, counts, gateway_port=0, namespace="e2e", env=env)
     cluster.start(timeout=240)
     return cluster
@@ -31,7 +40,13 @@ def cluster_2p2d(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def model_name(cluster: LocalCluster) -> str:
-    return httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    return httpx.get(f"{cluster.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+
+
+async def admin_nats(cluster: LocalCluster):  # type: ignore[no-untyped-def]
+    """A NATS connection with the operator's credentials (taps see every subject)."""
+    assert cluster.nats_auth is not None
+    return await nats.connect(cluster.nats_url, **cluster.nats_auth.connect_options())
 
 
 def reference_text(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> str:

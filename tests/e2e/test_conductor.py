@@ -9,13 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
-from tests.e2e.conftest import model_name, start_cluster
+
+from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 TTFT_SLO_S = 3.0
 
@@ -37,7 +36,7 @@ class SubmitWatch:
         self.where: dict[str, str] = {}
 
     async def __aenter__(self) -> SubmitWatch:
-        self.nc = await nats.connect(self.cluster.nats_url)
+        self.nc = await admin_nats(self.cluster)
 
         async def on_submit(msg) -> None:  # type: ignore[no-untyped-def]
             request = codecs.PREFILL_REQUEST.decode(msg.data)
@@ -61,7 +60,7 @@ class TestCacheAwareRouting:
     async def test_requests_sharing_a_prefix_go_to_its_holder(self, cluster: LocalCluster) -> None:
         name = model_name(cluster)
         prefix = draw(400, seed=1)
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client, SubmitWatch(cluster) as watch:
+        async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client, SubmitWatch(cluster) as watch:
             async def send(prompt: list[int]) -> httpx.Response:
                 reply = await client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 4,
                                                                    "temperature": 0})
@@ -96,7 +95,7 @@ class TestEarlyRejection:
                         first = time.monotonic() - started
             return reply, first
 
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client, SubmitWatch(cluster) as watch:
+        async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client, SubmitWatch(cluster) as watch:
             results = await asyncio.gather(*[ttft(client, 100 + i) for i in range(20)])
         rejected = [r for r, _ in results if r.status_code == 429]
         accepted = [(r, t) for r, t in results if r.status_code == 200]

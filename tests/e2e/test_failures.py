@@ -8,12 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol.subjects import Subjects
-from tests.e2e.conftest import model_name, start_cluster
+
+from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 FAILURE_DEADLINE_S = 15.0
 
@@ -29,7 +28,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 async def kill_when_submitted(cluster: LocalCluster, subject: str, instance_id: str,
                               watching: asyncio.Event) -> None:
     """Kill ``instance_id`` the moment a request is submitted to it (seen on its NATS subject)."""
-    nc = await nats.connect(cluster.nats_url)
+    nc = await admin_nats(cluster)
     arrived = asyncio.Event()
 
     async def on_submit(_msg) -> None:  # type: ignore[no-untyped-def]
@@ -54,7 +53,7 @@ async def request(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response
 async def run_kill(cluster: LocalCluster, role: str, body: dict, victims: int) -> list[tuple[httpx.Response, float]]:
     subjects = Subjects("e2e")
     subject = subjects.prefill_submit(f"{role}-0") if role == "prefill" else subjects.decode_submit(f"{role}-0")
-    async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client:
         watching = asyncio.Event()
         killer = asyncio.create_task(kill_when_submitted(cluster, subject, f"{role}-0", watching))
         await watching.wait()
@@ -74,7 +73,7 @@ def assert_failed_fast_and_cleanly(results: list[tuple[httpx.Response, float]]) 
 def assert_still_serving(cluster: LocalCluster) -> None:
     name = model_name(cluster)
     for _ in range(4):
-        reply = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
+        reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=60,
                            json={"model": name, "prompt": "after the crash", "max_tokens": 8, "temperature": 0})
         assert reply.status_code == 200, reply.text
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
@@ -22,7 +21,8 @@ from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-from tests.e2e.conftest import model_name, reference_text, start_cluster
+
+from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 
 BLOCK = 16
 MAX_TOKENS = 12
@@ -46,7 +46,7 @@ def complete(cluster: LocalCluster, prompt: list[int], salt: str | None = None) 
     body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     if salt is not None:
         body["cache_salt"] = salt
-    reply = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    reply = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -56,7 +56,7 @@ def cached(reply: dict) -> int:
 
 
 async def pool_stats(cluster: LocalCluster):  # type: ignore[no-untyped-def]
-    nc = await nats.connect(cluster.nats_url)
+    nc = await admin_nats(cluster)
     try:
         msg = await nc.request(Subjects("e2e").cache("stats"), codecs.CACHE_STATS_REQUEST.encode(StatsRequest()),
                                timeout=5)
@@ -128,7 +128,7 @@ def corrupt_every_dram_block(address: str) -> int:
 
 
 async def transfer_addresses(cluster: LocalCluster) -> dict[str, str]:
-    nc = await nats.connect(cluster.nats_url)
+    nc = await admin_nats(cluster)
     found: dict[str, str] = {}
     done = asyncio.Event()
 

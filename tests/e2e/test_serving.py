@@ -9,10 +9,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from halfmoon.deploy.local import LocalCluster
 from transformers import AutoTokenizer
 
-from halfmoon.deploy.local import LocalCluster
-from tests.e2e.conftest import model_name, reference_text, start_cluster
+
+from tests.e2e.conftest import API_KEY, AUTH, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 16
 
@@ -27,7 +28,7 @@ def prompts(model_dir: Path, count: int = 8) -> list[list[int]]:
 
 async def complete_all(cluster: LocalCluster, batch: list[list[int]]) -> list[str]:
     name = model_name(cluster)
-    async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client:
         replies = await asyncio.gather(*[
             client.post("/v1/completions", json={"model": name, "prompt": p, "max_tokens": MAX_TOKENS,
                                                  "temperature": 0})
@@ -58,7 +59,7 @@ class TestGreedyThroughServices:
 class TestOpenAIClient:
     @pytest.fixture
     def client(self, cluster_2p2d: LocalCluster) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{cluster_2p2d.url}/v1", api_key="unused", max_retries=0)
+        return openai.OpenAI(base_url=f"{cluster_2p2d.url}/v1", api_key=API_KEY, max_retries=0)
 
     def test_completion_stream_matches_non_stream(self, client: openai.OpenAI, cluster_2p2d: LocalCluster) -> None:
         name = model_name(cluster_2p2d)
@@ -120,7 +121,7 @@ class TestBadInputFlood:
             error = reply.json()["error"]
             assert word in (error["message"] + str(error.get("param"))).lower()
 
-        async with httpx.AsyncClient(base_url=cluster_2p2d.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=cluster_2p2d.url, headers=AUTH, timeout=120) as client:
             flood = [bad(client, body, word) for _ in range(8) for body, word in BAD_BODIES]
             good_calls = [client.post("/v1/completions", json={"model": name, "prompt": p, "max_tokens": MAX_TOKENS,
                                                                "temperature": 0}) for p in good]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import httpx
-
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import REQUEST_PATH
 from halfmoon.telemetry.jsonl import read_spans
-from tests.e2e.conftest import model_name
+
+from tests.e2e.conftest import AUTH, model_name
 
 
 def spans_of_request(cluster: LocalCluster, request_id: str, deadline_s: float = 30.0) -> list[dict]:
@@ -31,7 +31,7 @@ def spans_of_request(cluster: LocalCluster, request_id: str, deadline_s: float =
 
 class TestOneTracePerRequest:
     def test_spans_from_all_services_parented(self, cluster_2p2d: LocalCluster) -> None:
-        reply = httpx.post(f"{cluster_2p2d.url}/v1/completions", timeout=60,
+        reply = httpx.post(f"{cluster_2p2d.url}/v1/completions", headers=AUTH, timeout=60,
                            json={"model": model_name(cluster_2p2d), "prompt": "trace me " * 10, "max_tokens": 6,
                                  "temperature": 0})
         assert reply.status_code == 200

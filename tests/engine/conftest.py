@@ -4,7 +4,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from halfmoon.cli.model_tools import make_tiny_model
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine

@@ -6,12 +6,18 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
+from halfmoon.core.errors import (
+    ContextLengthError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    ModelLoadError,
+    OutOfKVBlocksError,
+    UnknownRequestError,
+)
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.core.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError, ModelLoadError,
-                                  OutOfKVBlocksError, UnknownRequestError)
 from halfmoon.protocol.sampling import SamplingParams
+
 from tests.engine.conftest import make_engine
 
 OK = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

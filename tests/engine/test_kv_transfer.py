@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from halfmoon.engine.engine import PREFILL_DONE, LLMEngine
-from halfmoon.core.errors import KVFormatError
-from halfmoon.engine.hooks import LayerHook
 from halfmoon.core.block_format import HEADER, decode_block, read_header
+from halfmoon.core.errors import KVFormatError
+from halfmoon.engine.engine import PREFILL_DONE, LLMEngine
+from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol.sampling import SamplingParams
+
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

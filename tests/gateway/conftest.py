@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from fake_engine import IdleDecode, Script, ScriptedPrefill
-
+from halfmoon.service import ServiceConfig, ServiceHost
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 from halfmoon.services.gateway.service import GatewayConfig, GatewayService
-from halfmoon.service import ServiceConfig, ServiceHost
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import hashlib
 import struct
 
 import pytest
-
 from halfmoon.core.keys import ROOT_KEY, BlockHasher, Namespace
 
 

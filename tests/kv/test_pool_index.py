@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from halfmoon.core.keys import BlockHasher
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import InventoryItem, NodeSpec, OrderKind, PoolConfig, Tier, UnknownPut
@@ -80,6 +79,16 @@ class TestPutProtocol:
         assert idx.stats().pending_puts == 0
         first, second = idx.put_start(KEYS[:2], [MB, MB], now=0)
         assert first.replicas and second.replicas == () and not second.exists
+
+
+class TestMatch:
+    def test_counts_visible_leading_blocks_without_leasing(self) -> None:
+        idx = index(node("n"))
+        store(idx, KEYS[:2])
+        idx.put_start(KEYS[2:3], [MB], now=0)  # written, not yet visible
+        assert idx.match(KEYS[:4]) == 2
+        assert idx.match([KEYS[1]]) == 1 and idx.match([KEYS[3], KEYS[0]]) == 0
+        assert idx.stats().leases == 0 and idx.stats().lookups == 0
 
 
 class TestLookupAndLeases:

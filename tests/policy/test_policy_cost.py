@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from halfmoon.policy.cost import CostModelError, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
 
 

@@ -1,5 +1,4 @@
 import pytest
-
 from halfmoon.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import LocalCacheAwarePrefill

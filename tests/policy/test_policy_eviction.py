@@ -1,5 +1,4 @@
 import pytest
-
 from halfmoon.policy.eviction import (
     EvictionPolicy,
     LengthAwareEviction,

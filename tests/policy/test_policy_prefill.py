@@ -1,7 +1,6 @@
 from collections import Counter
 
 import pytest
-
 from halfmoon.policy.prefill import (
     GlobalCacheAwarePrefill,
     LeastLoadedPrefill,

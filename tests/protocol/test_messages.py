@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from halfmoon.protocol.pool import (KVEvents, SnapshotRequest, OrderBatch, OrderResults, PoolOrder, PoolStatsReply, RemoveRequest, ReplicaRef,
-                                  StatsRequest, TierStat)
+from halfmoon.core.locations import Replica
+from halfmoon.core.tiers import Tier
 from halfmoon.protocol import (
     Ack,
     BlockLocation,
@@ -42,10 +41,21 @@ from halfmoon.protocol.cache import (
     Release,
     TransferReport,
 )
+from halfmoon.protocol.pool import (
+    KVEvents,
+    OrderBatch,
+    OrderResults,
+    PoolOrder,
+    PoolStatsReply,
+    RemoveRequest,
+    SnapshotRequest,
+    StatsRequest,
+    TierStat,
+)
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop=("\n\n",), logprobs=True)
-LOC = BlockLocation(node="127.0.0.1:7000", offset=4096, size=2048, segment="seg0", key=b"\x01" * 32)
-TAIL = BlockLocation(node="127.0.0.1:7000", offset=8192, size=512)
+LOC = BlockLocation(address="127.0.0.1:7000", offset=4096, size=2048, segment="seg0", key=b"\x01" * 32)
+TAIL = BlockLocation(address="127.0.0.1:7000", offset=8192, size=512)
 KV = KVLocation(block_size=4, num_tokens=6, blocks=(LOC,), partial=TAIL)
 
 CASES = [
@@ -145,8 +155,8 @@ CASES = [
     ),
     (
         codecs.ORDER_BATCH,
-        OrderBatch(orders=(PoolOrder(order_id=4, kind="demote", key=b"k" * 32, src=ReplicaRef("t0", 0, 64, 10),
-                                     dst=ReplicaRef("t0", 1, -1, 10)),), addresses={"t0": "127.0.0.1:7000"}),
+        OrderBatch(orders=(PoolOrder(order_id=4, kind="demote", key=b"k" * 32, src=Replica("t0", Tier.DRAM, 64, 10),
+                                     dst=Replica("t0", Tier.NVME, -1, 10)),), addresses={"t0": "127.0.0.1:7000"}),
     ),
     (codecs.ORDER_RESULTS, OrderResults(ok=(True, False), unavailable_tiers=(2,))),
     (codecs.KV_EVENTS, KVEvents(instance_id="p0", stored=(b"k" * 32,), evicted=(b"j" * 32,))),

@@ -8,7 +8,6 @@ import logging
 import time
 
 import pytest
-
 from halfmoon.protocol import Ack, CancelRequest, ErrorCode, InstanceDown, Load, RemoteError, Role, codecs
 from halfmoon.protocol.base import ErrorReply, Message
 from halfmoon.service import Service, ServiceConfig, ServiceHost, request
@@ -105,8 +104,8 @@ class TestLifecycle:
         async def on_down(msg):
             downs.append(codecs.DOWN.decode(msg.data))
 
-        await nc.subscribe(f"{namespace}.v1.registry.heartbeat", cb=on_beat)
-        await nc.subscribe(f"{namespace}.v1.registry.down", cb=on_down)
+        await nc.subscribe(f"{namespace}.v1.registry.heartbeat.decode", cb=on_beat)
+        await nc.subscribe(f"{namespace}.v1.registry.down.decode", cb=on_down)
         await nc.flush()
         svc = Echo(config)
         host = ServiceHost(svc)

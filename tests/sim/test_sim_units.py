@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
@@ -53,31 +52,48 @@ class TestSlowestDecile:
         assert slowest_decile_mean([], []) == 0.0
 
 
+class TestNodeCacheAsPrefixIndex:
+    def test_a_match_ends_at_the_first_missing_block(self):
+        cache = ClusterCache(["a"], capacity_blocks=None).node("a")
+        cache.insert(["k0", "k1", "k2"], now=0.0)
+        assert cache.match(["k0", "k1", "k2", "k3"]) == 3
+        assert cache.match(["k0", "other", "k2"]) == 1
+        assert cache.match(["k1"]) == 1 and cache.match([]) == 0
+
+    def test_evict_returns_unlocked_blocks_only(self):
+        cache = ClusterCache(["a"], capacity_blocks=None).node("a")
+        cache.insert(["k0", "k1"], now=0.0)
+        cache.lock(["k0"])
+        assert cache.evict(2, now=1.0) == ["k1"]
+        cache.unlock(["k0"])
+        assert cache.evict(2, now=2.0) == ["k0"] and len(cache) == 0
+
+
 class TestClusterCache:
     def test_eviction_skips_leased_and_index_follows(self):
         cache = ClusterCache(["a", "b"], capacity_blocks=3, eviction="lru")
-        cache.store("a", ["x0", "x1", "x2"], now=0.0)
-        cache.lease("a", ["x0", "x1", "x2"])
-        cache.store("a", ["y0"], now=1.0)  # over capacity but everything older is leased
-        assert cache.size("a") == 4
-        cache.release("a", ["x0", "x1", "x2"])
-        cache.store("a", ["z0"], now=2.0)
-        assert cache.size("a") <= 3 and not cache.holds("a", "x2") and "x2" not in cache.index
-        cache.store("b", ["y0"], now=3.0)
+        cache.node("a").insert(["x0", "x1", "x2"], now=0.0)
+        cache.node("a").lock(["x0", "x1", "x2"])
+        cache.node("a").insert(["y0"], now=1.0)  # over capacity but everything older is leased
+        assert len(cache.node("a")) == 4
+        cache.node("a").unlock(["x0", "x1", "x2"])
+        cache.node("a").insert(["z0"], now=2.0)
+        assert len(cache.node("a")) <= 3 and "x2" not in cache.node("a") and "x2" not in cache.index
+        cache.node("b").insert(["y0"], now=3.0)
         assert cache.index["y0"] == {"a", "b"}
 
     def test_replica_ranking_puts_the_widely_held_block_first(self):
         cache = ClusterCache(["a", "b", "c"], capacity_blocks=None)
         for node in "abc":
-            cache.store(node, ["hot"], now=0.0)
-        cache.store("a", ["cold"], now=5.0)
+            cache.node(node).insert(["hot"], now=0.0)
+        cache.node("a").insert(["cold"], now=5.0)
         ranking = cache.replica_ranking(10.0)
         assert ranking[0][0] == "hot" and ranking[0][1] == pytest.approx(3.0) and ranking[0][2] == 3
         assert ranking[1][1] == pytest.approx(0.5)
 
     def test_zero_capacity_caches_nothing(self):
         cache = ClusterCache(["a"], capacity_blocks=0)
-        cache.store("a", ["x"], now=0.0)
+        cache.node("a").insert(["x"], now=0.0)
         assert cache.index == {}
 
 

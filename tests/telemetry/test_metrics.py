@@ -6,10 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from halfmoon.service.config import ServiceConfig, load_config
 from halfmoon.telemetry.metrics import Metrics, MetricsEndpoint
+from prometheus_client.parser import text_string_to_metric_families
 
 NAMES = (
     "halfmoon_ttft_seconds",
@@ -22,6 +21,7 @@ NAMES = (
     "halfmoon_transfer_bytes",
     "halfmoon_rejections",
     "halfmoon_errors",
+    "halfmoon_auth_rejections",
 )
 
 

@@ -8,9 +8,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 from halfmoon.telemetry import extract_context, inject_headers, read_spans, setup_tracing
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 PEER = "tests/telemetry/trace_peer.py"
 

@@ -10,7 +10,6 @@ import asyncio
 import sys
 
 import nats
-
 from halfmoon.telemetry import extract_context, inject_headers, setup_tracing
 
 

@@ -7,7 +7,6 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
-
 from halfmoon.core.keys import BlockHasher
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import NodeSpec, OrderKind, PoolConfig, Tier
@@ -21,6 +20,7 @@ from halfmoon.transfer.orders import execute
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
+
 from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
 
 BLOCK = 64 << 10

@@ -13,10 +13,9 @@ import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
-
+from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound
-from halfmoon.core.tiers import Tier
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.storage.nvme import DirTier
@@ -25,7 +24,8 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.shm import ShmTransport
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import Transport, TransferError
+from halfmoon.transfer.transport import TransferError, Transport
+
 from tests.fixtures.s3 import free_ports
 
 BLOCK = 256 << 10

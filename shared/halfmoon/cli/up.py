@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import threading
 from pathlib import Path
@@ -19,22 +21,54 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
     return DEFAULT_MODEL
 
 
+def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
+    """The gateway's auth settings and the line that tells the user what they mean."""
+    from halfmoon.deploy.nats_auth import write_private
+    from halfmoon.services.gateway.auth import KeyRing
+    from halfmoon.services.gateway.service import is_loopback
+
+    keys = args.api_keys_file or os.environ.get("HALFMOON_API_KEYS_FILE", "")
+    env = {"HALFMOON_HOST": args.host}
+    if keys:
+        count = len(KeyRing.load(keys))  # a bad file fails here, before anything starts
+        secret = run_dir / "auth-secret"
+        if not secret.exists():
+            write_private(secret, secrets.token_hex(32))
+        env.update(HALFMOON_API_KEYS_FILE=str(Path(keys).resolve()), HALFMOON_AUTH_SECRET_FILE=str(secret))
+        return env, f"API keys required ({count} keys from {keys})"
+    if is_loopback(args.host):
+        return env, "[yellow]no API keys[/]: serving on loopback only; --api-keys-file FILE to require keys"
+    if not args.insecure_no_auth:
+        raise SystemExit(f"halfmoon up: --host {args.host} without --api-keys-file would open the API to the "
+                         "network; pass --api-keys-file FILE, or --insecure-no-auth if you mean it")
+    env["HALFMOON_INSECURE_NO_AUTH"] = "1"
+    return env, f"[red]no API keys, listening on {args.host}[/] (--insecure-no-auth): anyone who can reach it can use it"
+
+
 def _up(args: argparse.Namespace) -> int:
+    from halfmoon.deploy.local import LocalCluster
+    from halfmoon.deploy.nats_auth import NatsAuth
     from rich.console import Console
     from rich.table import Table
 
-    from halfmoon.deploy.local import LocalCluster
-
     console = Console()
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env, api_line = gateway_security(args, run_dir)
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer}
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
-                           gateway_port=args.port, metrics=True)
+                           gateway_port=args.port, metrics=True, env=env)
+    if args.nats_credentials:
+        cluster.nats_auth = NatsAuth.load(Path(args.nats_credentials))
     with console.status("starting Halfmoon") as status:
         cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
     console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
                   f"[bold]{model.name}[/] ({args.prefill} prefill, {args.decode} decode); logs in {cluster.run_dir}/logs, "
                   f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). Ctrl-C stops everything.")
+    nats_line = (f"each service has its own NATS user ({cluster.run_dir}/nats-credentials.json, 0600)"
+                 if cluster.nats_auth is not None else "[yellow]NATS without credentials[/] (--nats-credentials FILE)")
+    console.print(f"security: {api_line}; {nats_line}")
     table = Table(title="instances", show_edge=False)
     table.add_column("instance")
     table.add_column("Prometheus metrics")
@@ -64,7 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--decode", type=int, default=1, help="decode instances")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    up.add_argument("--host", default="127.0.0.1", help="gateway listen address (beyond loopback needs API keys)")
+    up.add_argument("--api-keys-file", help="require these API keys (env HALFMOON_API_KEYS_FILE; format in "
+                                            "docs/SECURITY.md)")
+    up.add_argument("--insecure-no-auth", action="store_true", help="allow --host beyond loopback without keys")
     up.add_argument("--nats-url", help="use this NATS server instead of starting one")
+    up.add_argument("--nats-credentials", help="with --nats-url: the per-role users (`halfmoon secrets` writes them)")
     up.add_argument("--namespace", default="halfmoon", help="NATS subject namespace")
     up.add_argument("--run-dir", default=".halfmoon", help="logs, spans, NVMe tier and NATS store")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service")

@@ -18,7 +18,6 @@ import zlib
 from typing import NamedTuple
 
 import torch
-
 from halfmoon.core.errors import KVFormatError
 from halfmoon.core.kv_spec import LAYOUT_VERSION as VERSION
 from halfmoon.core.kv_spec import KVSpec

@@ -14,10 +14,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import nats
-
 import halfmoon.services
-
+import nats
+from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.topology import ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
@@ -74,6 +73,7 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._nats: subprocess.Popen[bytes] | None = None
+        self.nats_auth: NatsAuth | None = None  # per-role credentials of the NATS server started here
 
     @property
     def url(self) -> str:
@@ -93,6 +93,8 @@ class LocalCluster:
         env.update(HALFMOON_NATS_URL=self.nats_url or "", HALFMOON_NAMESPACE=self.namespace,
                    HALFMOON_INSTANCE_ID=instance_id, HALFMOON_MODEL_DIR=self.model_dir,
                    HALFMOON_TRACE_FILE=str(self.trace_file), HALFMOON_LOG_FORMAT="text")
+        if self.nats_auth is not None:
+            env.update(self.nats_auth.env(spec.name))
         if spec.name == "gateway":
             env["HALFMOON_PORT"] = str(self.gateway_port)
         if spec.name == "transfer":
@@ -113,9 +115,10 @@ class LocalCluster:
         try:
             if self.nats_url is None:
                 port = free_port()
-                self._nats = subprocess.Popen(
-                    [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(self.run_dir / "nats")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                self.nats_auth, conf = embedded_server_config(self.run_dir, self.namespace, port)
+                self._nats = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                              start_new_session=True)
                 wait_for_port(port, 15, self._nats)
                 self.nats_url = f"nats://127.0.0.1:{port}"
                 progress(f"NATS on {self.nats_url}")
@@ -136,7 +139,8 @@ class LocalCluster:
 
     async def _wait_ready(self, expected: set[str], timeout: float, progress: Callable[[str], None]) -> None:
         subjects = Subjects(self.namespace)
-        nc = await nats.connect(self.nats_url, connect_timeout=5)
+        options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
+        nc = await nats.connect(self.nats_url, connect_timeout=5, **options)
         seen: set[str] = set()
         everyone = asyncio.Event()
 

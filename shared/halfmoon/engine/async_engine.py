@@ -6,13 +6,14 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, TypeVar
 
 from halfmoon.core.block_format import BlockLayout
+from halfmoon.core.errors import EngineError
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.engine import EngineStats, LLMEngine, RequestOutput
-from halfmoon.core.errors import EngineError
 from halfmoon.protocol.sampling import SamplingParams
 
 T = TypeVar("T")

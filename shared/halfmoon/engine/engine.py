@@ -8,21 +8,31 @@ import random
 from typing import NamedTuple
 
 import torch
-
+from halfmoon.core.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.core.errors import (
+    ContextLengthError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    OutOfKVBlocksError,
+    UnknownRequestError,
+)
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
+<<<<<<< HEAD
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError,
                                   OutOfKVBlocksError, UnknownRequestError)
+=======
+from halfmoon.engine.detokenizer import IncrementalDetokenizer
+>>>>>>> main
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus
-from halfmoon.core.block_format import BlockLayout, decode_block, encode_block
-from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.sampling import SamplingParams
 
 PREFILL_DONE = "prefill_done"

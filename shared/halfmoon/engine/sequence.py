@@ -5,7 +5,6 @@ from __future__ import annotations
 from enum import Enum, auto
 
 import torch
-
 from halfmoon.protocol.sampling import SamplingParams
 
 

@@ -16,12 +16,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from halfmoon.core.keys import key_hex
+from halfmoon.core.prefix_index import PrefixMatcher, match_chain
 from halfmoon.kv.pool_nodes import NodeLedger
 from halfmoon.kv.pool_state import Block, PoolState
 from halfmoon.kv.pool_tiering import Tiering
 from halfmoon.kv.pool_types import (
-    InventoryItem, Lease, LookupResult, NodeSpec, Order, Placement, PoolConfig, PoolStats, Replica, Tier,
-    TierStats, UnknownNode, UnknownPut,
+    InventoryItem,
+    Lease,
+    LookupResult,
+    NodeSpec,
+    Order,
+    Placement,
+    PoolConfig,
+    PoolStats,
+    Replica,
+    Tier,
+    TierStats,
+    UnknownNode,
+    UnknownPut,
 )  # fmt: skip
 
 
@@ -31,7 +43,15 @@ class _Lease:
     expires_at: float
 
 
-class PoolIndex:
+class PoolIndex(PrefixMatcher[bytes]):
+    """The cache-manager's index of the whole pool. Pure: the service feeds it and carries out its orders.
+
+    ``match`` is the read side of the one prefix-index interface; locking is the lookup's lease,
+    insertion the two-phase put_start/put_end and eviction the tiering plan, because each of them
+    carries replica placements, lease ids or orders for transfer nodes that an in-process cache
+    interface cannot.
+    """
+
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self._st = PoolState(config)
@@ -150,14 +170,16 @@ class PoolIndex:
         return [order for key in stale for order in self._st.drop_block(key)]
 
     # ---- lookup and leases -------------------------------------------------------------
+    def match(self, keys: Sequence[bytes]) -> int:
+        """Leading keys whose blocks are visible (put_end done); no lease, no read recorded."""
+        return match_chain(keys, lambda key: (block := self._st.blocks.get(key)) is not None and block.visible)
+
     def lookup(self, keys: Sequence[bytes], now: float) -> LookupResult:
         """Longest visible prefix of ``keys``, replicas fastest tier first, under one lease."""
         self._counts["lookups"] += 1
         hits: list[tuple[Replica, ...]] = []
-        for key in keys:
-            block = self._st.blocks.get(key)
-            if block is None or not block.visible:
-                break
+        for key in keys[: self.match(keys)]:
+            block = self._st.blocks[key]
             hits.append(tuple(sorted(block.replicas, key=lambda r: r.tier)))
             self._record_read(key, block, now)
         self._counts["hits"] += len(hits)

@@ -6,8 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from halfmoon.policy.eviction import EVICTION_POLICIES, Watermarks
+from halfmoon.core.locations import Replica as Replica  # re-exported with the index's other types
 from halfmoon.core.tiers import Tier as Tier  # re-exported: the index speaks the pool's tier names
+from halfmoon.policy.eviction import EVICTION_POLICIES, Watermarks
 
 
 class PoolError(Exception):
@@ -29,15 +30,6 @@ class NodeSpec(NamedTuple):
     address: str  # "host:port" of its block server
     segment: str  # name of its DRAM shared-memory segment
     capacity: dict[Tier, int]  # bytes per configured tier; a missing tier is not configured
-
-
-class Replica(NamedTuple):
-    """Where one copy of a block lives; ``offset`` is the DRAM segment offset, -1 elsewhere."""
-
-    node: str
-    tier: Tier
-    offset: int
-    size: int
 
 
 class Placement(NamedTuple):

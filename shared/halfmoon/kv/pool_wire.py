@@ -4,28 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from halfmoon.kv.pool_types import Order, OrderKind, PoolStats, Replica
-from halfmoon.protocol.pool import PoolOrder, PoolStatsReply, ReplicaRef, TierStat
-from halfmoon.protocol.work import BlockLocation
 from halfmoon.core.tiers import Tier
-
-
-def replica_ref(replica: Replica) -> ReplicaRef:
-    return ReplicaRef(replica.node, int(replica.tier), replica.offset, replica.size)
-
-
-def replica_of(ref: ReplicaRef) -> Replica:
-    return Replica(ref.node, Tier(ref.tier), ref.offset, ref.size)
+from halfmoon.kv.pool_types import Order, OrderKind, PoolStats, Replica
+from halfmoon.protocol.pool import PoolOrder, PoolStatsReply, TierStat
+from halfmoon.protocol.work import BlockLocation
 
 
 def order_to_wire(order: Order) -> PoolOrder:
-    return PoolOrder(order_id=order.order_id, kind=order.kind.value, key=order.key, src=replica_ref(order.src),
-                     dst=replica_ref(order.dst) if order.dst is not None else None)
+    return PoolOrder(order_id=order.order_id, kind=order.kind.value, key=order.key, src=order.src,
+                     dst=order.dst)
 
 
 def order_from_wire(order: PoolOrder) -> Order:
-    return Order(order.order_id, OrderKind(order.kind), order.key, replica_of(order.src),
-                 replica_of(order.dst) if order.dst is not None else None)
+    return Order(order.order_id, OrderKind(order.kind), order.key, order.src,
+                 order.dst)
 
 
 def executing_node(order: Order) -> str:
@@ -35,8 +27,8 @@ def executing_node(order: Order) -> str:
 
 def location(key: bytes, replica: Replica, address: str, segment: str) -> BlockLocation:
     """Where a reader finds one replica; ``offset`` is the DRAM offset, 0 in lower tiers."""
-    return BlockLocation(node=address, offset=max(0, replica.offset), size=replica.size,
-                         segment=segment if replica.tier is Tier.DRAM else "", key=key, tier=int(replica.tier))
+    return BlockLocation(address=address, offset=max(0, replica.offset), size=replica.size,
+                         segment=segment if replica.tier is Tier.DRAM else "", key=key, tier=replica.tier)
 
 
 def stats_reply(stats: PoolStats, node_of: Callable[[str], str] = str) -> PoolStatsReply:

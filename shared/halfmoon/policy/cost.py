@@ -40,6 +40,18 @@ def _lstsq(rows: Sequence[tuple[float, ...]], targets: Sequence[float]) -> tuple
     return tuple(float(c) for c in coef)
 
 
+def _fit(samples: Iterable[tuple[float, float, float]], features: Callable[[float, float], tuple[float, ...]],
+         what: str) -> tuple[float, ...]:
+    """Least-squares coefficients from ``(x, y, seconds)`` measurements of one cost model."""
+    rows, ys = [], []
+    for x, y, seconds in samples:
+        if x < 0 or y < 0 or seconds < 0:
+            raise CostModelError(f"negative {what} sample {(x, y, seconds)}")
+        rows.append(features(x, y))
+        ys.append(seconds)
+    return _lstsq(rows, ys)
+
+
 class PrefillCostModel(NamedTuple):
     """Seconds to prefill ``new`` tokens on top of ``cached`` reused ones (features ``[1, x, x^2, x*p]``)."""
 
@@ -48,13 +60,7 @@ class PrefillCostModel(NamedTuple):
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float, float]]) -> PrefillCostModel:
         """Fit from ``(new_tokens, cached_tokens, seconds)`` measurements."""
-        rows, ys = [], []
-        for new, cached, seconds in samples:
-            if new < 0 or cached < 0 or seconds < 0:
-                raise CostModelError(f"negative prefill sample {(new, cached, seconds)}")
-            rows.append(prefill_features(new, cached))
-            ys.append(seconds)
-        return cls(_lstsq(rows, ys))  # type: ignore[arg-type]
+        return cls(_fit(samples, prefill_features, "prefill"))  # type: ignore[arg-type]
 
     def predict(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         if new_tokens <= 0:
@@ -71,13 +77,7 @@ class DecodeCostModel(NamedTuple):
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float, float]]) -> DecodeCostModel:
         """Fit from ``(batch_size, context_tokens, seconds)`` measurements."""
-        rows, ys = [], []
-        for batch, context, seconds in samples:
-            if batch < 0 or context < 0 or seconds < 0:
-                raise CostModelError(f"negative decode sample {(batch, context, seconds)}")
-            rows.append(decode_features(batch, context))
-            ys.append(seconds)
-        return cls(_lstsq(rows, ys))  # type: ignore[arg-type]
+        return cls(_fit(samples, decode_features, "decode"))  # type: ignore[arg-type]
 
     def predict(self, batch_size: float, context_tokens: float) -> float:
         if batch_size <= 0:

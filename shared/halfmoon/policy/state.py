@@ -12,6 +12,8 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from halfmoon.core.prefix_index import match_chain
+
 BlockIndex = Mapping[Hashable, Collection[str]]
 
 
@@ -110,7 +112,4 @@ def prefix_lengths(keys: Sequence[Hashable], index: BlockIndex, ids: Collection[
 
 def pool_prefix_length(keys: Sequence[Hashable], index: BlockIndex) -> int:
     """Blocks of the longest prefix that the pool holds somewhere (any holder per block)."""
-    for i, key in enumerate(keys):
-        if not index.get(key):
-            return i
-    return len(keys)
+    return match_chain(keys, lambda key: bool(index.get(key)))

@@ -10,7 +10,6 @@ from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 import msgspec
-
 from halfmoon.protocol.subjects import PROTOCOL_VERSION
 
 

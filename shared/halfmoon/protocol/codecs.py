@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from halfmoon.protocol.base import Ack, Codec, ErrorReply
 from halfmoon.protocol.cache import CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
-from halfmoon.protocol.pool import (KVEvents, OrderBatch, OrderResults, PoolStatsReply, RemoveRequest, SnapshotRequest,
-                                  StatsRequest)
+from halfmoon.protocol.pool import (
+                                  KVEvents,
+                                  OrderBatch,
+                                  OrderResults,
+                                  PoolStatsReply,
+                                  RemoveRequest,
+                                  SnapshotRequest,
+                                  StatsRequest,
+)
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, TokenEvent

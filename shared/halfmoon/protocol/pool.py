@@ -3,17 +3,8 @@
 from __future__ import annotations
 
 import msgspec
-
+from halfmoon.core.locations import Replica
 from halfmoon.protocol.base import Message
-
-
-class ReplicaRef(msgspec.Struct, frozen=True, array_like=True):
-    """One copy of a block: node id, tier (0 DRAM, 1 NVMe, 2 S3), DRAM offset (-1 elsewhere), bytes."""
-
-    node: str
-    tier: int
-    offset: int
-    size: int
 
 
 class PoolOrder(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,8 +13,8 @@ class PoolOrder(msgspec.Struct, frozen=True, kw_only=True):
     order_id: int
     kind: str
     key: bytes
-    src: ReplicaRef
-    dst: ReplicaRef | None = None
+    src: Replica
+    dst: Replica | None = None
 
 
 class OrderBatch(Message, frozen=True, kw_only=True, tag="order_batch"):

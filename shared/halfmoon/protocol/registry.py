@@ -5,7 +5,6 @@ from __future__ import annotations
 from enum import StrEnum
 
 import msgspec
-
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.subjects import check_token
@@ -75,3 +74,13 @@ class InstanceDown(Message, frozen=True, kw_only=True, tag="down"):
     role: Role
     reason: str
     timestamp: float
+
+
+def heartbeat_sender_ok(sender_role: str, beat: Heartbeat) -> bool:
+    """An instance heartbeats for itself only: the subject's sender role must be the beat's role."""
+    return sender_role == beat.role.value
+
+
+def down_sender_ok(sender_role: str, down: InstanceDown) -> bool:
+    """Only the conductor declares others down; any other role may only say goodbye for its own role."""
+    return sender_role in (down.role.value, Role.CONDUCTOR.value)

@@ -13,6 +13,7 @@ PROTOCOL_VERSION = 1
 
 # NOTE: one subject token: no dots, spaces or wildcards, or routing would silently widen.
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+ANY = "*"  # one-token wildcard: only the ``*_any`` patterns (subscriptions, permissions) use it
 
 
 def check_token(value: str, what: str) -> str:
@@ -45,11 +46,25 @@ class Subjects:
     # prefill / decode work intake
     def prefill_submit(self, instance_id: str) -> str:
         """Request/reply: PrefillRequest -> Ack | ErrorReply."""
-        return f"{self.root}.prefill.{check_token(instance_id, 'instance id')}.submit"
+        return self._prefill_submit(check_token(instance_id, "instance id"))
 
     def decode_submit(self, instance_id: str) -> str:
         """Request/reply: DecodeRequest -> Ack | ErrorReply."""
-        return f"{self.root}.decode.{check_token(instance_id, 'instance id')}.submit"
+        return self._decode_submit(check_token(instance_id, "instance id"))
+
+    def _prefill_submit(self, instance: str) -> str:
+        return f"{self.root}.prefill.{instance}.submit"
+
+    def _decode_submit(self, instance: str) -> str:
+        return f"{self.root}.decode.{instance}.submit"
+
+    @property
+    def prefill_submit_any(self) -> str:
+        return self._prefill_submit(ANY)
+
+    @property
+    def decode_submit_any(self) -> str:
+        return self._decode_submit(ANY)
 
     @property
     def cancel(self) -> str:
@@ -60,16 +75,33 @@ class Subjects:
         """Pub/sub: TokenEvent | ErrorEvent for one request, consumed by its gateway."""
         return f"{self.root}.stream.{check_token(request_id, 'request id')}"
 
-    # registry
+    @property
+    def stream_any(self) -> str:
+        return f"{self.root}.stream.{ANY}"
+
+    # registry: the last token names the sender's role, so subject permissions bind a message to a role
+    def heartbeat_from(self, role: str) -> str:
+        """Pub/sub: Heartbeat from every instance of ``role``."""
+        return f"{self.root}.registry.heartbeat.{check_token(role, 'role')}"
+
     @property
     def heartbeat(self) -> str:
-        """Pub/sub: Heartbeat from every instance of every role."""
-        return f"{self.root}.registry.heartbeat"
+        """Subscription pattern: heartbeats of every role."""
+        return f"{self.root}.registry.heartbeat.{ANY}"
+
+    def down_from(self, role: str) -> str:
+        """Pub/sub: InstanceDown sent by ``role``: the conductor (silence) or the instance itself (shutdown)."""
+        return f"{self.root}.registry.down.{check_token(role, 'role')}"
 
     @property
     def down(self) -> str:
-        """Pub/sub: InstanceDown, from the conductor (silence) or the instance itself (shutdown)."""
-        return f"{self.root}.registry.down"
+        """Subscription pattern: InstanceDown from every sender."""
+        return f"{self.root}.registry.down.{ANY}"
+
+    @staticmethod
+    def sender_role(subject: str) -> str:
+        """The role token a registry subject (``heartbeat_from``/``down_from``) names as its sender."""
+        return subject.rsplit(".", 1)[-1]
 
     # cache-manager
     def cache(self, operation: str) -> str:
@@ -90,7 +122,14 @@ class Subjects:
 
     def transfer_orders(self, instance_id: str) -> str:
         """Request/reply: the cache-manager's tiering orders (OrderBatch) for one transfer node."""
-        return f"{self.root}.transfer.{check_token(instance_id, 'instance id')}.orders"
+        return self._transfer_orders(check_token(instance_id, "instance id"))
+
+    def _transfer_orders(self, instance: str) -> str:
+        return f"{self.root}.transfer.{instance}.orders"
+
+    @property
+    def transfer_orders_any(self) -> str:
+        return self._transfer_orders(ANY)
 
     @property
     def wildcard(self) -> str:

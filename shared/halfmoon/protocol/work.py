@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-
+from halfmoon.core.tiers import Tier
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.subjects import check_token
@@ -35,22 +35,23 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
 
 
 class BlockLocation(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one KV block's bytes live: a transfer node (``host:port``) and a byte range.
+    """Where a reader finds one KV block: a :class:`~halfmoon.core.locations.Replica` resolved to the
+    transfer node's ``address`` (``host:port``) and DRAM ``segment``, with the block's key.
 
-    ``key`` is the chained content key when the block is a cached (full) block, ``None``
-    for scratch data such as the partial last block.
+    ``key`` is the chained content key when the block is a cached (full) block, or the one-off
+    key of scratch data such as the partial last block of a hand-off.
     """
 
-    node: str
+    address: str
     offset: int
     size: int
     segment: str = ""
     key: bytes | None = None
-    tier: int = 0  # 0 DRAM (``offset`` valid in ``segment``), 1 NVMe, 2 S3
+    tier: Tier = Tier.DRAM  # ``offset`` is valid in ``segment`` for DRAM only
 
     def __post_init__(self) -> None:
-        if not self.node:
-            raise ValueError("node must not be empty")
+        if not self.address:
+            raise ValueError("address must not be empty")
         if self.offset < 0 or self.size < 1:
             raise ValueError(f"need offset >= 0 and size >= 1, got offset={self.offset} size={self.size}")
 

@@ -10,16 +10,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar, Generic, TypeVar
 
+from halfmoon.core.kv_spec import KVSpec
+from halfmoon.protocol import codecs
+from halfmoon.protocol.base import Codec, Message
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, down_sender_ok, heartbeat_sender_ok
+from halfmoon.protocol.subjects import Subjects
+from halfmoon.service import rpc
+from halfmoon.service.config import ServiceConfig
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
-
-from halfmoon.core.kv_spec import KVSpec
-from halfmoon.protocol.base import Codec, Message
-from halfmoon.protocol.registry import Load, Role
-from halfmoon.service import rpc
-from halfmoon.service.config import ServiceConfig
 
 C = TypeVar("C", bound=ServiceConfig)
 Req = TypeVar("Req")
@@ -105,6 +106,18 @@ class Service(ABC, Generic[C]):
         self, subject: str, codec: Codec[Req], handler: rpc.EventHandler[Req], *, queue: str = ""
     ) -> Subscription:
         return await rpc.subscribe_events(self.nc, subject, codec, handler, log=self.log, queue=queue)
+
+    async def listen_heartbeats(self, handler: rpc.EventHandler[Heartbeat]) -> Subscription:
+        """Every role's heartbeats, each only from the role it names (see ``heartbeat_sender_ok``)."""
+        return await rpc.subscribe_events(self.nc, self.subjects.heartbeat, codecs.HEARTBEAT, handler, log=self.log,
+                                          accept=lambda subject, beat: heartbeat_sender_ok(
+                                              Subjects.sender_role(subject), beat))
+
+    async def listen_downs(self, handler: rpc.EventHandler[InstanceDown]) -> Subscription:
+        """InstanceDown news, each only from the conductor or the role it names (see ``down_sender_ok``)."""
+        return await rpc.subscribe_events(self.nc, self.subjects.down, codecs.DOWN, handler, log=self.log,
+                                          accept=lambda subject, down: down_sender_ok(
+                                              Subjects.sender_role(subject), down))
 
     async def publish(self, subject: str, message: Message, headers: Mapping[str, str] | None = None) -> None:
         await rpc.publish(self.nc, subject, message, headers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,11 @@ class ServiceConfig:
     )
     metrics_host: str = field(default="127.0.0.1", metadata={
         "help": "address the /metrics endpoint listens on (0.0.0.0 in containers)"})
+    nats_user: str = field(default="", metadata={"help": "NATS user of this service's role (empty: none)"})
+    nats_password: str = field(default="", metadata={"help": "NATS password of nats_user"})
+    nats_tls_ca: str = field(default="", metadata={"help": "CA certificate (PEM) to verify the NATS server with"})
+    nats_tls_cert: str = field(default="", metadata={"help": "client certificate (PEM) presented to NATS"})
+    nats_tls_key: str = field(default="", metadata={"help": "private key (PEM) of nats_tls_cert"})
 
     def __post_init__(self) -> None:
         Subjects(self.namespace)  # validates
@@ -56,6 +62,24 @@ class ServiceConfig:
             raise ValueError(f"metrics_port must be -1 (any free port), 0 (off) or a port, got {self.metrics_port}")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
+        if bool(self.nats_user) != bool(self.nats_password):
+            raise ValueError("nats_user and nats_password go together")
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ValueError("nats_tls_cert and nats_tls_key go together")
+        if self.nats_tls_cert and not self.nats_tls_ca:
+            raise ValueError("a NATS client certificate needs nats_tls_ca to verify the server")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name}: no such file {getattr(self, name)!r}")
+
+    def nats_tls(self) -> ssl.SSLContext | None:
+        """The TLS context for NATS: verify the server against nats_tls_ca, present the client cert if set."""
+        if not self.nats_tls_ca:
+            return None
+        context = ssl.create_default_context(cafile=self.nats_tls_ca)
+        if self.nats_tls_cert:
+            context.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
+        return context
 
     @property
     def subjects(self) -> Subjects:

@@ -11,19 +11,20 @@ from collections.abc import Callable
 
 import nats
 import nats.errors
-from nats.aio.client import Client as NATS
-
 from halfmoon.protocol.codecs import DOWN, HEARTBEAT
+from halfmoon.protocol.permissions import inbox_prefix
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
 from halfmoon.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
+from nats.aio.client import Client as NATS
 
 log = logging.getLogger("halfmoon.service")
 
 
-async def connect_nats(config: ServiceConfig, name: str) -> NATS:
-    """Connect with unlimited reconnects; give up if the first connect takes ``connect_timeout_s``."""
+async def connect_nats(config: ServiceConfig, name: str, role: str) -> NATS:
+    """Connect as ``role`` (its credentials, TLS and reply inbox) with unlimited reconnects; give up if
+    the first connect takes ``connect_timeout_s``."""
     servers = [s.strip() for s in config.nats_url.split(",") if s.strip()]
 
     async def on_error(exc: Exception) -> None:
@@ -45,6 +46,10 @@ async def connect_nats(config: ServiceConfig, name: str) -> NATS:
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,
+                user=config.nats_user or None,
+                password=config.nats_password or None,
+                tls=config.nats_tls(),
+                inbox_prefix=inbox_prefix(role),
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
@@ -73,7 +78,7 @@ class ServiceHost:
         metrics.running_requests.labels(role).set(load.running)
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.service.config, self.service.instance_id)
+        self._nc = await connect_nats(self.service.config, self.service.instance_id, self.service.role.value)
         self.service.attach(self._nc)
         await self.service.start()
         self._unscrape = METRICS.on_scrape(self._record_load)
@@ -103,7 +108,7 @@ class ServiceHost:
 
     async def beat(self) -> None:
         assert self._nc is not None
-        await self._nc.publish(self.service.subjects.heartbeat, HEARTBEAT.encode(self.heartbeat()))
+        await self._nc.publish(self.service.subjects.heartbeat_from(self.service.role.value), HEARTBEAT.encode(self.heartbeat()))
 
     async def _beat_forever(self) -> None:
         while True:
@@ -130,7 +135,7 @@ class ServiceHost:
         assert self._nc is not None
         down = InstanceDown(instance_id=svc.instance_id, role=svc.role, reason="shutdown", timestamp=time.time())
         with contextlib.suppress(nats.errors.Error, OSError):
-            await self._nc.publish(svc.subjects.down, DOWN.encode(down))
+            await self._nc.publish(svc.subjects.down_from(svc.role.value), DOWN.encode(down))
         await svc.close()
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._nc.drain()

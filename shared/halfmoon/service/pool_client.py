@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from halfmoon.core.block_format import BlockLayout, verify_block
+from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart, Release
@@ -19,12 +20,11 @@ from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
 from halfmoon.storage.base import StorageError
-from halfmoon.core.tiers import Tier
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
 
 CACHE_TIMEOUT_S = 2.0
-_FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
+FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
 
 
 class Fetched(NamedTuple):
@@ -49,37 +49,40 @@ class PoolClient:
         try:
             found = await svc.request(svc.subjects.cache("lookup"), Lookup(keys=tuple(keys)),
                                       codecs.CACHE_LOOKUP_RESULT, CACHE_TIMEOUT_S)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             svc.log.warning("pool lookup failed; computing the whole prompt", extra={"error": str(exc)})
             return Fetched([], [], None)
-        first = await self._read_batch([hit.replicas[0] for hit in found.hits])
+        first = await self.read([hit.replicas[0] for hit in found.hits])
         payloads: list[memoryview] = []
         locations: list[BlockLocation] = []
         for hit, data in zip(found.hits, first):
             candidates = [(hit.replicas[0], data)] + [(r, None) for r in hit.replicas[1:]]
             for replica, payload in candidates:
-                payload = payload if payload is not None else (await self._read_batch([replica]))[0]
+                payload = payload if payload is not None else (await self.read([replica]))[0]
                 if payload is not None and verify_block(self.layout, payload):
                     payloads.append(payload)
                     locations.append(replica)
                     break
                 svc.log.warning("cached block unusable; trying another replica",
-                                extra={"key": hit.key.hex()[:16], "node": replica.node})
+                                extra={"key": hit.key.hex()[:16], "node": replica.address})
             else:
                 break
         return Fetched(payloads, locations, found.lease_id)
 
-    async def _read_batch(self, replicas: Sequence[BlockLocation]) -> list[memoryview | None]:
-        """One batched read per node into fresh buffers; None where a block is missing or its node unreachable."""
+    async def read(self, replicas: Sequence[BlockLocation]) -> list[memoryview | None]:
+        """One batched read per node into fresh buffers; None where a block is missing or its node unreachable.
+
+        Unverified: the caller checks each payload against its layout."""
         out: list[memoryview | None] = [None] * len(replicas)
         by_node: dict[str, list[int]] = defaultdict(list)
         for index, replica in enumerate(replicas):
-            by_node[replica.node].append(index)
+            by_node[replica.address].append(index)
         for node, indexes in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
                 views = await transport.read([replicas[i].key or b"" for i in indexes], missing_ok=True)
-            except _FAILURES:
+            except FAILURES as exc:
+                self.service.log.warning("KV source unreachable", extra={"node": node, "error": str(exc)})
                 continue
             for index, view in zip(indexes, views):
                 out[index] = view
@@ -92,7 +95,7 @@ class PoolClient:
         try:
             await svc.request(svc.subjects.cache("release"), Release(lease_id=lease_id), codecs.CACHE_ACK,
                               CACHE_TIMEOUT_S)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             svc.log.warning("lease release failed (it expires by itself)", extra={"error": str(exc)})
 
     async def remove(self, keys: Sequence[bytes]) -> None:
@@ -103,7 +106,7 @@ class PoolClient:
         try:
             await svc.request(svc.subjects.cache("remove"), RemoveRequest(keys=tuple(keys)), codecs.CACHE_ACK,
                               CACHE_TIMEOUT_S)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             svc.log.warning("pool remove failed", extra={"error": str(exc)})
 
     async def store(self, keys: Sequence[bytes], payloads: Sequence[bytes], first_position: int) -> dict[bytes, BlockLocation]:
@@ -117,14 +120,14 @@ class PoolClient:
                                      PutStart(writer=svc.instance_id, keys=tuple(keys),
                                               sizes=tuple(len(p) for p in payloads), first_position=first_position),
                                      codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
             return {}
         payload_of = dict(zip(keys, payloads))
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
         for placement in plan.placements:
-            by_node[(placement.node, Tier(placement.tier))].append(placement)
+            by_node[(placement.address, placement.tier)].append(placement)
         written: dict[bytes, BlockLocation] = {}
         for (node, tier), placements in by_node.items():
             try:
@@ -132,7 +135,7 @@ class PoolClient:
                 await transport.write([p.key for p in placements], [payload_of[p.key] for p in placements],
                                       offsets=[p.offset for p in placements] if tier is Tier.DRAM else None,
                                       tier=tier)
-            except _FAILURES as exc:
+            except FAILURES as exc:
                 svc.log.warning("pool write failed; those blocks stay uncached", extra={"node": node, "error": str(exc)})
                 continue
             written.update((p.key, p) for p in placements if p.key is not None)
@@ -141,7 +144,7 @@ class PoolClient:
         try:
             await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
                               codecs.CACHE_ACK, CACHE_TIMEOUT_S)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
             return known
         return known | written

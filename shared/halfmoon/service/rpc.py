@@ -11,14 +11,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import nats.errors
+from halfmoon.protocol.base import Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
+from halfmoon.telemetry import extract_context, inject_headers
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-
-from halfmoon.protocol.base import Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
-from halfmoon.telemetry import extract_context, inject_headers
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -112,9 +111,17 @@ async def _handle(
 
 
 async def subscribe_events(
-    nc: NATS, subject: str, codec: Codec[Req], handler: EventHandler[Req], *, log: logging.Logger, queue: str = ""
+    nc: NATS,
+    subject: str,
+    codec: Codec[Req],
+    handler: EventHandler[Req],
+    *,
+    log: logging.Logger,
+    queue: str = "",
+    accept: Callable[[str, Req], bool] | None = None,
 ) -> Subscription:
-    """Deliver decoded pub/sub messages (with their headers) to ``handler``; drop invalid ones with a warning."""
+    """Deliver decoded pub/sub messages (with their headers) to ``handler``; drop invalid ones with a
+    warning, and those ``accept(subject, event)`` refuses (a sender the subject does not vouch for)."""
 
     async def on_message(msg: Msg) -> None:
         try:
@@ -123,6 +130,9 @@ async def subscribe_events(
             log.warning(
                 "dropped message", extra={"subject": msg.subject, "code": exc.code.value, "reason": exc.message}
             )
+            return
+        if accept is not None and not accept(msg.subject, event):
+            log.warning("dropped message from a sender not allowed to send it", extra={"subject": msg.subject})
             return
         try:
             await handler(event, msg.headers or {})

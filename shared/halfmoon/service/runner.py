@@ -9,13 +9,12 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from opentelemetry import trace
-
 from halfmoon.service.base import Service
 from halfmoon.service.config import load_config
 from halfmoon.service.host import serve_until_signalled
 from halfmoon.service.logs import setup_logging
 from halfmoon.telemetry import setup_tracing
+from opentelemetry import trace
 
 
 def run_service(service_class: type[Service], argv: Sequence[str] | None = None) -> int:

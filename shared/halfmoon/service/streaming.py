@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from halfmoon.engine.engine import RequestOutput
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.stream import TokenEvent, Usage
@@ -23,8 +21,3 @@ def token_event(out: RequestOutput, params: SamplingParams, instance_id: str, ca
         usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                     cached_tokens=cached_tokens) if final else None,
     )
-
-
-def handoff_key(request_id: str, index: int) -> bytes:
-    """Key of a scratch KV block moving from prefill to decode (not a content key: never shared)."""
-    return hashlib.sha256(f"handoff/{request_id}/{index}".encode()).digest()

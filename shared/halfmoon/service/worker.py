@@ -5,28 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from abc import abstractmethod
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
-from opentelemetry.trace import TracerProvider
-
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
-from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol import codecs
-from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, RemoteError
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
+from halfmoon.protocol.registry import Load, Role
 from halfmoon.protocol.stream import ErrorEvent
 from halfmoon.protocol.work import CancelRequest
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
+from halfmoon.service.handoff import KVHandOff
 from halfmoon.service.pool_client import PoolClient
+from halfmoon.service.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
+from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
@@ -81,61 +81,6 @@ class LoadMeter:
                     ttft_ms=mean(self.ttft_ms), tbt_ms=mean(self.step_ms), accepted_total=accepted_total)
 
 
-class TransferNode(NamedTuple):
-    instance_id: str
-    address: str
-    seen: float
-    deadline: float
-
-
-class TransferDirectory:
-    """Live transfer nodes from heartbeats; picks the preferred one, else the first live by id."""
-
-    def __init__(self, preferred: str = "") -> None:
-        self.preferred = preferred
-        self._nodes: dict[str, TransferNode] = {}
-        self._changed = asyncio.Event()
-
-    async def on_heartbeat(self, heartbeat: Heartbeat, _headers: Mapping[str, str]) -> None:
-        if heartbeat.role is Role.TRANSFER and not heartbeat.draining:
-            now = time.time()
-            self._nodes[heartbeat.instance_id] = TransferNode(heartbeat.instance_id, heartbeat.address, now,
-                                                              now + 3 * heartbeat.interval_s)
-            self._changed.set()
-        elif heartbeat.role is Role.TRANSFER:
-            self._nodes.pop(heartbeat.instance_id, None)
-
-    async def on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
-        self._nodes.pop(down.instance_id, None)
-
-    def live(self) -> list[TransferNode]:
-        now = time.time()
-        return sorted((n for n in self._nodes.values() if n.deadline >= now), key=lambda n: n.instance_id)
-
-    def ordered(self) -> list[TransferNode]:
-        """Live nodes, the preferred one first."""
-        return sorted(self.live(), key=lambda n: n.instance_id != self.preferred)
-
-    def forget(self, instance_id: str) -> None:
-        """Stop using a node that failed; its next heartbeat brings it back."""
-        self._nodes.pop(instance_id, None)
-
-    async def choose(self, timeout: float) -> TransferNode:
-        """The node to use, the preferred one if live; waits up to ``timeout`` for one to announce itself."""
-        deadline = time.monotonic() + timeout
-        while not (live := self.ordered()):
-            self._changed.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RemoteError(ErrorReply(code=ErrorCode.UNAVAILABLE, retryable=True,
-                                             message="no live transfer node to move KV through"))
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                continue
-        return live[0]
-
-
 class EngineWorker(Service[WorkerConfig]):
     """Base of prefill and decode: owns the engine thread and the requests in flight.
 
@@ -148,6 +93,7 @@ class EngineWorker(Service[WorkerConfig]):
     config_class = WorkerConfig
     submit_codec: ClassVar[Codec[Any]]
     pool: PoolClient
+    handoff: KVHandOff
 
     def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
         super().__init__(config, tracer_provider)
@@ -186,8 +132,10 @@ class EngineWorker(Service[WorkerConfig]):
         config = self.config.engine_config()
         self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
         self.pool = PoolClient(self, self.transfer, self.engine.layout)
-        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self.transfer_nodes.on_heartbeat)
-        await self.listen(self.subjects.down, codecs.DOWN, self.transfer_nodes.on_down)
+        self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, self.engine.layout, self.tracer,
+                                 self.log)
+        await self.listen_heartbeats(self.transfer_nodes.on_heartbeat)
+        await self.listen_downs(self.transfer_nodes.on_down)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
         await self.serve(self.submit_subject, self.submit_codec, self._on_submit, span_name=f"{self.role.value}.submit")
 

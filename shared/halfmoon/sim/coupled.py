@@ -90,14 +90,11 @@ class CoupledSim(SimBase):
         if self.cache is None:
             return 0
         req = self.trace[rid]
-        blocks = 0
-        for key in req.hash_ids:
-            if not self.cache.holds(node.id, key):
-                break
-            blocks += 1
+        cache = self.cache.node(node.id)
+        blocks = cache.match(req.hash_ids)
         self.out.hit_blocks[rid] = blocks
         if blocks:
-            self.cache.touch(node.id, req.hash_ids[:blocks], self.now)
+            cache.touch(req.hash_ids[:blocks], self.now)
         return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size).cached_tokens(blocks)
 
     def _fits(self, node: _Node, extra_context: int, rid: int) -> bool:
@@ -172,6 +169,6 @@ class CoupledSim(SimBase):
         node.waiting_tokens -= req.input_length
         node.recent_ttft.add(t, t - self.out.arrival[rid])
         if self.cache is not None:
-            self.cache.store(node.id, req.hash_ids[: req.input_length // self.cfg.block_size], t)
+            self.cache.node(node.id).insert(req.hash_ids[: req.input_length // self.cfg.block_size], t)
         if self.first_token(rid, t):
             node.batch.add(rid, req.input_length, req.output_length - 1, t)

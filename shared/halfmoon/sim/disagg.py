@@ -108,9 +108,9 @@ class DisaggregatedSim(SimBase):
         done = max(now, node.busy_until) + choice.transfer_s + choice.prefill_s
         node.busy_until = done
         node.queue_tokens += req.input_length
-        self.cache.lease(node.id, req.hash_ids[:local])
+        self.cache.node(node.id).lock(req.hash_ids[:local])
         for key, src in choice.pulls:
-            self.cache.lease(src, (key,))
+            self.cache.node(src).lock((key,))
         self.pulled_blocks += len(choice.pulls)
         self.out.hit_blocks[rid] = choice.prefix_blocks
         self.out.prefill_s[rid] = choice.prefill_s
@@ -128,10 +128,10 @@ class DisaggregatedSim(SimBase):
         req, now = self.trace[rid], self.now
         keys = req.hash_ids
         node.queue_tokens -= req.input_length
-        self.cache.release(node.id, keys[:local])
+        self.cache.node(node.id).unlock(keys[:local])
         for key, src in pulls:
-            self.cache.release(src, (key,))
-        self.cache.store(node.id, keys[: req.input_length // self.cfg.block_size], now)
+            self.cache.node(src).unlock((key,))
+        self.cache.node(node.id).insert(keys[: req.input_length // self.cfg.block_size], now)
         node.recent_ttft.add(now, now - self.out.arrival[rid])
         if planned is not None:
             self.decode[planned].incoming.pop(rid, None)

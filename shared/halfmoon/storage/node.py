@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from halfmoon.storage.base import BlockNotFound, Buffer, StorageTier, TierUnavailable
 from halfmoon.core.tiers import Tier
+from halfmoon.storage.base import BlockNotFound, Buffer, StorageTier, TierUnavailable
 from halfmoon.storage.dram import ShmTier
 
 log = logging.getLogger(__name__)

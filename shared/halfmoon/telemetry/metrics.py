@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
-    ProcessCollector,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -71,6 +71,9 @@ class Metrics:
         )
         self.rejections = Counter("halfmoon_rejections", "requests refused", ["reason"], registry=r)
         self.errors = Counter("halfmoon_errors", "failures", ["kind"], registry=r)
+        self.auth_rejections = Counter(
+            "halfmoon_auth_rejections", "API requests refused at the gateway's door", ["reason"], registry=r
+        )
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._sources: list[ScrapeSource] = []
 

@@ -9,7 +9,7 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import host_identity
 from halfmoon.transfer.shm import ShmTransport
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import Transport, TransferError
+from halfmoon.transfer.transport import TransferError, Transport
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import logging
 from collections.abc import Callable
 
 from halfmoon.core.keys import key_hex
+from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_types import Order, OrderKind
 from halfmoon.storage.base import StorageError
-from halfmoon.core.tiers import Tier
 from halfmoon.storage.node import NodeStore
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError

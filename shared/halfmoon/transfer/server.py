@@ -14,16 +14,15 @@ import socket
 from collections import Counter
 from functools import cache
 
+from halfmoon.core.keys import key_hex
+from halfmoon.core.tiers import Tier
+from halfmoon.storage.base import BlockNotFound, StorageError
+from halfmoon.storage.node import NodeStore
+from halfmoon.telemetry import extract_context
+from halfmoon.transfer.channel import Channel, ChannelClosed
+from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-
-from halfmoon.core.keys import key_hex
-from halfmoon.storage.base import BlockNotFound, StorageError
-from halfmoon.core.tiers import Tier
-from halfmoon.storage.node import NodeStore
-from halfmoon.transfer.channel import Channel, ChannelClosed
-from halfmoon.telemetry import extract_context
-from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_request
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("halfmoon.transfer")

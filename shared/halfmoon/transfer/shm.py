@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer
-from halfmoon.core.tiers import Tier
-from halfmoon.telemetry.metrics import METRICS
 from halfmoon.storage.segment import AttachedSegment
+from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
+from halfmoon.transfer.transport import TransferError, Transport, check_batch, destination, missing_error
 
 _READ = METRICS.transfer_bytes.labels("shm", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("shm", "write")

@@ -6,13 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer
-from halfmoon.core.tiers import Tier
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from halfmoon.transfer.transport import Transport, TransferError, check_batch, destination, missing_error
+from halfmoon.transfer.transport import TransferError, Transport, check_batch, destination, missing_error
 
 _READ = METRICS.transfer_bytes.labels("tcp", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")

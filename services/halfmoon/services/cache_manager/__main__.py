@@ -1,7 +1,7 @@
 """``python -m halfmoon.services.cache_manager``: the KVCache pool's metadata master."""
 
-from halfmoon.services.cache_manager.service import CacheManagerService
 from halfmoon.service import main
+from halfmoon.services.cache_manager.service import CacheManagerService
 
 if __name__ == "__main__":
     main(CacheManagerService)

@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from opentelemetry.trace import TracerProvider
-
+from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import InventoryItem, NodeSpec, Order, OrderKind, PoolConfig, Replica
 from halfmoon.kv.pool_wire import executing_node, location, order_to_wire, stats_reply
@@ -28,11 +27,11 @@ from halfmoon.protocol.pool import OrderBatch, PoolStatsReply, RemoveRequest, St
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
-from halfmoon.core.tiers import Tier
 from halfmoon.telemetry.metrics import METRICS, Metrics
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
+from opentelemetry.trace import TracerProvider
 
 ORDER_TIMEOUT_S = 30.0
 

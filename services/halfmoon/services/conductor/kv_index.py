@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+
+from halfmoon.core.prefix_index import PrefixMatcher, match_chain
 
 
-class LiveBlockIndex(Mapping[bytes, Collection[str]]):
+class LiveBlockIndex(Mapping[bytes, Collection[str]], PrefixMatcher[bytes]):
     """A ``BlockIndex`` (block key -> holders) fed by stored/evicted events and snapshots.
 
     Contract: ``apply`` with ``snapshot=True`` replaces everything known of that instance;
-    ``forget`` drops an instance that left. Pure bookkeeping, no I/O.
+    ``forget`` drops an instance that left; ``match`` counts the leading blocks some instance
+    holds. A mirror of the instances' caches, not a cache: it never locks or evicts. Pure
+    bookkeeping, no I/O.
     """
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        return match_chain(keys, self._holders.__contains__)
 
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = defaultdict(set)

@@ -7,13 +7,13 @@ import itertools
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
-from halfmoon.services.conductor.kv_index import LiveBlockIndex
-from halfmoon.services.conductor.placement import LeastLoaded, Placement, PlacementPolicy, Rejection
-from halfmoon.services.conductor.registry import InstanceView
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
+from halfmoon.services.conductor.kv_index import LiveBlockIndex
+from halfmoon.services.conductor.placement import LeastLoaded, Placement, PlacementPolicy, Rejection
+from halfmoon.services.conductor.registry import InstanceView
 
 
 class KVCentricPlacement(PlacementPolicy):

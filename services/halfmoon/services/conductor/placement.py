@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from halfmoon.core.kv_spec import KVSpec
-from halfmoon.services.conductor.registry import InstanceView
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
+from halfmoon.services.conductor.registry import InstanceView
 
 
 class Placement(NamedTuple):

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from halfmoon.services.conductor.kv_index import LiveBlockIndex
-from halfmoon.services.conductor.kv_placement import KVCentricPlacement
-from halfmoon.services.conductor.placement import LeastLoaded, PlacementPolicy
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.admission import make_admission
 from halfmoon.policy.cost import CostModels, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
@@ -14,6 +11,10 @@ from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import PREFILL_POLICIES, make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import SLO
+from halfmoon.services.conductor.kv_index import LiveBlockIndex
+from halfmoon.services.conductor.kv_placement import KVCentricPlacement
+from halfmoon.services.conductor.placement import LeastLoaded, PlacementPolicy
+
 
 @dataclass(frozen=True)
 class PolicySettings:

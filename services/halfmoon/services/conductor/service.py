@@ -8,18 +8,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from opentelemetry.trace import TracerProvider
-
 from halfmoon.core.kv_spec import KVSpecMismatch
-from halfmoon.services.conductor.placement import Placement, PlacementPolicy
-from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
-from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.services.conductor.registry import InstanceTable
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
+from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.scheduling import RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.service import Service, ServiceConfig
+from halfmoon.services.conductor.placement import Placement, PlacementPolicy
+from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
+from halfmoon.services.conductor.registry import InstanceTable
+from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,8 @@ class ConductorService(Service[ConductorConfig]):
         return Load(running=len(self.table))
 
     async def start(self) -> None:
-        await self.listen(self.subjects.heartbeat, codecs.HEARTBEAT, self._on_heartbeat)
-        await self.listen(self.subjects.down, codecs.DOWN, self._on_down)
+        await self.listen_heartbeats(self._on_heartbeat)
+        await self.listen_downs(self._on_down)
         await self.listen(self.subjects.kv_events, codecs.KV_EVENTS, self._on_kv_events)
         await self.serve(
             self.subjects.schedule,
@@ -116,7 +115,7 @@ class ConductorService(Service[ConductorConfig]):
                 down = InstanceDown(
                     instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time()
                 )
-                await self.publish(self.subjects.down, down)
+                await self.publish(self.subjects.down_from(self.role.value), down)
 
     async def _on_schedule(self, request: ScheduleRequest) -> Message:
         if self.draining:

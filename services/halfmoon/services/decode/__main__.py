@@ -1,7 +1,7 @@
 """``python -m halfmoon.services.decode``: a decode instance."""
 
-from halfmoon.services.decode.service import DecodeService
 from halfmoon.service import main
+from halfmoon.services.decode.service import DecodeService
 
 if __name__ == "__main__":
     main(DecodeService)

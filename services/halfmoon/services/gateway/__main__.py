@@ -1,7 +1,7 @@
 """``python -m halfmoon.services.gateway``: the OpenAI-compatible HTTP front door."""
 
-from halfmoon.services.gateway.service import GatewayService
 from halfmoon.service import main
+from halfmoon.services.gateway.service import GatewayService
 
 if __name__ == "__main__":
     main(GatewayService)

@@ -14,11 +14,23 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from halfmoon.protocol.stream import TokenEvent, Usage
+from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
+from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
+from halfmoon.services.gateway.guard import Guard
+from halfmoon.services.gateway.metrics import GatewayMetrics
+from halfmoon.services.gateway.model import Detokenizer, ServedModel
+from halfmoon.services.gateway.openapi import openapi_document
+from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
+from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from halfmoon.telemetry import extract_context
+from halfmoon.telemetry.metrics import METRICS
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+<<<<<<< HEAD
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
@@ -30,6 +42,8 @@ from halfmoon.protocol.stream import TokenEvent, Usage
 from halfmoon.telemetry import extract_context
 from halfmoon.telemetry.metrics import METRICS
 
+=======
+>>>>>>> main
 log = logging.getLogger("halfmoon.gateway")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the rest of the context
@@ -80,9 +94,10 @@ class GatewayApi:
         metrics: GatewayMetrics,
         tracer: trace.Tracer,
         accepting: Callable[[], bool],
+        guard: Guard,
     ) -> None:
         self.model, self.client, self.limits = model, client, limits
-        self.metrics, self.tracer, self.accepting = metrics, tracer, accepting
+        self.metrics, self.tracer, self.accepting, self.guard = metrics, tracer, accepting, guard
 
     def build(self) -> FastAPI:
         app = FastAPI(title="halfmoon gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -91,9 +106,15 @@ class GatewayApi:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+        document = openapi_document(self.guard.keys is not None, self.model.name)
+        app.add_api_route("/openapi.json", lambda: JSONResponse(document), methods=["GET"])
+        app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(Exception, self._unexpected)
         return app
+
+    async def _api_error(self, _request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(f"req-{uuid.uuid4().hex}")
 
     async def _http_error(self, _request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
@@ -103,7 +124,8 @@ class GatewayApi:
         log.exception("unhandled error", exc_info=exc)
         return ApiError(500, "internal error", code="internal").response(f"req-{uuid.uuid4().hex}")
 
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.guard.authenticate(request.headers)
         card = {
             "id": self.model.name,
             "object": "model",
@@ -192,6 +214,7 @@ class GatewayApi:
         return list(prompt)
 
     async def _generate(self, request: Request, kind: Kind, request_id: str, span: Span) -> Response:
+        tenant = self.guard.authenticate(request.headers)
         if not self.accepting():
             raise ApiError(503, "The gateway is shutting down; retry on another replica.", code="unavailable")
         parsed = await self._parse(request, kind)
@@ -206,10 +229,11 @@ class GatewayApi:
             sampling = parsed.sampling(budget, parsed.wants_logprobs)
         except ValueError as exc:
             raise invalid(str(exc)) from None
+        await self.guard.admit(tenant, len(prompt_ids) + budget)
         span.set_attribute("halfmoon.prompt_tokens", len(prompt_ids))
         shape = ResponseShape(kind, request_id, self.model.name)
         output = _Output(self.model, kind, len(prompt_ids), parsed.wants_logprobs)
-        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=parsed.cache_salt)
+        gen = self.client.generation(request_id, prompt_ids, sampling, tenant_salt=self.guard.cache_salt(tenant, parsed.cache_salt))
         started = time.monotonic()
         try:
             await gen.__aenter__()

@@ -13,9 +13,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.registry import InstanceDown
@@ -25,6 +22,8 @@ from halfmoon.protocol.stream import ErrorEvent, TokenEvent
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
 from halfmoon.service import Service
 from halfmoon.telemetry.metrics import METRICS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 
 class GenerationError(Exception):
@@ -54,7 +53,7 @@ class ServingClient:
         self._watchers: dict[str, set[Generation]] = {}
 
     async def start(self) -> None:
-        await self.service.listen(self.service.subjects.down, codecs.DOWN, self._on_down)
+        await self.service.listen_downs(self._on_down)
 
     @property
     def in_flight(self) -> int:

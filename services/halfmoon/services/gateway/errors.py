@@ -7,7 +7,6 @@ import re
 
 import msgspec
 from fastapi.responses import JSONResponse
-
 from halfmoon.protocol.base import ErrorCode
 
 
@@ -23,8 +22,10 @@ class ApiError(Exception):
         code: str | None = None,
         type_: str | None = None,
         retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.param = param
@@ -36,7 +37,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self, request_id: str | None = None) -> JSONResponse:
-        headers = {}
+        headers = dict(self.headers)
         if request_id:
             headers["x-request-id"] = request_id
         if self.retry_after_s is not None:

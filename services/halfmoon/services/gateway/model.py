@@ -6,10 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from halfmoon.services.gateway.errors import ApiError, invalid
 from halfmoon.services.gateway.schemas import ChatMessage
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)

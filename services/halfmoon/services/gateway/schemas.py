@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
-
-from halfmoon.services.gateway.errors import invalid
 from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.services.gateway.errors import invalid
 
 
 class StreamOptions(msgspec.Struct, frozen=True):

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
-from opentelemetry.trace import TracerProvider
-
+from halfmoon.protocol.registry import Load, Role
+from halfmoon.service import Service, ServiceConfig
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
+from halfmoon.services.gateway.auth import KeyRing, TenantSalts
+from halfmoon.services.gateway.guard import Guard
+from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
-from halfmoon.protocol.registry import Load, Role
-from halfmoon.service import Service, ServiceConfig
+from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,12 @@ class GatewayConfig(ServiceConfig):
     submit_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for prefill to accept"})
     ttft_timeout_s: float = field(default=60.0, metadata={"help": "fail if no first token by then"})
     itl_timeout_s: float = field(default=30.0, metadata={"help": "fail if no next token by then"})
+    api_keys_file: str = field(default="", metadata={
+        "help": "API keys, one 'KEY TENANT [RPM] [TPM]' per line (KEY may be sha256:HEX); empty: no keys"})
+    auth_secret_file: str = field(default="", metadata={
+        "help": "deployment secret the tenants' cache salts are derived from (same file on every replica)"})
+    insecure_no_auth: bool = field(default=False, metadata={
+        "help": "allow listening beyond loopback without API keys"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +54,23 @@ class GatewayConfig(ServiceConfig):
         for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.api_keys_file and not self.insecure_no_auth and not is_loopback(self.host):
+            raise ValueError(f"listening on {self.host} without API keys would open the API to the network: "
+                             "set api_keys_file (--api-keys-file, HALFMOON_API_KEYS_FILE) or insecure_no_auth")
+
+    def guard_parts(self) -> tuple[KeyRing | None, TenantSalts]:
+        keys = KeyRing.load(self.api_keys_file) if self.api_keys_file else None
+        secret = Path(self.auth_secret_file).read_bytes().strip() if self.auth_secret_file else b""
+        return keys, TenantSalts(secret)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _Server(uvicorn.Server):
@@ -86,6 +114,11 @@ class GatewayService(Service[GatewayConfig]):
         deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s)
         self.client = ServingClient(self, self.served.name, deadlines)
         await self.client.start()
+        keys, salts = await asyncio.to_thread(cfg.guard_parts)
+        limited = keys is not None and keys.limited
+        limiter = await SharedRateLimiter.open(self.nc, self.subjects, time.time) if limited else None
+        if keys is None:
+            self.log.warning("no API keys: every request is anonymous", extra={"host": cfg.host})
         api = GatewayApi(
             self.served,
             self.client,
@@ -93,6 +126,7 @@ class GatewayService(Service[GatewayConfig]):
             self.metrics,
             self.tracer,
             accepting=lambda: not self.draining,
+            guard=Guard(keys, salts, limiter),
         )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

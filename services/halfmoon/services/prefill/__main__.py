@@ -1,7 +1,7 @@
 """``python -m halfmoon.services.prefill``: a prefill instance."""
 
-from halfmoon.services.prefill.service import PrefillService
 from halfmoon.service import main
+from halfmoon.services.prefill.service import PrefillService
 
 if __name__ == "__main__":
     main(PrefillService)

@@ -7,21 +7,19 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
 from halfmoon.core.errors import EngineError
+from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
-from halfmoon.protocol.registry import Role
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.protocol.work import BlockLocation, DecodeRequest, KVLocation, PrefillRequest
+from halfmoon.protocol.registry import Role
+from halfmoon.protocol.work import DecodeRequest, PrefillRequest
 from halfmoon.service.pool_client import Fetched
-from halfmoon.service.streaming import handoff_key, token_event
+from halfmoon.service.streaming import token_event
 from halfmoon.service.worker import EngineWorker
 from halfmoon.telemetry.metrics import METRICS
-from halfmoon.core.tiers import Tier
 from halfmoon.transfer.transport import TransferError
 
-TRANSFER_WAIT_S = 10.0
 HANDOFF_TIMEOUT_S = 10.0
 
 
@@ -98,20 +96,6 @@ class PrefillService(EngineWorker):
             span.set_attribute("halfmoon.tokens_computed", len(req.prompt_token_ids) - outputs[-1].num_cached_tokens)
             return outputs[-1]
 
-    async def _park(self, keys: list[bytes], payloads: list[bytes]) -> str:
-        """Write blocks outside the pool to the first live transfer node that takes them; its address."""
-        await self.transfer_nodes.choose(TRANSFER_WAIT_S)  # waits until at least one is known
-        for node in self.transfer_nodes.ordered():
-            try:
-                await (await self.transfer.transport(node.address)).write(keys, payloads, tier=Tier.NVME)
-            except (TransferError, OSError) as exc:
-                self.log.warning("transfer node refused hand-off blocks", extra={"node": node.instance_id,
-                                                                                 "error": str(exc)})
-                self.transfer_nodes.forget(node.instance_id)
-                continue
-            return node.address
-        raise TransferError("no transfer node took the hand-off blocks")
-
     async def _publish_cache_events(self, sample: tuple[int, int, float]) -> None:
         """Tell the conductor what the local prefix cache gained and lost, and how long prefill took."""
         assert self.engine is not None
@@ -138,34 +122,8 @@ class PrefillService(EngineWorker):
             payloads = await self.engine.call(lambda e: e.export_kv(rid))
         finally:
             await self.engine.call(lambda e: e.release(rid))
-        fetched_end, full = local + len(fetched.payloads), len(keys)
-        # Decode reads every block from the pool. Blocks fetched from it are there already; the
-        # local and computed full blocks are stored (the pool answers with where it already has
-        # them), the partial last block goes under a one-off key that decode removes once read.
-        # The cache-manager places them all, so one allocator owns every DRAM segment.
-        head = keys[:local]
-        tail = keys[fetched_end:full] + [handoff_key(rid, i) for i in range(full, len(payloads))]
-        with self.tracer.start_as_current_span("prefill.kv_write") as span:
-            stored_head, stored_tail = await asyncio.gather(
-                self.pool.store(head, payloads[:local], first_position=0),
-                self.pool.store(tail, payloads[fetched_end:], first_position=fetched_end))
-            stored = stored_head | stored_tail
-            locations: list[BlockLocation | None] = [stored.get(k) for k in head] + list(fetched.locations)
-            locations += [stored.get(k) for k in tail]
-            fallback = [(i, handoff_key(rid, i)) for i, loc in enumerate(locations) if loc is None]
-            if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
-                node = await self._park([k for _, k in fallback], [payloads[i] for i, _ in fallback])
-                for index, key in fallback:
-                    locations[index] = BlockLocation(node=node, offset=0, size=len(payloads[index]), key=key,
-                                                     tier=int(Tier.NVME))
-            span.set_attribute("halfmoon.blocks_stored", len(stored))
-            span.set_attribute("halfmoon.blocks_parked", len(fallback))
-            span.set_attribute("halfmoon.bytes", sum(len(payloads[i]) for i in range(local, len(payloads))))
-        one_off = [handoff_key(rid, i) for i in range(len(payloads))]
-        block_size = self.config.block_size
-        placed = [loc for loc in locations if loc is not None]  # all of them, after parking
-        kv = KVLocation(block_size=block_size, num_tokens=len(req.prompt_token_ids), blocks=tuple(placed[:full]),
-                        partial=placed[full] if len(placed) > full else None)
+        kv = await self.handoff.send(rid, len(req.prompt_token_ids), self.config.block_size, keys, payloads, local,
+                                     fetched)
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
@@ -176,5 +134,5 @@ class PrefillService(EngineWorker):
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
                                HANDOFF_TIMEOUT_S)
         except RemoteError:
-            await self.pool.remove(one_off)  # nobody will read them now
+            await self.handoff.discard(rid, len(payloads))
             raise

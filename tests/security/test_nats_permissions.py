@@ -1,0 +1,102 @@
+"""NATS: nobody connects without credentials, and a role's credentials publish only what that
+role sends: a gateway cannot submit to decode, end a stream, or declare an instance down."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import nats
+import nats.errors
+import pytest
+
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.protocol import codecs
+from halfmoon.protocol.registry import InstanceDown, Role
+from halfmoon.protocol.subjects import Subjects
+from tests.security.conftest import bearer
+
+SUBJECTS = Subjects("e2e")  # start_cluster's namespace
+
+
+async def connect(cluster: LocalCluster, role: str, errors: list[Exception] | None = None):  # type: ignore[no-untyped-def]
+    assert cluster.nats_auth is not None
+
+    async def on_error(exc: Exception) -> None:
+        if errors is not None:
+            errors.append(exc)
+
+    return await nats.connect(cluster.nats_url, error_cb=on_error, allow_reconnect=False,
+                              **cluster.nats_auth.connect_options(role))
+
+
+class TestOutsiderCannotConnect:
+    @pytest.mark.parametrize("credentials", [{}, {"user": "gateway", "password": "guessed"},
+                                             {"user": "nobody", "password": "x"}])
+    async def test_connect_is_refused(self, secure_cluster: LocalCluster, credentials: dict[str, str]) -> None:
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(secure_cluster.nats_url, connect_timeout=5, allow_reconnect=False,
+                               max_reconnect_attempts=0, **credentials)
+
+
+FORGED = {
+    "decode submit": SUBJECTS.decode_submit("decode-0"),
+    "InstanceDown as the conductor": SUBJECTS.down_from(Role.CONDUCTOR.value),
+    "InstanceDown as decode": SUBJECTS.down_from(Role.DECODE.value),
+    "a token stream": SUBJECTS.stream("cmpl-victim"),
+    "a decode heartbeat": SUBJECTS.heartbeat_from(Role.DECODE.value),
+}
+
+
+class TestGatewayCredentialsCannotImpersonate:
+    @pytest.mark.parametrize("what", sorted(FORGED))
+    async def test_server_refuses_and_nobody_receives(self, secure_cluster: LocalCluster, what: str) -> None:
+        subject = FORGED[what]
+        errors: list[Exception] = []
+        received: list[str] = []
+        gateway = await connect(secure_cluster, "gateway", errors)
+        tap = await connect(secure_cluster, "admin")
+
+        async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+            received.append(msg.subject)
+
+        try:
+            await tap.subscribe(subject, cb=on_message)
+            await tap.flush()
+            await gateway.publish(subject, b"forged")
+            await gateway.flush()
+            end = time.monotonic() + 10
+            while not errors and time.monotonic() < end:
+                await asyncio.sleep(0.05)  # the server's -ERR arrives asynchronously
+            await tap.flush()
+        finally:
+            await gateway.close()
+            await tap.close()
+        assert any("permissions violation" in str(e).lower() and subject in str(e) for e in errors), errors
+        assert received == []
+
+
+class TestForgedInstanceDownIsIgnored:
+    async def test_a_gateway_naming_decode_down_on_its_own_subject_kills_nothing(
+            self, secure_cluster: LocalCluster, served_model: str) -> None:
+        """The gateway may say goodbye for gateways only; listeners drop an InstanceDown for decode from it."""
+        gateway = await connect(secure_cluster, "gateway")
+        body = {"model": served_model, "prompt": "a stream that must survive", "max_tokens": 24,
+                "ignore_eos": True, "temperature": 0}
+        try:
+            async with httpx.AsyncClient(base_url=secure_cluster.url, headers=bearer("tenant-a"), timeout=120) as http:
+                pending = asyncio.create_task(http.post("/v1/completions", json=body))
+                for _ in range(20):
+                    for victim in ("decode-0", "prefill-0"):
+                        down = InstanceDown(instance_id=victim, role=Role(victim.split("-")[0]), reason="forged",
+                                            timestamp=time.time())
+                        await gateway.publish(SUBJECTS.down_from(Role.GATEWAY.value), codecs.DOWN.encode(down))
+                    await gateway.flush()
+                    await asyncio.sleep(0.05)
+                reply = await pending
+        finally:
+            await gateway.close()
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 24
+
