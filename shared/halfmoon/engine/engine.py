@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 import random
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from halfmoon.core.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import (
     ContextLengthError,
     DuplicateRequestError,
@@ -21,13 +22,6 @@ from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
-<<<<<<< HEAD
-from halfmoon.core.detokenizer import IncrementalDetokenizer
-from halfmoon.core.errors import (ContextLengthError, DuplicateRequestError, InvalidRequestError,
-                                  OutOfKVBlocksError, UnknownRequestError)
-=======
-from halfmoon.engine.detokenizer import IncrementalDetokenizer
->>>>>>> main
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler

@@ -9,13 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
-<<<<<<< HEAD
-from transformers.models.llama.modeling_llama import rotate_half
-
 from halfmoon.engine.attention import AttentionBatch, PagedKVCache, SeqAttention, paged_attention
-=======
-from halfmoon.engine.attention import AttentionBatch, PagedKVCache, paged_attention
->>>>>>> main
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.scheduler import ScheduledChunk

@@ -15,11 +15,12 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from halfmoon.protocol.stream import TokenEvent, Usage
+from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
 from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.metrics import GatewayMetrics
-from halfmoon.services.gateway.model import Detokenizer, ServedModel
+from halfmoon.services.gateway.model import ServedModel
 from halfmoon.services.gateway.openapi import openapi_document
 from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -30,20 +31,6 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-<<<<<<< HEAD
-from halfmoon.core.detokenizer import IncrementalDetokenizer
-from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
-from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
-from halfmoon.services.gateway.metrics import GatewayMetrics
-from halfmoon.services.gateway.model import ServedModel
-from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
-from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from halfmoon.protocol.stream import TokenEvent, Usage
-from halfmoon.telemetry import extract_context
-from halfmoon.telemetry.metrics import METRICS
-
-=======
->>>>>>> main
 log = logging.getLogger("halfmoon.gateway")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the rest of the context
