@@ -47,3 +47,19 @@ class TestCacheEvents:
         pool.allocate(2)
         assert pool.take_events() == [BlockStored([b"a"]), BlockRemoved([b"a"])]
         assert pool.take_events() == []
+
+
+class TestPrefixIndex:
+    def test_locked_keys_survive_eviction_and_match_stops_at_a_miss(self) -> None:
+        pool = BlockPool(3)
+        blocks = pool.allocate(3)
+        for key, block in zip((b"a", b"b", b"c"), blocks):
+            pool.register(key, block)
+            pool.release(block)
+        assert pool.match([b"a", b"b", b"x", b"c"]) == 2
+        pool.lock([b"a"])
+        pool.touch([b"b"])  # b is now the most recently used evictable key
+        assert pool.evict(5) == [b"c", b"b"]
+        assert pool.match([b"a", b"b"]) == 1 and pool.num_free == 2
+        pool.unlock([b"a"])
+        assert pool.evict(1) == [b"a"] and pool.num_free == 3

@@ -26,7 +26,22 @@ class BlockManager:
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.pool.num_free
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def allocate_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Give ``seq`` KV slots up to token ``num_tokens`` (the scheduler checked ``can_grow``).
+
+        A sequence's tokens, as vLLM's ``KVCacheManager.allocate_slots`` lays them out::
+
+            | comp | new_comp | ext_comp | new | (lookahead: none here)
+            0      ^          ^          ^     ^ num_tokens = num_computed_tokens + this step's chunk
+                   |          |          num_computed_tokens at admission
+                   |          end of the local prefix-cache hit (reuse_prefix: shared blocks)
+                   end of what this sequence computed before (0 at admission)
+
+        ``comp`` and ``new_comp`` already have blocks (own, or shared from the prefix cache).
+        ``ext_comp`` is KV imported from the pool (``add_request(kv_blocks=...)``): it gets its
+        slots here together with ``new`` and the engine copies it in before the step computes
+        ``new``; it is counted as computed, never recomputed. Blocks are only ever appended.
+        """
         needed = self.blocks_needed(seq, num_tokens)
         if needed:
             last = seq.block_table[-1] if seq.block_table else None
@@ -47,17 +62,13 @@ class BlockManager:
 
         The last prompt token is never covered: its logits give the next token.
         """
-        limit = (seq.num_tokens - 1) // self.block_size
-        matched = 0
-        for key in seq.block_keys[:limit]:
-            block = self.pool.cached.get(key)
-            if block is None:
-                break
-            self.pool.share(block)
-            self._append(seq, block)
-            matched += 1
-        seq.num_registered = matched
-        return matched
+        keys = seq.block_keys[: (seq.num_tokens - 1) // self.block_size]
+        matched = keys[: self.pool.match(keys)]
+        self.pool.lock(matched)
+        for key in matched:
+            self._append(seq, self.pool.cached[key])
+        seq.num_registered = len(matched)
+        return len(matched)
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the full blocks ``seq`` has computed so far to the local prefix cache."""

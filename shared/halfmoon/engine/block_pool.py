@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from halfmoon.core.prefix_index import PrefixIndex, match_chain
 
 _FREE, _TAKEN = 1, 0
 _FREE_RUNS = re.compile(b"\x01+")
@@ -36,7 +39,7 @@ class BlockRemoved(NamedTuple):
 CacheEvent = BlockStored | BlockRemoved
 
 
-class BlockPool:
+class BlockPool(PrefixIndex[bytes]):
     """Hands out KV cache blocks with reference counts; keeps released full blocks as a prefix cache.
 
     A block whose last reference goes returns to the free set, unless it holds a cached full
@@ -45,6 +48,11 @@ class BlockPool:
     it can (attention then reads them as one slice of the cache, without a copy): it extends
     the sequence's last block, and starts new runs in the middle of the largest free gap so
     that the neighbours on both sides have room to grow.
+
+    As a :class:`PrefixIndex` over content keys: ``lock`` is a reference on the key's block,
+    eviction order is least recently released (or touched) first. A key enters with its block
+    through ``register`` once the block's KV is computed; ``insert``, which carries no block,
+    only refreshes keys already held.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -96,13 +104,51 @@ class BlockPool:
         self.blocks[index].ref_count = 1
 
     def _evict(self) -> int:
+        """Take the least recently used evictable block for a new owner."""
         index, _ = self._evictable.popitem(last=False)
-        block = self.blocks[index]
-        assert block.key is not None
-        del self.cached[block.key]
-        self._events.append(BlockRemoved([block.key]))
-        block.key, block.num_tokens, block.ref_count = None, 0, 1
+        self._forget(index)
+        self.blocks[index].ref_count = 1
         return index
+
+    def _forget(self, index: int) -> bytes:
+        block = self.blocks[index]
+        key = block.key
+        assert key is not None
+        del self.cached[key]
+        self._events.append(BlockRemoved([key]))
+        block.key, block.num_tokens = None, 0
+        return key
+
+    # ---------------------------------------------------------------- PrefixIndex
+    def match(self, keys: Sequence[bytes]) -> int:
+        return match_chain(keys, self.cached.__contains__)
+
+    def lock(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.share(self.cached[key])
+
+    def unlock(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.release(self.cached[key])
+
+    def touch(self, keys: Sequence[bytes], now: float = 0.0) -> None:
+        for key in keys:
+            index = self.cached.get(key)
+            if index is not None and index in self._evictable:
+                self._evictable.move_to_end(index)
+
+    def insert(self, keys: Sequence[bytes], now: float = 0.0) -> list[bytes]:
+        self.touch(keys, now)
+        return []
+
+    def evict(self, n: int, now: float = 0.0) -> list[bytes]:
+        out = []
+        while self._evictable and len(out) < n:
+            index, _ = self._evictable.popitem(last=False)
+            out.append(self._forget(index))
+            self._free[index] = _FREE
+            self._num_free += 1
+        return out
 
     def share(self, index: int) -> None:
         block = self.blocks[index]

@@ -160,8 +160,7 @@ class LLMEngine:
 
     def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
         """How many leading blocks of ``block_keys`` the local prefix cache holds right now."""
-        cached = self.blocks.pool.cached
-        return next((i for i, key in enumerate(block_keys) if key not in cached), len(block_keys))
+        return self.blocks.pool.match(block_keys)
 
     def cached_block_keys(self) -> list[bytes]:
         """Every key the local prefix cache holds (a snapshot for the conductor's index)."""
