@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.block_pool import BlockPool, BlockRemoved, BlockStored
+from halfmoon.engine.sequence import Sequence
 from halfmoon.protocol.sampling import SamplingParams
-from tests.engine.conftest import make_engine, random_prompts
 
 
 class TestConsecutiveAllocation:
-    def test_growing_sequences_keep_their_blocks_in_few_runs(self, tiny_llama: Path) -> None:
-        engine = make_engine(tiny_llama, kv_cache_blocks=128, max_num_batched_tokens=512, prefill_chunk_size=64)
-        prompts = random_prompts(engine.vocab_size, [20, 35, 17, 45, 9, 32, 25, 13], seed=1)
-        params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, params)
-        most_runs = 0
-        while engine.has_unfinished():
-            engine.step()
-            most_runs = max([most_runs] + [len(s.block_runs) for s in engine.scheduler.running])
-            for seq in engine.scheduler.running:
-                flat = [b for first, count in seq.block_runs for b in range(first, first + count)]
-                assert flat == seq.block_table
-        assert most_runs <= 2  # interleaved growth of 8 sequences, yet each reads at most two slices
+    def test_growing_sequences_keep_their_blocks_in_few_runs(self) -> None:
+        manager = BlockManager(num_blocks=128, block_size=16)
+        params = SamplingParams(max_tokens=64, temperature=0.0)
+        seqs = [Sequence(f"r{i}", [1] * n, params, i) for i, n in enumerate([20, 35, 17, 45, 9, 32, 25, 13])]
+        for seq in seqs:
+            manager.allocate_slots(seq, seq.num_tokens)
+        for _ in range(64):  # interleaved decode: every sequence grows by one token per step
+            for seq in seqs:
+                seq.token_ids.append(1)
+                manager.allocate_slots(seq, seq.num_tokens)
+        for seq in seqs:
+            assert [b for first, count in seq.block_runs for b in range(first, first + count)] == seq.block_table
+        assert max(len(seq.block_runs) for seq in seqs) == 1
 
     def test_allocation_extends_a_run_and_falls_back_to_eviction(self) -> None:
         pool = BlockPool(4)
