@@ -1,9 +1,12 @@
 """Engine decode and prefill throughput against transformers on the same model, same run.
 
-    python -m benchmarks.engine_throughput [--model DIR] [--tokens 64]
+    python -m benchmarks.engine_throughput [--model DIR] [--tokens 64] [--dtype auto]
 
-Without --model a tiny Llama is created in a temporary directory. Prints a rich table of
-ratios; paste it into docs/BENCHMARKS.md.
+Without --model a tiny Llama is created in a temporary directory. Three tables: decode-only
+tokens/s against transformers ``generate`` at batch 1; prefill of one prompt against one
+transformers forward; and prefill of a prompt's last ``--tail`` tokens after a cached prefix
+(the rest of the prompt in the engine's prefix cache, in transformers' KV cache) against one
+transformers forward of the tail over that cache. Paste them into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
+from halfmoon.core.keys import BlockHasher
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol.sampling import SamplingParams
@@ -70,12 +74,42 @@ def engine_prefill_tps(engine: LLMEngine, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
+def hf_tail_tps(hf, prompt: list[int], tail: int) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        cache = DynamicCache(config=hf.config)
+        hf(ids[:, :-tail], past_key_values=cache)
+        start = time.perf_counter()
+        hf(ids[:, -tail:], past_key_values=cache)
+    return tail / (time.perf_counter() - start)
+
+
+def engine_tail_tps(engine: LLMEngine, prompt: list[int], tail: int) -> float:
+    """Prefill tokens/s of the last ``tail`` tokens while the rest sits in the local prefix cache."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    keys = BlockHasher(engine.config.block_size, engine.fingerprint.hex()).keys(prompt)
+    prefix = prompt[:-tail]
+    engine.add_request(f"p{time.monotonic_ns()}", prefix, params, block_keys=keys[: len(prefix) // engine.config.block_size])
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(f"t{time.monotonic_ns()}", prompt, params, block_keys=keys)
+    start = time.perf_counter()
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    elapsed = time.perf_counter() - start
+    return (len(prompt) - outs[-1].num_cached_tokens) / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", help="model directory (default: a fresh tiny Llama)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prefill", default="512,2048,8192")
+    parser.add_argument("--cached", default="2048,8192", help="prompt lengths for the cached-prefix table")
+    parser.add_argument("--tail", type=int, default=512, help="uncached tokens at the end of those prompts")
+    parser.add_argument("--dtype", default="auto", help="engine dtype (transformers runs the same)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,11 +118,12 @@ def main() -> None:
             from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny"))
-        hf = AutoModelForCausalLM.from_pretrained(model).eval()
-        engine = LLMEngine(EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=2048,
+        engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
                                         prefill_chunk_size=2048, kv_cache_bytes=2 << 30))
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=engine.config.torch_dtype).eval()
         console = Console()
-        decode = Table(title=f"Decode throughput ({Path(model).name}, {args.tokens} tokens/request, CPU)")
+        decode = Table(title=f"Decode throughput ({Path(model).name}, {engine.config.resolved_dtype}, "
+                             f"{args.tokens} tokens/request, {engine.config.torch_device.type})")
         for column in ("batch", "engine tok/s", "HF generate b=1 tok/s", "ratio"):
             decode.add_column(column, justify="right")
         base = hf_decode_tps(hf, _prompts(engine.vocab_size, 1, 32, 0)[0], args.tokens)
@@ -104,6 +139,14 @@ def main() -> None:
             ours, theirs = engine_prefill_tps(engine, prompt), hf_prefill_tps(hf, prompt)
             prefill.add_row(str(length), f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x")
         console.print(prefill)
+        cached = Table(title=f"Prefill of the last {args.tail} tokens after a cached prefix")
+        for column in ("prompt tokens", "engine tok/s", "HF forward over its cache tok/s", "ratio"):
+            cached.add_column(column, justify="right")
+        for length in (int(n) for n in args.cached.split(",") if n):
+            prompt = _prompts(engine.vocab_size, 1, length, length + 1)[0]
+            ours, theirs = engine_tail_tps(engine, prompt, args.tail), hf_tail_tps(hf, prompt, args.tail)
+            cached.add_row(str(length), f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}x")
+        console.print(cached)
 
 
 if __name__ == "__main__":

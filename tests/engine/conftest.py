@@ -21,7 +21,7 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
 
 
 def make_engine(model: Path, **overrides: object) -> LLMEngine:
-    settings: dict[str, object] = dict(block_size=16, max_num_batched_tokens=64, prefill_chunk_size=32)
+    settings: dict[str, object] = dict(dtype="float32", block_size=16, max_num_batched_tokens=64, prefill_chunk_size=32)
     settings.update(overrides)
     return LLMEngine(EngineConfig(model=str(model), **settings))  # type: ignore[arg-type]
 

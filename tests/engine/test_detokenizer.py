@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from halfmoon.cli.model_tools import train_tokenizer
-from halfmoon.engine.detokenizer import IncrementalDetokenizer
+from halfmoon.core.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ class TestIncrementalText:
         text = "half moon 🌙 über naïve 東京 done"
         ids = tokenizer.encode(text)
         detok = IncrementalDetokenizer(tokenizer, (), [])
-        deltas = [detok.push(i).text for i in ids]
+        deltas = [detok.push((i,)).text for i in ids]
         assert all("\ufffd" not in d for d in deltas)
         assert "".join(deltas) + detok.flush() == text
         assert len(ids) > len(text.split())  # the emoji and CJK really span several tokens
@@ -27,7 +27,7 @@ class TestIncrementalText:
         detok = IncrementalDetokenizer(tokenizer, ("to the",), [])
         emitted, stopped = "", False
         for token in ids:
-            delta = detok.push(token)
+            delta = detok.push((token,))
             emitted += delta.text
             if delta.stopped:
                 stopped = True
@@ -37,7 +37,7 @@ class TestIncrementalText:
     def test_restart_from_initial_ids_continues_the_stream(self, tokenizer) -> None:
         ids = tokenizer.encode("prefill hands 🌙 to decode")
         whole = IncrementalDetokenizer(tokenizer, ("xyz",), [])
-        first_part = "".join(whole.push(t).text for t in ids[:4])
+        first_part = "".join(whole.push((t,)).text for t in ids[:4])
         resumed = IncrementalDetokenizer(tokenizer, ("xyz",), ids[:4])
-        rest = "".join(resumed.push(t).text for t in ids[4:]) + resumed.flush()
+        rest = "".join(resumed.push((t,)).text for t in ids[4:]) + resumed.flush()
         assert first_part + rest == "prefill hands 🌙 to decode"

@@ -47,8 +47,8 @@ class TestExportImport:
         assert len(blocks) == -(-length // 16)
         assert [read_header(b).num_tokens for b in blocks][-1] == length - 16 * (len(blocks) - 1)
         source.release("p")
-        assert source.num_free_blocks == source.blocks.allocator.num_blocks
-        computed_before = target.blocks.allocator.num_free
+        assert source.num_free_blocks == source.blocks.pool.num_blocks
+        computed_before = target.blocks.pool.num_free
         assert decode(target, prompt, first, blocks) == expected
         assert target.num_free_blocks == computed_before
 

@@ -55,6 +55,24 @@ class TestSeeds:
         assert top1 == greedy
 
 
+class TestResume:
+    def test_resumed_at_position_p_samples_the_same_continuation(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [11], seed=12)
+        params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=321, ignore_eos=True)
+        whole = tokens(run(engine, prompt, params))
+        for p in (1, 7, 13):
+            engine.add_request(f"resumed-{p}", prompt, params, output_token_ids=whole[:p])
+            rest = []
+            while engine.has_unfinished():
+                rest += tokens(engine.step())
+            assert whole[:p] + rest == whole
+
+    def test_unseeded_requests_differ_from_each_other(self, engine: LLMEngine) -> None:
+        (prompt,) = random_prompts(engine.vocab_size, [11], seed=13)
+        params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+        assert tokens(run(engine, prompt, params)) != tokens(run(engine, prompt, params))
+
+
 class TestStopConditions:
     def test_max_tokens_gives_length(self, engine: LLMEngine) -> None:
         (prompt,) = random_prompts(engine.vocab_size, [5], seed=4)

@@ -9,15 +9,17 @@ import torch.nn.functional as F
 
 
 class PagedKVCache:
-    """Per-layer K and V block tensors shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
+    """Per layer, K and V shaped ``[kv_heads, num_blocks * block_size, head_dim]`` (head-major).
 
     A token at ``position`` of a sequence lives in block ``block_table[position // block_size]``
-    at row ``position % block_size``; ``slot = block * block_size + row`` flattens both.
+    at row ``position % block_size``; ``slot = block * block_size + row`` flattens both. Head-major
+    rows make the KV of consecutive blocks one strided slice per layer, so attention over a
+    sequence whose blocks are consecutive reads the cache in place, without gathering a copy.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
@@ -25,67 +27,73 @@ class PagedKVCache:
         return self.data[index, 0], self.data[index, 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` shaped ``[tokens, kv_heads, head_dim]`` at ``slots``."""
         k_cache, v_cache = self.layer(layer)
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+        k_cache.index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+
+    def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        size = self.block_size
+        rows = torch.arange(size, dtype=torch.long)
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        return (blocks[:, None] * size + rows).flatten()[:num_tokens].to(self.data.device)
 
     def blocks(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """KV of ``num_tokens`` tokens stored in ``block_ids``: ``[layers, 2, tokens, heads, dim]``."""
-        index = torch.tensor(block_ids, device=self.data.device, dtype=torch.long)
-        picked = self.data.index_select(2, index)
-        return picked.flatten(2, 3)[:, :, :num_tokens]
+        return self.data.index_select(3, self._slots(block_ids, num_tokens)).transpose(2, 3)
 
     def load_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Inverse of :meth:`blocks` for ``kv`` shaped ``[layers, 2, tokens, heads, dim]``."""
-        tokens = kv.shape[2]
-        for i, block in enumerate(block_ids):
-            rows = kv[:, :, i * self.block_size:(i + 1) * self.block_size]
-            self.data[:, :, block, : rows.shape[2]] = rows.to(self.data.device, self.data.dtype)
-            if (i + 1) * self.block_size >= tokens:
-                break
+        slots = self._slots(block_ids, kv.shape[2])
+        self.data.index_copy_(3, slots, kv[:, :, : slots.numel()].transpose(2, 3).to(self.data.device,
+                                                                                      self.data.dtype))
+
+
+class SeqAttention(NamedTuple):
+    """One sequence's share of a step.
+
+    Its queries are rows ``[query_start, query_start + query_len)`` of the step; its keys are
+    the cache slots ``spans`` (half-open ranges, in position order), the last ``query_len`` of
+    them its own new tokens. ``mask`` is ``[query_len, context]`` when earlier context is
+    cached (the causal diagonal is offset); None means plain causal (or one decode query).
+    """
+
+    query_start: int
+    query_len: int
+    spans: tuple[tuple[int, int], ...]
+    mask: torch.Tensor | None
 
 
 class AttentionBatch(NamedTuple):
-    """Where this step's tokens go and what they attend to.
-
-    ``slots[t]`` is the cache slot of flattened token ``t``. Decode sequences (one query
-    token each) are the first ``num_decode`` entries, batched through ``decode_tables`` and
-    ``decode_lens``; each prefill chunk is ``(query_start, query_len, context_len, table)``.
-    """
+    """Where this step's tokens go (``slots[t]`` for flattened token ``t``) and what each sequence reads."""
 
     slots: torch.Tensor
-    num_decode: int
-    decode_tables: torch.Tensor
-    decode_lens: torch.Tensor
-    prefills: list[tuple[int, int, int, torch.Tensor]]
+    seqs: list[SeqAttention]
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """``[B, blocks]`` tables -> ``[B, heads, blocks * block_size, dim]`` contiguous KV."""
-    gathered = cache[tables]
-    return gathered.flatten(1, 2).transpose(1, 2)
+def _context(cache: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``[1, kv_heads, context, dim]``: a view of the cache when the spans are one, else a copy."""
+    if len(spans) == 1:
+        start, end = spans[0]
+        return cache[None, :, start:end]
+    return torch.cat([cache[:, start:end] for start, end in spans], dim=1)[None]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """``q`` is ``[tokens, heads, dim]`` in flattened step order; returns the same shape."""
-    out = torch.empty_like(q)
-    if batch.num_decode:
-        qd = q[: batch.num_decode].unsqueeze(2)
-        k, v = _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables)
-        positions = torch.arange(k.shape[2], device=q.device)
-        mask = (positions[None, :] < batch.decode_lens[:, None])[:, None, None, :]
-        od = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[: batch.num_decode] = od.squeeze(2)
-    for start, length, context, table in batch.prefills:
-        qp = q[start:start + length].transpose(0, 1).unsqueeze(0)
-        k = _gather(k_cache, table[None])[:, :, :context]
-        v = _gather(v_cache, table[None])[:, :, :context]
-        if context == length:
-            op = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            rows = torch.arange(context - length, context, device=q.device)
-            mask = rows[:, None] >= torch.arange(context, device=q.device)[None, :]
-            op = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + length] = op.squeeze(0).transpose(0, 1)
-    return out
+    """``q`` is ``[tokens, heads, dim]`` in flattened step order; returns ``[tokens, heads * dim]``."""
+    kv_heads, dim = k_cache.shape[0], q.shape[-1]
+    outs = []
+    for seq in batch.seqs:
+        k, v = _context(k_cache, seq.spans), _context(v_cache, seq.spans)
+        if seq.query_len == 1:
+            # One query sees every key: its heads sharing a KV head become that head's query rows,
+            # so grouped-query attention needs neither a mask nor repeated K/V.
+            qd = q[seq.query_start].view(1, kv_heads, -1, dim)
+            outs.append(F.scaled_dot_product_attention(qd, k, v, scale=scale).view(1, -1))
+            continue
+        qp = q[seq.query_start:seq.query_start + seq.query_len].transpose(0, 1)[None]
+        op = F.scaled_dot_product_attention(qp, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                            scale=scale, enable_gqa=True)
+        outs.append(op[0].transpose(0, 1).reshape(seq.query_len, -1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

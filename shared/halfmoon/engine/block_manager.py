@@ -1,75 +1,22 @@
-"""Paged KV cache bookkeeping: a free list with reference counts, block tables, and a local
-prefix cache of full blocks addressed by their chained content keys."""
+"""Block tables of sequences against one block pool, and the local prefix cache of full blocks
+addressed by their chained content keys."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-
+from halfmoon.engine.block_pool import BlockPool
 from halfmoon.engine.sequence import Sequence
 
 
-class BlockAllocator:
-    """Hands out KV cache block ids with reference counts.
-
-    A block whose last reference goes returns to the free list, unless it holds a cached
-    full block (it has a content key): then it stays readable in an LRU of evictable blocks
-    until a new allocation needs the room. ``stored``/``evicted`` collect key events for
-    whoever mirrors this cache (the conductor's block index).
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._refs = [0] * num_blocks
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.cached: dict[bytes, int] = {}
-        self._key_of: dict[int, bytes] = {}
-        self.stored: list[bytes] = []
-        self.evicted: list[bytes] = []
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
-
-    def allocate(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            key = self._key_of.pop(block)
-            del self.cached[key]
-            self.evicted.append(key)
-        self._refs[block] = 1
-        return block
-
-    def share(self, block: int) -> None:
-        if self._refs[block] == 0:
-            del self._evictable[block]
-        self._refs[block] += 1
-
-    def release(self, block: int) -> None:
-        assert self._refs[block] > 0, "double free of a KV block"
-        self._refs[block] -= 1
-        if self._refs[block] == 0:
-            if block in self._key_of:
-                self._evictable[block] = None
-            else:
-                self._free.append(block)
-
-    def register(self, key: bytes, block: int) -> None:
-        """Mark ``block`` as holding the full block ``key`` (first writer wins)."""
-        if key not in self.cached and block not in self._key_of:
-            self.cached[key] = block
-            self._key_of[block] = key
-            self.stored.append(key)
-
-
 class BlockManager:
-    """Grows and frees the block tables of sequences against one allocator."""
+    """Grows and frees the block tables of sequences.
+
+    Besides ``block_table`` each sequence keeps ``block_runs``: its table as runs of
+    consecutive block ids ``[first, count]``, which attention reads as single slices.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockPool(num_blocks)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks ``seq`` needs so that ``num_tokens`` tokens have KV slots."""
@@ -77,40 +24,64 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.allocator.num_free
+        return self.blocks_needed(seq, num_tokens) <= self.pool.num_free
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        for _ in range(self.blocks_needed(seq, num_tokens)):
-            seq.block_table.append(self.allocator.allocate())
+    def allocate_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Give ``seq`` KV slots up to token ``num_tokens`` (the scheduler checked ``can_grow``).
+
+        A sequence's tokens, as vLLM's ``KVCacheManager.allocate_slots`` lays them out::
+
+            | comp | new_comp | ext_comp | new | (lookahead: none here)
+            0      ^          ^          ^     ^ num_tokens = num_computed_tokens + this step's chunk
+                   |          |          num_computed_tokens at admission
+                   |          end of the local prefix-cache hit (reuse_prefix: shared blocks)
+                   end of what this sequence computed before (0 at admission)
+
+        ``comp`` and ``new_comp`` already have blocks (own, or shared from the prefix cache).
+        ``ext_comp`` is KV imported from the pool (``add_request(kv_blocks=...)``): it gets its
+        slots here together with ``new`` and the engine copies it in before the step computes
+        ``new``; it is counted as computed, never recomputed. Blocks are only ever appended.
+        """
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed:
+            last = seq.block_table[-1] if seq.block_table else None
+            for block in self.pool.allocate(needed, after=last):
+                self._append(seq, block)
+
+    @staticmethod
+    def _append(seq: Sequence, block: int) -> None:
+        seq.block_table.append(block)
+        runs = seq.block_runs
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1][1] += 1
+        else:
+            runs.append([block, 1])
 
     def reuse_prefix(self, seq: Sequence) -> int:
         """Share the longest locally cached prefix of ``seq``'s block keys; returns its blocks.
 
         The last prompt token is never covered: its logits give the next token.
         """
-        limit = (seq.num_tokens - 1) // self.block_size
-        matched = 0
-        for key in seq.block_keys[:limit]:
-            block = self.allocator.cached.get(key)
-            if block is None:
-                break
-            self.allocator.share(block)
-            seq.block_table.append(block)
-            matched += 1
-        seq.num_registered = matched
-        return matched
+        keys = seq.block_keys[: (seq.num_tokens - 1) // self.block_size]
+        matched = keys[: self.pool.match(keys)]
+        self.pool.lock(matched)
+        for key in matched:
+            self._append(seq, self.pool.cached[key])
+        seq.num_registered = len(matched)
+        return len(matched)
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the full blocks ``seq`` has computed so far to the local prefix cache."""
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_keys))
         for index in range(seq.num_registered, full):
-            self.allocator.register(seq.block_keys[index], seq.block_table[index])
+            self.pool.register(seq.block_keys[index], seq.block_table[index])
         seq.num_registered = max(seq.num_registered, full)
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
-            self.allocator.release(block)
+            self.pool.release(block)
         seq.block_table.clear()
+        seq.block_runs.clear()
         seq.num_registered = 0
 
     def slot(self, seq: Sequence, position: int) -> int:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from halfmoon.core.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import (
     ContextLengthError,
     DuplicateRequestError,
@@ -18,9 +20,9 @@ from halfmoon.core.errors import (
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.context import context_limit
-from halfmoon.engine.detokenizer import IncrementalDetokenizer
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
@@ -74,7 +76,7 @@ class LLMEngine:
         hf = self.model.config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.kv_spec = KVSpec(model_fingerprint=loaded.fingerprint.hex(), block_size=config.block_size,
-                              dtype=config.dtype, num_layers=hf.num_hidden_layers,
+                              dtype=config.resolved_dtype, num_layers=hf.num_hidden_layers,
                               num_kv_heads=hf.num_key_value_heads, head_dim=head_dim)
         self.layout = BlockLayout.of(self.kv_spec)
         self.vocab_size = hf.vocab_size
@@ -87,7 +89,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.blocks)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler()
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.eos_token_ids = self._eos_ids()
         self._requests: dict[str, _Request] = {}
         self._arrivals = 0
@@ -120,9 +123,9 @@ class LLMEngine:
                 f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens"
             )
-        if -(-(len(tokens) + params.max_tokens) // self.config.block_size) > self.blocks.allocator.num_blocks:
+        if -(-(len(tokens) + params.max_tokens) // self.config.block_size) > self.blocks.pool.num_blocks:
             raise OutOfKVBlocksError(f"request needs more KV blocks than the whole cache holds "
-                                     f"({self.blocks.allocator.num_blocks})")
+                                     f"({self.blocks.pool.num_blocks})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
@@ -144,7 +147,8 @@ class LLMEngine:
         size = self.config.block_size
         if len(block_keys) > len(tokens) // size:
             raise InvalidRequestError("more block keys than full prompt blocks")
-        seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys))
+        seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys),
+                       seed=self._seeds.getrandbits(63))
         if kv_blocks:
             seq.kv_import = torch.cat([decode_block(self.layout, block) for block in kv_blocks], dim=2)
             seq.kv_import_start = kv_start_block
@@ -158,18 +162,18 @@ class LLMEngine:
 
     def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
         """How many leading blocks of ``block_keys`` the local prefix cache holds right now."""
-        cached = self.blocks.allocator.cached
-        return next((i for i, key in enumerate(block_keys) if key not in cached), len(block_keys))
+        return self.blocks.pool.match(block_keys)
 
     def cached_block_keys(self) -> list[bytes]:
         """Every key the local prefix cache holds (a snapshot for the conductor's index)."""
-        return list(self.blocks.allocator.cached)
+        return list(self.blocks.pool.cached)
 
     def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
         """Keys stored in and evicted from the local prefix cache since the last call."""
-        allocator = self.blocks.allocator
-        stored, evicted = allocator.stored, allocator.evicted
-        allocator.stored, allocator.evicted = [], []
+        stored: list[bytes] = []
+        evicted: list[bytes] = []
+        for event in self.blocks.pool.take_events():
+            (stored if isinstance(event, BlockStored) else evicted).extend(event.keys)
         return stored, evicted
 
     def abort(self, request_id: str) -> None:
@@ -187,18 +191,17 @@ class LLMEngine:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.blocks.allocator.num_free
+        return self.blocks.pool.num_free
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.allocator.num_free,
-                           self.blocks.allocator.num_blocks)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.pool.num_free,
+                           self.blocks.pool.num_blocks)
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        chunks.sort(key=lambda c: c.num_tokens != 1)
         for chunk in chunks:
             self._load_import(chunk.seq)
         logits = self.runner.forward(chunks)
@@ -231,7 +234,7 @@ class LLMEngine:
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
         else:
-            text, stopped = request.detokenizer.push(token)
+            text, stopped = request.detokenizer.push((token,))
             reason = "stop" if stopped else None
         num_out = len(seq.output_token_ids)
         if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):

@@ -7,14 +7,26 @@ numerics match transformers; attention and the cache are ours (paged).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from itertools import accumulate
 
 import torch
-from halfmoon.engine.attention import AttentionBatch, PagedKVCache, paged_attention
+from halfmoon.engine.attention import AttentionBatch, PagedKVCache, SeqAttention, paged_attention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.scheduler import ScheduledChunk
 from transformers.models.llama.modeling_llama import rotate_half
+
+
+def _spans(runs: list[list[int]], block_size: int, context: int) -> tuple[tuple[int, int], ...]:
+    """The first ``context`` slots of a block table given as runs of consecutive blocks."""
+    spans = []
+    for first, count in runs:
+        start = first * block_size
+        take = min(count * block_size, context)
+        spans.append((start, start + take))
+        context -= take
+        if context <= 0:
+            break
+    return tuple(spans)
 
 
 class ModelRunner:
@@ -30,44 +42,35 @@ class ModelRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.layer_hook = LayerHook()
 
-    def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """Decode chunks must come first in ``chunks``."""
+    def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        """Token ids, positions, attention layout and the rows whose logits are sampled."""
+        size = self.blocks.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[tuple[int, int, int, torch.Tensor]] = []
+        sampled: list[int] = []
+        seqs: list[SeqAttention] = []
         for seq, start, n in chunks:
             end = start + n
-            if n == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
-            else:
-                used = seq.block_table[: -(-end // self.blocks.block_size)]
-                prefills.append((len(ids), n, end, torch.tensor(used, device=self.device)))
+            table = seq.block_table
+            mask = None
+            if start and n > 1:  # a chunk after cached context: causal diagonal offset by ``start``
+                mask = torch.arange(start, end, device=self.device)[:, None] >= torch.arange(end, device=self.device)
+            seqs.append(SeqAttention(len(ids), n, _spans(seq.block_runs, size, end), mask))
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(self.blocks.slot(seq, p) for p in range(start, end))
-        width = max((len(t) for t in decode_tables), default=0)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=self.device,
-                              dtype=torch.long).reshape(len(decode_tables), width)
-        batch = AttentionBatch(
-            slots=torch.tensor(slots, device=self.device),
-            num_decode=len(decode_tables),
-            decode_tables=tables,
-            decode_lens=torch.tensor(decode_lens, device=self.device),
-            prefills=prefills,
-        )
-        as_tensor = lambda xs: torch.tensor(xs, device=self.device, dtype=torch.long)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), batch
+            slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            if end == seq.num_tokens:
+                sampled.append(len(ids) - 1)
+        # One host-to-device copy for everything per-token.
+        packed = torch.tensor([ids, positions, slots], dtype=torch.long).to(self.device)
+        last = torch.tensor(sampled, dtype=torch.long).to(self.device)
+        return packed[0], packed[1], AttentionBatch(packed[2], seqs), last
 
     @torch.inference_mode()
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk's tokens into the cache; logits (float32) for the chunks that sample."""
-        ordered = sorted(chunks, key=lambda c: c.num_tokens != 1)
-        assert list(ordered) == list(chunks), "decode chunks must lead the step"
-        ids, positions, batch = self._batch(chunks)
+        ids, positions, batch, last = self._batch(chunks)
         hidden = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
@@ -88,11 +91,8 @@ class ModelRunner:
             k_cache, v_cache = self.cache.layer(index)
             out = paged_attention(q, k_cache, v_cache, batch, attn.scaling)
             self.layer_hook.after_layer(index, chunks, self.cache)
-            hidden = residual + attn.o_proj(out.reshape(tokens, -1))
+            hidden = residual + attn.o_proj(out)
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        ends = list(accumulate(c.num_tokens for c in chunks))
-        last = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.samples], device=self.device,
-                            dtype=torch.long)
         hidden = self.decoder.norm(hidden.index_select(0, last))
         return self.model.lm_head(hidden).float()

@@ -1,4 +1,4 @@
-"""Token selection per request: greedy, temperature, top-k, top-p, seeded generators."""
+"""Token selection for a batch: greedy, temperature, top-k, top-p, from streams keyed on (seed, position)."""
 
 from __future__ import annotations
 
@@ -8,47 +8,68 @@ from typing import NamedTuple
 import torch
 from halfmoon.engine.sequence import Sequence
 
+_MASK64 = (1 << 64) - 1
+
 
 class Sampled(NamedTuple):
     token_ids: list[int]
     logprobs: list[float]
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop a token once the mass before it already reaches top_p; the first always stays.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
+def stream_key(seed: int, position: int) -> int:
+    """A 64-bit key for the random numbers that pick the token at ``position`` (splitmix64 of both)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row top-k (0: off) and top-p (1.0: off) over ``[rows, vocab]`` logits."""
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    # Drop a token once the mass before it already reaches top_p; the first always stays.
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    return logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
 
 
 class Sampler:
-    """Picks one token per row of ``logits``; unseeded requests share the engine's generator."""
+    """Picks one token per row of ``logits``.
 
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    Random rows draw exponential noise from a generator seeded with ``stream_key(seq.seed,
+    position)`` and take ``argmax(probs / noise)`` (the exponential race, a draw from
+    ``probs``): a token depends only on the logits, the seed and its position, never on
+    the batch or on what the engine sampled before.
+    """
+
+    def __init__(self) -> None:
+        self._generator = torch.Generator()
+
+    def _noise(self, seqs: Seq[Sequence], vocab: int) -> torch.Tensor:
+        rows = []
+        for seq in seqs:
+            self._generator.manual_seed(stream_key(seq.seed, seq.num_tokens))
+            rows.append(torch.empty(vocab).exponential_(generator=self._generator))
+        return torch.stack(rows)
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> Sampled:
         logits = logits.cpu()
         logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = logits.argmax(dim=-1)
-        tokens: list[int] = []
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            if params.greedy:
-                tokens.append(int(greedy[row]))
-                continue
-            scaled = _filter(logits[row] / params.temperature, params.top_k, params.top_p)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if rows:
+            picked = [seqs[i] for i in rows]
+            index = torch.tensor(rows, dtype=torch.long)
+            scaled = logits[index] / torch.tensor([[s.params.temperature] for s in picked])
+            if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in picked):
+                scaled = _filter(scaled, torch.tensor([s.params.top_k for s in picked]),
+                                 torch.tensor([s.params.top_p for s in picked]))
             probs = torch.softmax(scaled, dim=-1)
-            if not bool(torch.isfinite(probs).all()):
-                # A temperature so close to 0 that the logits overflow: its limit is greedy.
-                tokens.append(int(greedy[row]))
-                continue
-            tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator or self.generator)))
-        chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
-        return Sampled(tokens, chosen.tolist())
+            raced = (probs / self._noise(picked, logits.shape[-1])).argmax(dim=-1)
+            # A temperature so close to 0 that the logits overflow: its limit is greedy.
+            finite = torch.isfinite(probs).all(dim=-1)
+            tokens[index] = torch.where(finite, raced, tokens[index])
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        return Sampled(tokens.tolist(), chosen.tolist())

@@ -70,7 +70,7 @@ class Scheduler:
                 self.blocks.free(seq)  # give the shared prefix back until there is room
                 seq.num_computed_tokens, seq.kv_load_from = 0, None
                 break
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            self.blocks.allocate_slots(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -96,7 +96,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        self.blocks.grow(seq, num_tokens)
+        self.blocks.allocate_slots(seq, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:

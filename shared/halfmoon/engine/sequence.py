@@ -24,7 +24,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival: int, output_token_ids: list[int] | None = None,
-                 block_keys: tuple[bytes, ...] = ()) -> None:
+                 block_keys: tuple[bytes, ...] = (), seed: int = 0) -> None:
         self.request_id = request_id
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -32,6 +32,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.block_runs: list[list[int]] = []  # block_table as [first block, count] runs of consecutive ids
         self.block_keys = block_keys  # content keys of the prompt's full blocks, for the local prefix cache
         self.num_registered = 0  # leading full blocks already published to the local prefix cache
         self.kv_import: torch.Tensor | None = None  # KV fetched elsewhere: [layers, 2, tokens, heads, dim]
@@ -42,9 +43,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.hold_kv = False
         self.output_logprobs: list[float] = []
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # Sampling draws from a stream keyed on (seed, position), so the same request resumed
+        # at any position elsewhere samples what it would have sampled here.
+        self.seed = params.seed if params.seed is not None else seed
 
     @property
     def num_tokens(self) -> int:

@@ -15,12 +15,13 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from halfmoon.protocol.stream import TokenEvent, Usage
+from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
 from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.guards import check_nesting, check_wire_size
 from halfmoon.services.gateway.metrics import GatewayMetrics
-from halfmoon.services.gateway.model import Detokenizer, ServedModel
+from halfmoon.services.gateway.model import ServedModel
 from halfmoon.services.gateway.openapi import openapi_document
 from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -46,7 +47,7 @@ class _Output:
 
     def __init__(self, model: ServedModel, kind: Kind, prompt_len: int, logprobs: bool) -> None:
         self._model = model
-        self._detok = Detokenizer(model.tokenizer)
+        self._detok = IncrementalDetokenizer(model.tokenizer)
         self.logprobs = LogprobAccumulator(kind) if logprobs else None
         self.text: list[str] = []
         self.finish: str | None = None
@@ -54,7 +55,7 @@ class _Output:
 
     def add(self, event: TokenEvent) -> tuple[str, dict | None]:
         """The event's text delta and logprobs body (engine text wins over local detokenising)."""
-        delta = event.text if event.text is not None else self._detok.push(event.token_ids)
+        delta = event.text if event.text is not None else self._detok.push(event.token_ids).text
         if event.finish_reason is not None:
             if event.text is None:
                 delta += self._detok.flush()

@@ -75,36 +75,3 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-
-class Detokenizer:
-    """Turns output token ids into text deltas, never splitting a multi-byte character.
-
-    Decodes only a short window (from ``prefix`` to the end) so each step costs O(window),
-    and holds text back while it ends in U+FFFD (an incomplete UTF-8 sequence).
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the window
-        self._read = 0  # ids up to here are already emitted as text
-
-    def _decode(self, start: int, end: int) -> str:
-        return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
-
-    def push(self, token_ids: tuple[int, ...] | list[int]) -> str:
-        self._ids.extend(token_ids)
-        prefix_text = self._decode(self._prefix, self._read)
-        full = self._decode(self._prefix, len(self._ids))
-        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
-            return ""
-        delta = full[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
-        return delta
-
-    def flush(self) -> str:
-        """Whatever is still held back (a dangling partial character decodes as U+FFFD)."""
-        prefix_text = self._decode(self._prefix, self._read)
-        full = self._decode(self._prefix, len(self._ids))
-        self._prefix = self._read = len(self._ids)
-        return full[len(prefix_text) :]
