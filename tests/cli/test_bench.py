@@ -18,7 +18,7 @@ from halfmoon.sim.trace import load_trace
 from halfmoon.telemetry.metrics import Metrics
 
 from tests.cli.openai_stub import Serving, StubServer
-from tests.e2e.conftest import start_cluster
+from tests.e2e.conftest import API_KEY, start_cluster
 
 SUMMARY_FIELDS = {"requests", "completed", "failed", "errors", "duration_s", "request_throughput", "output_throughput",
                   "ttft_ms", "itl_ms", "tpot_ms", "goodput", "cached_prompt_share"}
@@ -166,8 +166,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 class TestAgainstHalfmoon:
     def test_fixed_run_and_ttft_prediction_error(self, cluster: LocalCluster, tmp_path: Path) -> None:
-        code, report = bench(tmp_path, "--base-url", f"{cluster.url}/v1", "--concurrency", "2", "--requests", "4",
-                             "--warmup", "1", "--isl", "48", "--osl", "4", "--metrics-url", f"{cluster.url}/metrics")
+        code, report = bench(tmp_path, "--base-url", f"{cluster.url}/v1", "--api-key", API_KEY, "--concurrency", "2",
+                             "--requests", "4", "--warmup", "1", "--isl", "48", "--osl", "4", "--metrics-url", f"{cluster.url}/metrics")
         assert code == 0
         summary = report["summary"]
         assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (4, 0, 16)
