@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,7 +18,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.service import request
-from tests.e2e.conftest import model_name, start_cluster
+from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 CLIENTS = 64  # disconnecting clients; 200 in the issue, fewer here where two cores are shared
 CONCURRENCY = 8
@@ -50,7 +49,7 @@ def gauges(cluster: LocalCluster) -> dict[tuple[str, str, tuple], float]:
 
 
 async def pool_stats(cluster: LocalCluster):  # type: ignore[no-untyped-def]
-    nc = await nats.connect(cluster.nats_url)
+    nc = await admin_nats(cluster)
     try:
         return await request(nc, Subjects("e2e").cache("stats"), StatsRequest(), codecs.CACHE_STATS, 10)
     finally:
@@ -76,7 +75,7 @@ class TestDisconnectedClientsLeaveNoTrace:
 
         async def run() -> None:
             limit = asyncio.Semaphore(CONCURRENCY)
-            async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+            async with httpx.AsyncClient(base_url=cluster.url, timeout=120, headers=AUTH) as client:
                 async def one(i: int) -> None:
                     async with limit:
                         await drop_after_first_token(client, model, i)
@@ -101,9 +100,9 @@ class TestContextLimitAgreement:
         prompt = list(range(10, 10 + MAX_MODEL_LEN - 8))
         body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
-        reply = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+        reply = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120, headers=AUTH)
         assert reply.status_code == 200, reply.text
         usage = reply.json()["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 8)
-        over = httpx.post(f"{cluster.url}/v1/completions", json={**body, "max_tokens": 9}, timeout=30)
+        over = httpx.post(f"{cluster.url}/v1/completions", json={**body, "max_tokens": 9}, timeout=30, headers=AUTH)
         assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
