@@ -36,8 +36,11 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def gauges(cluster: LocalCluster) -> dict[tuple[str, str, tuple], float]:
-    """Every sample of the load gauges on every instance, by (instance, name, labels)."""
-    urls = {iid: f"http://127.0.0.1:{port}/metrics" for iid, port in cluster.metrics_ports.items()}
+    """Every sample of the load gauges on every instance that holds requests, by (instance, name, labels)."""
+    # The instances that hold requests; the conductor's "running" counts instances and the cache-manager's
+    # counts cached blocks (its leases and pending puts are checked below).
+    urls = {iid: f"http://127.0.0.1:{port}/metrics" for iid, port in cluster.metrics_ports.items()
+            if not iid.startswith(("conductor", "cache-manager"))}
     urls["gateway-0"] = f"{cluster.url}/metrics"
     found = {}
     for iid, url in urls.items():
@@ -64,6 +67,19 @@ async def drop_after_first_token(client: httpx.AsyncClient, model: str, i: int) 
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 return  # closes the connection with the stream still running
+
+
+class TestContextLimitAgreement:
+    def test_prompt_plus_max_tokens_equal_to_the_context_is_served(self, cluster: LocalCluster) -> None:
+        prompt = list(range(10, 10 + MAX_MODEL_LEN - 8))
+        body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        reply = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120, headers=AUTH)
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 8)
+        over = httpx.post(f"{cluster.url}/v1/completions", json={**body, "max_tokens": 9}, timeout=30, headers=AUTH)
+        assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
 
 
 class TestDisconnectedClientsLeaveNoTrace:
@@ -93,16 +109,3 @@ class TestDisconnectedClientsLeaveNoTrace:
             time.sleep(0.5)
             stats = asyncio.run(pool_stats(cluster))
         assert (stats.leases, stats.pending_puts) == (0, 0)
-
-
-class TestContextLimitAgreement:
-    def test_prompt_plus_max_tokens_equal_to_the_context_is_served(self, cluster: LocalCluster) -> None:
-        prompt = list(range(10, 10 + MAX_MODEL_LEN - 8))
-        body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True}
-        reply = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120, headers=AUTH)
-        assert reply.status_code == 200, reply.text
-        usage = reply.json()["usage"]
-        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 8)
-        over = httpx.post(f"{cluster.url}/v1/completions", json={**body, "max_tokens": 9}, timeout=30, headers=AUTH)
-        assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
