@@ -121,6 +121,9 @@ class TestOutOfRange:
             (COMPLETIONS, completion(prompt=[1, "b"]), "prompt"),
             (COMPLETIONS, completion(prompt=[5, 999999]), "prompt"),
             (COMPLETIONS, completion(prompt=""), "prompt"),
+            (COMPLETIONS, completion(top_k=2**63), "top_k"),  # no machine integer in the sampler holds it
+            (CHAT, chat(seed=2**64 - 1), "seed"),
+            (CHAT, chat(seed=-(2**63) - 1), "seed"),
         ],
     )
     async def test_out_of_range_names_the_parameter(self, http, path, body, param):

@@ -25,6 +25,7 @@ from halfmoon.transfer.mooncake import (
 from halfmoon.transfer.onesided import OneSidedTransport, SegmentRange
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
+from tests.fixtures.dataplane import Granted
 from tests.transfer.test_transfer import BLOCK, key, server  # noqa: F401 (the block server fixture)
 
 # the node's side in its own process: attach the segment by name, register it once, publish the offer
@@ -66,14 +67,14 @@ async def mooncake(
     engine: MooncakeEngine, server: BlockServer, offer: MooncakeOffer
 ) -> AsyncIterator[OneSidedTransport]:
     t = OneSidedTransport(TcpTransport(server.address), MooncakePath(engine, offer))
-    yield t
+    yield Granted(t)  # type: ignore[misc]
     await t.close()
 
 
 @pytest.fixture
 async def tcp(server: BlockServer) -> AsyncIterator[TcpTransport]:
     t = TcpTransport(server.address)
-    yield t
+    yield Granted(t)  # type: ignore[misc]
     await t.close()
 
 

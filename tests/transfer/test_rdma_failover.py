@@ -25,6 +25,7 @@ from halfmoon.transfer.failover import (
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
+from tests.fixtures.dataplane import caps
 from tests.transfer.test_transfer import blocks
 
 
@@ -88,7 +89,7 @@ def tcp_paths() -> tuple[dict[str, TcpTransport], FailoverReader]:
 
 async def write(address: str, keys: list[bytes], data: list[bytes]) -> None:
     t = TcpTransport(address)
-    await t.write(keys, data)
+    await t.write(keys, data, caps=caps(keys))
     await t.close()
 
 
@@ -107,9 +108,9 @@ class TestReplicaFailover:
         first, second = servers
         replicas = [BatchSource(first.address), BatchSource(second.address)]
         await first.stop()
-        assert [bytes(v) for v in await reader.read(keys, replicas)] == data
+        assert [bytes(v) for v in await reader.read(keys, replicas, caps=lambda _: caps(keys))] == data
         assert [(a, o == "ok") for a, _, o in reader.attempts] == [(r.address, r is replicas[1]) for r in replicas]
-        await reader.read(keys, replicas)  # the failed replica waits out its cool-down
+        await reader.read(keys, replicas, caps=lambda _: caps(keys))  # the failed replica waits out its cool-down
         assert [a for a, *_ in reader.attempts] == [replicas[1].address]
         for t in opened.values():
             await t.close()
@@ -120,10 +121,11 @@ class TestReplicaFailover:
         keys, data = blocks(3)
         opened, reader = tcp_paths()
         await write(servers[1].address, keys, data)
-        views = await reader.read(keys, [BatchSource(servers[0].address), BatchSource(servers[1].address)])
+        views = await reader.read(keys, [BatchSource(servers[0].address), BatchSource(servers[1].address)],
+                                  caps=lambda _: caps(keys))
         assert [bytes(v) for v in views] == data
         with pytest.raises(BlockNotFound):
-            await reader.read(keys, [BatchSource(servers[0].address)])
+            await reader.read(keys, [BatchSource(servers[0].address)], caps=lambda _: caps(keys))
         for t in opened.values():
             await t.close()
 
@@ -143,7 +145,7 @@ class TestChooser:
         paths = await chooser.paths(servers[0].address)
         assert [p.kind for p in paths] == ["shm", "tcp"]
         for p in paths:
-            assert [bytes(v) for v in await p.transport.read(keys)] == data
+            assert [bytes(v) for v in await p.transport.read(keys, caps=caps(keys))] == data
         assert await chooser.paths(servers[0].address) is paths  # cached per node
         await chooser.close()
 
@@ -185,12 +187,12 @@ class TestPathFailover:
         paths = lambda address: chooser.paths(address, dead)
         reader = FailoverReader(paths)
         keys, data = blocks(2)
-        assert await reader.write(srv.address, keys, data) == "tcp"
+        assert await reader.write(srv.address, keys, data, caps=caps(keys)) == "tcp"
         assert [k for _, k, _ in reader.attempts] == ["mooncake"]
         assert srv.payload_bytes_in == sum(map(len, data))  # the blocks came over the socket
         fresh = FailoverReader(paths)  # no memory of the failure: mooncake first, then tcp
-        assert [bytes(v) for v in await fresh.read(keys, [BatchSource(srv.address)])] == data
+        assert [bytes(v) for v in await fresh.read(keys, [BatchSource(srv.address)], caps=lambda _: caps(keys))] == data
         assert [(k, o == "ok") for _, k, o in fresh.attempts] == [("mooncake", False), ("tcp", True)]
-        await reader.read(keys, [BatchSource(srv.address)])  # mooncake is cooling down: tcp straight away
+        await reader.read(keys, [BatchSource(srv.address)], caps=lambda _: caps(keys))  # mooncake is cooling down: tcp straight away
         assert [(k, o) for _, k, o in reader.attempts] == [("tcp", "ok")]
         await chooser.close()

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
+# Bounds that keep every field a machine integer (the engine puts top_k in int64 tensors; seeds are
+# int64 as in OpenAI's API); a larger top_k than the vocabulary means "off" anyway.
+MAX_TOP_K = (1 << 31) - 1
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick tokens for one request.
@@ -32,8 +37,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be 0 (off) or positive and at most {MAX_TOP_K}, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

@@ -98,8 +98,14 @@ class FailoverReader:
         return opened
 
     async def read(
-        self, keys: Sequence[bytes], replicas: Sequence[BatchSource], *, into: memoryview | None = None
+        self,
+        keys: Sequence[bytes],
+        replicas: Sequence[BatchSource],
+        *,
+        caps: Callable[[str], Sequence[bytes]] = lambda address: (),
+        into: memoryview | None = None,
     ) -> list[memoryview]:
+        """``caps(address)`` gives the capabilities for ``keys`` on that node (they name it)."""
         if not replicas:
             raise ValueError("no replica to read from")
         self.attempts = []
@@ -109,7 +115,8 @@ class FailoverReader:
         for i, kind in order:
             rep = replicas[i]
             try:
-                views = await opened[rep.address][kind].read(keys, extents=rep.extents, into=into)
+                views = await opened[rep.address][kind].read(keys, caps=caps(rep.address), extents=rep.extents,
+                                                             into=into)
             except TransferError as exc:
                 self.health.failed(rep.address, kind, self._clock())
                 self.attempts.append((rep.address, kind, str(exc)))
@@ -132,6 +139,7 @@ class FailoverReader:
         keys: Sequence[bytes],
         payloads: Sequence[Buffer],
         *,
+        caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
     ) -> str:
@@ -141,7 +149,7 @@ class FailoverReader:
         order = attempt_order([BatchSource(address)], lambda a: list(opened), self.health, self._clock())
         for _, kind in order:
             try:
-                await opened[kind].write(keys, payloads, offsets=offsets, tier=tier)
+                await opened[kind].write(keys, payloads, caps=caps, offsets=offsets, tier=tier)
             except TransferError as exc:
                 self.health.failed(address, kind, self._clock())
                 self.attempts.append((address, kind, str(exc)))

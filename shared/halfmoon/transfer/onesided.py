@@ -116,22 +116,25 @@ class OneSidedTransport(Transport):
         await asyncio.to_thread(self._move, True, ranges, local)
         self._written_bytes.inc(sum(r.length for r in ranges))
 
-    async def locate(self, keys: Sequence[bytes]) -> list[Extent]:
-        where = await self.control.request(Request(Op.LOCATE, list(keys)))
+    async def locate(self, keys: Sequence[bytes], caps: Sequence[bytes] = ()) -> list[Extent]:
+        where = await self.control.request(Request(Op.LOCATE, list(keys), caps=list(caps)))
         if not where.ok or len(where.offsets) != len(keys):
             raise TransferError(f"{self.control.address}: locate refused: {where.error}")
         return [Extent(o, s) for o, s in zip(where.offsets, where.sizes)]
 
-    async def reserve(self, keys: Sequence[bytes], sizes: Sequence[int]) -> list[int]:
-        resp = await self.control.request(Request(Op.RESERVE, list(keys), list(sizes)))
+    async def reserve(self, keys: Sequence[bytes], sizes: Sequence[int], caps: Sequence[bytes] = ()) -> list[int]:
+        resp = await self.control.request(Request(Op.RESERVE, list(keys), list(sizes), caps=list(caps)))
         if not resp.ok or len(resp.offsets) != len(keys):
             raise TransferError(f"{self.control.address}: reserve refused: {resp.error}")
         return list(resp.offsets)
 
-    async def commit(self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None) -> None:
+    async def commit(
+        self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None,
+        caps: Sequence[bytes] = (),
+    ) -> None:
         """Make written blocks visible; with the cache-manager's ``offsets`` this also claims them."""
         claim = offsets is not None
-        req = Request(Op.COMMIT, list(keys), list(sizes) if claim else [], list(offsets or ()))
+        req = Request(Op.COMMIT, list(keys), list(sizes) if claim else [], list(offsets or ()), caps=list(caps))
         resp = await self.control.request(req)
         if not resp.ok:
             raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
@@ -140,18 +143,21 @@ class OneSidedTransport(Transport):
         self,
         keys: Sequence[bytes],
         *,
+        caps: Sequence[bytes] = (),
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
     ) -> list[memoryview | None]:
         if extents is None:
-            extents = await self.locate(keys)
+            extents = await self.locate(keys, caps)
         elif len(extents) != len(keys):
             raise ValueError("one extent per key")
         lower = [i for i, e in enumerate(extents) if e.size == MISSING]  # demoted (or absent): over TCP
         fetched: dict[int, memoryview | None] = {}
         if lower:
-            fetched = dict(zip(lower, await self.control.read([keys[i] for i in lower], missing_ok=True)))
+            lower_caps = [caps[i] for i in lower] if caps else []
+            fetched = dict(zip(lower, await self.control.read([keys[i] for i in lower], caps=lower_caps,
+                                                              missing_ok=True)))
         sizes = [e.size if i not in fetched else _nbytes(fetched[i]) for i, e in enumerate(extents)]
         out = destination(into, sum(sizes))
         views: list[memoryview | None] = [None] * len(keys)
@@ -179,19 +185,20 @@ class OneSidedTransport(Transport):
         keys: Sequence[bytes],
         payloads: Sequence[Buffer],
         *,
+        caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
     ) -> None:
         if tier is not Tier.DRAM:
-            await self.control.write(keys, payloads, offsets=offsets, tier=tier)
+            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier)
             return
         sizes = check_batch(keys, payloads, offsets)
-        targets = list(offsets) if offsets is not None else await self.reserve(keys, sizes)
+        targets = list(offsets) if offsets is not None else await self.reserve(keys, sizes, caps)
         await self.write_ranges([SegmentRange(o, s) for o, s in zip(targets, sizes)], payloads)
-        await self.commit(keys, sizes, offsets)
+        await self.commit(keys, sizes, offsets, caps)
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        return await self.control.delete(keys)
+    async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
+        return await self.control.delete(keys, caps=caps)
 
     async def close(self) -> None:
         await self.control.close()

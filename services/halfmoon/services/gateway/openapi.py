@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+from halfmoon.protocol.sampling import MAX_TOP_K, SEED_RANGE
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -124,7 +125,8 @@ _COMMON_RANGES: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": 1},
     "temperature": {"minimum": 0, "maximum": 2},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": 0},
+    "top_k": {"minimum": 0, "maximum": MAX_TOP_K},
+    "seed": {"minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
     "n": {"minimum": 1, "maximum": 1},
     "presence_penalty": {"minimum": 0, "maximum": 0},
     "frequency_penalty": {"minimum": 0, "maximum": 0},

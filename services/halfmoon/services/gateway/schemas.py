@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
-from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.protocol.sampling import MAX_TOP_K, SEED_RANGE, SamplingParams
 from halfmoon.services.gateway.errors import invalid
 
 MAX_STOP_TOKEN_IDS = 64  # ids outside the vocabulary are refused where the vocabulary is known (ServedModel)
@@ -62,8 +62,11 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
             raise invalid(f"temperature must be between 0 and 2, got {self.temperature}.", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise invalid(f"top_p must be greater than 0 and at most 1, got {self.top_p}.", param="top_p")
-        if self.top_k < 0:
-            raise invalid(f"top_k must be 0 (off) or positive, got {self.top_k}.", param="top_k")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise invalid(f"top_k must be 0 (off) or a positive integer up to {MAX_TOP_K}, got {self.top_k}.",
+                          param="top_k")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise invalid(f"seed must be a 64-bit signed integer, got {self.seed}.", param="seed")
         if self.n != 1:
             raise invalid("Only n=1 is supported.", param="n")
         if self.presence_penalty or self.frequency_penalty:
