@@ -9,6 +9,10 @@
   ``HALFMOON_NVME_DIR`` set to it. The locked descriptor is inherited across ``exec``, so the
   slot stays claimed exactly as long as the service process lives, and a restarted replica
   takes a free slot back (with the blocks it holds) instead of leaving an orphan directory.
+- ``HALFMOON_SECRETS_DIR``: the directory ``halfmoon secrets`` wrote (compose's ``secrets`` volume).
+  The service connects to NATS as its own role (``HALFMOON_SECRETS_ROLE``), keys its data plane
+  with the cluster secret, and a gateway checks the API keys there, a transfer node uses the S3
+  keys there. A variable already set to a non-empty value is left alone.
 """
 
 from __future__ import annotations
@@ -50,8 +54,33 @@ def claim_slot(root: Path, limit: int = MAX_SLOTS) -> tuple[Path, int]:
     raise NoFreeSlot(f"all {limit} NVMe slots under {root} are held by running replicas")
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def load_secrets(env: MutableMapping[str, str]) -> None:
+    directory = env.get("HALFMOON_SECRETS_DIR", "")
+    if not directory:
+        return
+    root, role = Path(directory), env.get("HALFMOON_SECRETS_ROLE", "")
+    if not (root / f"{role}.env").is_file():
+        raise SystemExit(f"HALFMOON_SECRETS_DIR={directory} has no {role or '<HALFMOON_SECRETS_ROLE>'}.env: "
+                         "run `halfmoon secrets DIR` (compose's `secrets` job does)")
+    found = read_env_file(root / f"{role}.env")
+    found["HALFMOON_CLUSTER_SECRET_FILE"] = str(root / "cluster-secret")
+    if role == "gateway":
+        found.update(HALFMOON_API_KEYS_FILE=str(root / "api-keys"), HALFMOON_AUTH_SECRET_FILE=str(root / "auth-secret"))
+    if role == "transfer":
+        found.update({k: v for k, v in read_env_file(root / "s3.env").items() if k.startswith("HALFMOON_")})
+    for key, value in found.items():
+        if not env.get(key):
+            env[key] = value
+
+
 def prepare(env: MutableMapping[str, str]) -> None:
     """Fill in the per-replica variables in ``env`` (see the module docstring)."""
+    load_secrets(env)
     if env.get("HALFMOON_HOST") in WILDCARDS and not env.get("HALFMOON_ADVERTISE_HOST"):
         env["HALFMOON_ADVERTISE_HOST"] = own_address()
     if root := env.pop("HALFMOON_NVME_ROOT", ""):

@@ -1,6 +1,11 @@
 #!/bin/sh
 # Create the KVCache object tier's bucket if it is missing (idempotent); waits for the S3 API first.
 set -eu
+if [ -n "${S3_KEYS_FILE:-}" ]; then  # the keys `halfmoon secrets` generated (compose's secrets volume)
+  set -a
+  . "$S3_KEYS_FILE"
+  set +a
+fi
 tries=0
 until aws --endpoint-url "$S3_ENDPOINT" s3api list-buckets >/dev/null 2>&1; do
   tries=$((tries + 1))

@@ -19,7 +19,9 @@ from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import COMPOSE_FILE, COMPOSE_OVERRIDES, HALFMOON_IMAGE, env_of, interpolate, tool
 
 SCALE = {"prefill": 2, "decode": 3, "transfer": 2, "gateway": 3}
-ENTRYPOINT_ONLY = {"HALFMOON_NVME_ROOT"}  # read by infra/entrypoint.py, turned into HALFMOON_NVME_DIR
+# read by infra/entrypoint.py: turned into HALFMOON_NVME_DIR, and into this role's credentials
+ENTRYPOINT_ONLY = {"HALFMOON_NVME_ROOT", "HALFMOON_SECRETS_DIR", "HALFMOON_SECRETS_ROLE"}
+JOBS = {"models": "test", "secrets": "halfmoon"}  # one-shot jobs on the Halfmoon image, and what they run
 
 
 def check_compose_schema(*files: Path) -> subprocess.CompletedProcess[str]:
@@ -56,11 +58,11 @@ class TestSameServicesAsHalfmoonUp:
     def test_nothing_else_runs_halfmoon_code(self, compose: dict[str, Any]) -> None:
         topology = {spec.name for spec in SERVICES}
         jobs = set(halfmoon_services(compose)) - topology
-        assert jobs == {"models"}, "one-shot jobs on the Halfmoon image"
-        for name, svc in halfmoon_services(compose).items():
-            if name not in topology:
-                assert svc["command"][0] not in ("python", "python3", "halfmoon"), f"{name} runs {svc['command']}"
-                assert svc["restart"] == "no", f"{name} is a one-shot job, it must not restart"
+        assert jobs == set(JOBS), "one-shot jobs on the Halfmoon image"
+        for name in jobs:
+            svc = compose["services"][name]
+            assert svc["command"][0] == JOBS[name], f"{name} runs {svc['command']}"
+            assert svc["restart"] == "no", f"{name} is a one-shot job, it must not restart"
         runs_python = {
             n for n, s in compose["services"].items() if str((s.get("command") or [""])[0]).startswith("python")
         }
@@ -186,3 +188,30 @@ class TestOptIns:
             (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
             assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
             assert worker["environment"]["HALFMOON_DEVICE"] == "cuda"
+
+
+class TestSecrets:
+    """No credential in the compose file: the `secrets` job generates them into a volume on the first
+    `up`, NATS and S3 read their configs from it, each service its own role's part."""
+
+    def test_no_literal_credential_anywhere(self, compose_raw: dict[str, Any]) -> None:
+        text = COMPOSE_FILE.read_text()
+        for word in ("PASSWORD", "SECRET_KEY", "ACCESS_KEY", "INSECURE"):
+            for line in text.splitlines():
+                if word in line and ":-" in line:
+                    assert line.split(":-", 1)[1].startswith("}"), f"a default credential: {line.strip()}"
+        assert "HALFMOON_INSECURE_NO_AUTH" not in text
+
+    def test_every_service_connects_as_its_own_role_after_the_job(self, compose: dict[str, Any]) -> None:
+        for spec in SERVICES:
+            svc = compose["services"][spec.name]
+            env = svc["environment"]
+            assert env["HALFMOON_SECRETS_DIR"] == "/secrets" and env["HALFMOON_SECRETS_ROLE"] == spec.name
+            assert "secrets:/secrets:ro" in svc["volumes"], f"{spec.name} does not mount the secrets read-only"
+        for infra in ("nats", "s3"):
+            needs = compose["services"][infra]["depends_on"]["secrets"]
+            assert needs["condition"] == "service_completed_successfully"
+        assert "/secrets/nats-server.conf" in compose["services"]["nats"]["command"]
+        assert "-s3.config=/secrets/s3.json" in compose["services"]["s3"]["command"]
+        job = compose["services"]["secrets"]
+        assert "--if-missing" in job["command"] and job["volumes"] == ["secrets:/secrets"]

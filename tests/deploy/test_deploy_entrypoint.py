@@ -93,3 +93,49 @@ class TestNvmeSlots:
             [sys.executable, str(ENTRYPOINT)], check=False, capture_output=True, text=True, timeout=30
         )
         assert result.returncode != 0 and "usage" in result.stderr
+
+
+def make_secrets(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "secrets", str(directory), *args], check=True,
+                          env=service_env(), capture_output=True, text=True, timeout=60)
+
+
+class TestSecretsJob:
+    def test_generated_once_private_and_kept_on_the_next_up(self, tmp_path: Path) -> None:
+        secrets = tmp_path / "secrets"
+        make_secrets(secrets, "--if-missing")
+        keys = (secrets / "api-keys").read_text()
+        assert all(f.stat().st_mode & 0o077 == 0 for f in secrets.iterdir()), "a credential readable by others"
+        identity = json.loads((secrets / "s3.json").read_text())["identities"][0]["credentials"][0]
+        s3 = dict(line.split("=", 1) for line in (secrets / "s3.env").read_text().split())
+        assert identity == {"accessKey": s3["AWS_ACCESS_KEY_ID"], "secretKey": s3["AWS_SECRET_ACCESS_KEY"]}
+        assert "already" in make_secrets(secrets, "--if-missing").stdout
+        assert (secrets / "api-keys").read_text() == keys
+        make_secrets(secrets)  # without the flag: a fresh set (rotation)
+        assert (secrets / "api-keys").read_text() != keys
+
+
+class TestSecrets:
+    def test_a_service_gets_its_roles_credentials_and_nothing_it_set_is_replaced(self, tmp_path: Path) -> None:
+        secrets = tmp_path / "secrets"
+        make_secrets(secrets, "--tenants", "a,b")
+        proc = start(HALFMOON_SECRETS_DIR=str(secrets), HALFMOON_SECRETS_ROLE="gateway",
+                     HALFMOON_NATS_URL="nats://nats:4222")
+        env = report(proc)["env"]
+        finish(proc)
+        assert env["HALFMOON_NATS_USER"] == "gateway" and env["HALFMOON_NATS_PASSWORD"]
+        assert env["HALFMOON_API_KEYS_FILE"] == str(secrets / "api-keys")
+        assert env["HALFMOON_CLUSTER_SECRET_FILE"] == str(secrets / "cluster-secret")
+        assert "HALFMOON_S3_ACCESS_KEY" not in env  # only a transfer node gets the S3 keys
+        proc = start(HALFMOON_SECRETS_DIR=str(secrets), HALFMOON_SECRETS_ROLE="transfer",
+                     HALFMOON_S3_ACCESS_KEY="mine")
+        env = report(proc)["env"]
+        finish(proc)
+        assert env["HALFMOON_NATS_USER"] == "transfer" and env["HALFMOON_S3_ACCESS_KEY"] == "mine"
+        assert env["HALFMOON_S3_SECRET_KEY"] and "HALFMOON_API_KEYS_FILE" not in env
+
+    def test_a_missing_role_file_stops_the_start_with_the_fix(self, tmp_path: Path) -> None:
+        result = subprocess.run([sys.executable, str(ENTRYPOINT), "true"], check=False, capture_output=True, text=True,
+                                env=service_env(HALFMOON_SECRETS_DIR=str(tmp_path), HALFMOON_SECRETS_ROLE="decode"),
+                                timeout=30)
+        assert result.returncode != 0 and "halfmoon secrets" in result.stderr

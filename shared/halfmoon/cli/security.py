@@ -4,14 +4,27 @@ Kubernetes) needs to run with authentication on, written once and mounted into t
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 from pathlib import Path
 
+from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import ROLES, NatsAuth, TlsFiles, write_private
+
+COMPLETE = ".complete"  # written after every other file
+
+
+def _s3_identity(access: str, secret: str) -> str:
+    """SeaweedFS's S3 identity file admitting exactly this key pair."""
+    return json.dumps({"identities": [{"name": "halfmoon", "credentials": [{"accessKey": access, "secretKey": secret}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, indent=1)
 
 
 def _secrets(args: argparse.Namespace) -> int:
     out = Path(args.dir)
+    if args.if_missing and (out / COMPLETE).exists():
+        print(f"{out}/ already holds a deployment's secrets; left as they are")
+        return 0
     auth = NatsAuth.generate(args.namespace)
     auth.save(out / "nats-credentials.json")
     tls = None
@@ -25,8 +38,14 @@ def _secrets(args: argparse.Namespace) -> int:
     keys = [(f"sk-hm-{secrets.token_urlsafe(32)}", tenant) for tenant in args.tenants.split(",") if tenant]
     write_private(out / "api-keys", "# KEY TENANT [RPM] [TPM]\n" + "".join(f"{k} {t}\n" for k, t in keys))
     write_private(out / "auth-secret", secrets.token_hex(32) + "\n")
+    write_private(out / "cluster-secret", new_secret() + "\n")
+    access, secret = f"hm{secrets.token_hex(8)}", secrets.token_urlsafe(30)
+    write_private(out / "s3.json", _s3_identity(access, secret))
+    write_private(out / "s3.env", f"HALFMOON_S3_ACCESS_KEY={access}\nHALFMOON_S3_SECRET_KEY={secret}\n"
+                                  f"AWS_ACCESS_KEY_ID={access}\nAWS_SECRET_ACCESS_KEY={secret}\n")
+    write_private(out / COMPLETE, "")  # last: a run cut short is redone by the next --if-missing
     print(f"wrote {out}/: nats-server.conf, nats-credentials.json, <role>.env for {', '.join(ROLES)}, "
-          f"api-keys ({len(keys)} keys), auth-secret (all mode 0600)")
+          f"api-keys ({len(keys)} keys), auth-secret, cluster-secret, s3.json and s3.env (all mode 0600)")
     return 0
 
 
@@ -48,6 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sec.add_argument("--nats-port", type=int, default=4222, help="port nats-server listens on")
     sec.add_argument("--store-dir", default="/data", help="JetStream store inside the NATS container")
     sec.add_argument("--monitor-port", type=int, default=8222, help="nats-server monitoring port (0: off)")
+    sec.add_argument("--if-missing", action="store_true",
+                     help="do nothing when DIR already holds a complete set (a one-shot job run at every `up`)")
     sec.add_argument("--tls-dir", help="where `halfmoon certs` output is mounted in the NATS container (TLS on)")
     sec.set_defaults(func=_secrets)
     certs = subparsers.add_parser("certs", help="a CA, a NATS server certificate and per-role client certificates")
