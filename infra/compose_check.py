@@ -49,7 +49,7 @@ DOCKER = os.environ.get("HALFMOON_CHECK_DOCKER", "docker")
 SKIP = 77
 SCALE = {"prefill": 2, "decode": 2, "gateway": 2}
 LONG_RUNNING = ("nats", "s3", "prometheus", "conductor", "cache-manager", "transfer", "prefill", "decode", "gateway", "lb")
-ONE_SHOT = ("models", "s3-bucket")
+ONE_SHOT = ("secrets", "models", "s3-bucket")
 HEALTHCHECKED = {"nats", "s3", "conductor", "cache-manager", "transfer", "prefill", "decode", "gateway"}
 SCRAPED = {"gateway": 2, "conductor": 1, "cache-manager": 1, "transfer": 1, "prefill": 2, "decode": 2}
 TRACE_SERVICES = ("gateway", "conductor", "prefill", "decode")
@@ -358,8 +358,15 @@ class Stack:
 
             poll("the containers there to turn healthy", settled, max(30.0, deadline - time.monotonic()), interval=2)
         self.wait_ready(max(60.0, deadline - time.monotonic()))
+        self.use_api_key()
         poll("the API through nginx", lambda: http_json("GET", f"{self.api}/v1/models")[0], 120)
         return f"`up` run {attempt} time(s); every replica running and healthy, the API answers through nginx"
+
+    def use_api_key(self) -> None:
+        """The first key the `secrets` job generated (as a user reads it: from the gateway's mount)."""
+        out = self.run("exec", "-T", "gateway", "cat", "/secrets/api-keys", capture=True, timeout=120).stdout
+        key = next(line.split()[0] for line in out.splitlines() if line.strip() and not line.startswith("#"))
+        HEADERS["authorization"] = f"Bearer {key}"
 
     def exec_python(self, service: str, code: str, timeout: float = 600) -> str:
         return run(self.cmd("exec", "-T", service, "python", "-c", code), env=self.env, capture=True,
@@ -391,6 +398,7 @@ class Stack:
 # ---------------------------------------------------------------------------------------------- HTTP
 
 RETRIED = {"n": 0}  # 429/502/503/504 answers retried (after Retry-After), reported in the summary
+HEADERS = {"content-type": "application/json"}  # and the API key, once the stack has generated it
 
 
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 180,
@@ -400,7 +408,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
     data = json.dumps(body).encode() if body is not None else None
     deadline = time.monotonic() + retry_for
     while True:
-        req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+        req = urllib.request.Request(url, data=data, method=method, headers=HEADERS)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read()), dict(resp.headers)
@@ -415,7 +423,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 
 def stream_text(url: str, body: dict, timeout: float = 180) -> tuple[str, int]:
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
+                                 headers=HEADERS)
     text, chunks, done = "", 0, False
     deadline = time.monotonic() + 120
     while True:

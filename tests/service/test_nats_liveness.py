@@ -96,13 +96,17 @@ class TestGatewayHealth:
 
 
 class TestLostForGood:
-    def test_exits_non_zero_after_the_give_up_deadline(self, own_nats, namespace, processes):
-        proc = processes.start(["-m", "halfmoon.services.conductor"], {
+    @pytest.mark.parametrize("service", ["conductor", "decode"])
+    def test_exits_non_zero_after_the_give_up_deadline(self, own_nats, namespace, processes, tiny_model_dir, service):
+        # decode: an engine thread, a metrics server, heartbeats buffered while away (closing flushes them into
+        # a dead socket): none of it may keep the process alive, or no restart policy ever brings it back
+        proc = processes.start(["-m", f"halfmoon.services.{service}"], {
             "HALFMOON_NATS_URL": own_nats.url, "HALFMOON_NAMESPACE": namespace, "HALFMOON_LOG_FORMAT": "text",
-            "HALFMOON_NATS_LOST_DEADLINE_S": "0.5", "HALFMOON_NATS_GIVE_UP_S": "2"})
+            "HALFMOON_NATS_LOST_DEADLINE_S": "0.5", "HALFMOON_NATS_GIVE_UP_S": "3", "HALFMOON_METRICS_PORT": "-1",
+            "HALFMOON_HEARTBEAT_INTERVAL_S": "0.2", "HALFMOON_MODEL_DIR": str(tiny_model_dir)})
         asyncio.run(wait_for_heartbeat(own_nats.url, namespace))
         own_nats.stop()
-        assert proc.wait(timeout=60) == 1
+        assert proc.wait(timeout=90) == 1
 
     def test_a_brief_outage_kills_nothing(self, own_nats, namespace, processes):
         proc = processes.start(["-m", "halfmoon.services.conductor"], {

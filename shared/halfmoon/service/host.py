@@ -201,12 +201,17 @@ class ServiceHost:
         """Nobody can be told or drained to: release what the service holds and close."""
         if self._beats is not None:
             self._beats.cancel()
-        await self.service.close()
-        assert self._nc is not None
-        await self._nc.close()
-        self._unscrape()
-        if self.metrics is not None:
-            await self.metrics.stop()
+        try:
+            await self.service.close()
+            assert self._nc is not None
+            # NOTE: closing flushes what was published while away into a dead socket: that error must
+            # not skip the rest, or the metrics server's thread keeps the process from exiting
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._nc.close()
+        finally:
+            self._unscrape()
+            if self.metrics is not None:
+                await self.metrics.stop()
         log.info("service stopped without NATS")
 
     async def __aenter__(self) -> ServiceHost:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -43,4 +44,12 @@ def run_service(service_class: type[Service], argv: Sequence[str] | None = None)
 
 
 def main(service_class: type[Service]) -> None:
-    sys.exit(run_service(service_class))
+    code = run_service(service_class)
+    if code != 0:
+        # A failed service exits now, whatever thread its failure left running (a library's server
+        # thread, a stuck executor): a process that hangs here is never restarted by its supervisor.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
