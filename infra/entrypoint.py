@@ -10,7 +10,8 @@
   slot stays claimed exactly as long as the service process lives, and a restarted replica
   takes a free slot back (with the blocks it holds) instead of leaving an orphan directory.
 - ``HALFMOON_SECRETS_DIR``: the directory ``halfmoon secrets`` wrote (compose's ``secrets`` volume).
-  The service connects to NATS as its own role (``HALFMOON_SECRETS_ROLE``), keys its data plane
+  The service connects to NATS as its own role (``HALFMOON_SECRETS_ROLE``, else the role the command
+  names: ``python -m halfmoon.services.cache_manager`` is ``cache-manager``), keys its data plane
   with the cluster secret, and a gateway checks the API keys there, a transfer node uses the S3
   keys there. A variable already set to a non-empty value is left alone.
 """
@@ -59,11 +60,18 @@ def read_env_file(path: Path) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
-def load_secrets(env: MutableMapping[str, str]) -> None:
+def role_of(command: list[str]) -> str:
+    """The service role a ``python -m halfmoon.services.<name>`` command runs ('' for anything else)."""
+    modules = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "-m"]
+    prefix = "halfmoon.services."
+    return next((m[len(prefix):].replace("_", "-") for m in modules if m.startswith(prefix)), "")
+
+
+def load_secrets(env: MutableMapping[str, str], command: list[str]) -> None:
     directory = env.get("HALFMOON_SECRETS_DIR", "")
     if not directory:
         return
-    root, role = Path(directory), env.get("HALFMOON_SECRETS_ROLE", "")
+    root, role = Path(directory), env.get("HALFMOON_SECRETS_ROLE") or role_of(command)
     if not (root / f"{role}.env").is_file():
         raise SystemExit(f"HALFMOON_SECRETS_DIR={directory} has no {role or '<HALFMOON_SECRETS_ROLE>'}.env: "
                          "run `halfmoon secrets DIR` (compose's `secrets` job does)")
@@ -78,9 +86,9 @@ def load_secrets(env: MutableMapping[str, str]) -> None:
             env[key] = value
 
 
-def prepare(env: MutableMapping[str, str]) -> None:
-    """Fill in the per-replica variables in ``env`` (see the module docstring)."""
-    load_secrets(env)
+def prepare(env: MutableMapping[str, str], command: list[str]) -> None:
+    """Fill in the per-replica variables in ``env`` for ``command`` (see the module docstring)."""
+    load_secrets(env, command)
     if env.get("HALFMOON_HOST") in WILDCARDS and not env.get("HALFMOON_ADVERTISE_HOST"):
         env["HALFMOON_ADVERTISE_HOST"] = own_address()
     if root := env.pop("HALFMOON_NVME_ROOT", ""):
@@ -91,7 +99,7 @@ def prepare(env: MutableMapping[str, str]) -> None:
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: halfmoon-entrypoint COMMAND [ARG...]")
-    prepare(os.environ)
+    prepare(os.environ, argv)
     os.execvp(argv[0], argv)
 
 

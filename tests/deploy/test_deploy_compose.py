@@ -16,7 +16,15 @@ import yaml
 from halfmoon.deploy.topology import SERVICES
 
 from tests.conftest import REPO_ROOT, free_port, service_env
-from tests.deploy.conftest import COMPOSE_FILE, COMPOSE_OVERRIDES, HALFMOON_IMAGE, env_of, interpolate, tool
+from tests.deploy.conftest import (
+    COMPOSE_FILE,
+    COMPOSE_OVERRIDES,
+    HALFMOON_IMAGE,
+    env_of,
+    interpolate,
+    tool,
+)
+from tests.deploy.test_deploy_entrypoint import role_of
 
 SCALE = {"prefill": 2, "decode": 3, "transfer": 2, "gateway": 3}
 # read by infra/entrypoint.py: turned into HALFMOON_NVME_DIR, and into this role's credentials
@@ -206,7 +214,8 @@ class TestSecrets:
         for spec in SERVICES:
             svc = compose["services"][spec.name]
             env = svc["environment"]
-            assert env["HALFMOON_SECRETS_DIR"] == "/secrets" and env["HALFMOON_SECRETS_ROLE"] == spec.name
+            assert env["HALFMOON_SECRETS_DIR"] == "/secrets" and "HALFMOON_SECRETS_ROLE" not in env
+            assert role_of(svc["command"]) == spec.name, "the entrypoint names the role after the command"
             assert "secrets:/secrets:ro" in svc["volumes"], f"{spec.name} does not mount the secrets read-only"
         for infra in ("nats", "s3"):
             needs = compose["services"][infra]["depends_on"]["secrets"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import socket
@@ -12,6 +13,10 @@ from pathlib import Path
 from tests.conftest import REPO_ROOT, service_env
 
 ENTRYPOINT = REPO_ROOT / "infra" / "entrypoint.py"
+_spec = importlib.util.spec_from_file_location("halfmoon_entrypoint", ENTRYPOINT)
+_module = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(_module)  # type: ignore[union-attr]
+role_of = _module.role_of
 # The command the entrypoint execs: reports its environment and whether its NVMe slot lock is held
 # (by trying to take it from a fresh descriptor), then waits for one line on stdin.
 PROBE = """
@@ -133,6 +138,11 @@ class TestSecrets:
         finish(proc)
         assert env["HALFMOON_NATS_USER"] == "transfer" and env["HALFMOON_S3_ACCESS_KEY"] == "mine"
         assert env["HALFMOON_S3_SECRET_KEY"] and "HALFMOON_API_KEYS_FILE" not in env
+
+    def test_the_role_is_the_commands_unless_named(self) -> None:
+        assert role_of(["python", "-m", "halfmoon.services.cache_manager"]) == "cache-manager"
+        assert role_of(["python3", "-X", "dev", "-m", "halfmoon.services.decode", "--port", "1"]) == "decode"
+        assert role_of(["halfmoon", "secrets", "/secrets"]) == ""
 
     def test_a_missing_role_file_stops_the_start_with_the_fix(self, tmp_path: Path) -> None:
         result = subprocess.run([sys.executable, str(ENTRYPOINT), "true"], check=False, capture_output=True, text=True,

@@ -113,3 +113,29 @@ class TestTopology:
         for spec in SERVICES:
             context = workloads(k8s_base)[spec.name]["spec"]["template"]["spec"]["securityContext"]
             assert context["runAsUser"] == uid and context["fsGroup"] == uid, spec.name
+
+
+class TestSecrets:
+    """No credential in the manifests: one Secret, `halfmoon-secrets`, made from `halfmoon secrets DIR`
+    by the operator, mounted where each part reads it."""
+
+    def test_no_secret_object_carries_data(self, k8s_base: list[dict[str, Any]]) -> None:
+        assert not [d["metadata"]["name"] for d in k8s_base if d["kind"] == "Secret"]
+
+    def test_every_service_mounts_it_read_only_for_the_image_user(self, k8s_base: list[dict[str, Any]]) -> None:
+        config = next(d for d in k8s_base if d["metadata"]["name"] == "halfmoon-env")["data"]
+        for spec in SERVICES:
+            pod = workloads(k8s_base)[spec.name]["spec"]["template"]["spec"]
+            volume = next(v for v in pod["volumes"] if v["name"] == "secrets")
+            assert volume["secret"]["secretName"] == "halfmoon-secrets"
+            assert volume["secret"]["defaultMode"] & 0o040, "group-readable (fsGroup is the image's user)"
+            mount = next(m for m in container(workloads(k8s_base)[spec.name])["volumeMounts"] if m["name"] == "secrets")
+            assert mount["mountPath"] == config["HALFMOON_SECRETS_DIR"] and mount["readOnly"]
+
+    def test_nats_and_s3_read_their_parts(self, k8s_base: list[dict[str, Any]]) -> None:
+        nats_conf = next(d for d in k8s_base if d["metadata"]["name"] == "nats-config")["data"]["nats.conf"]
+        assert "include ./auth/nats-authorization.conf" in nats_conf
+        for name, key in (("nats", "nats-authorization.conf"), ("s3", "s3.json")):
+            volumes = workloads(k8s_base)[name]["spec"]["template"]["spec"]["volumes"]
+            assert any(v.get("secret", {}).get("secretName") == "halfmoon-secrets"
+                       and [i["key"] for i in v["secret"]["items"]] == [key] for v in volumes), name

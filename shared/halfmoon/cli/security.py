@@ -33,6 +33,8 @@ def _secrets(args: argparse.Namespace) -> int:
         tls = TlsFiles(tls_dir / "ca.pem", tls_dir / "server.pem", tls_dir / "server-key.pem")
     write_private(out / "nats-server.conf", auth.server_config(args.nats_host, args.nats_port, Path(args.store_dir),
                                                               tls, args.monitor_port))
+    # for a server whose config is someone else's (a NATS cluster): `include` this file
+    write_private(out / "nats-authorization.conf", json.dumps(auth.authorization(), indent=1))
     for role in ROLES:
         write_private(out / f"{role}.env", "".join(f"{k}={v}\n" for k, v in auth.env(role).items()))
     keys = [(f"sk-hm-{secrets.token_urlsafe(32)}", tenant) for tenant in args.tenants.split(",") if tenant]
@@ -44,7 +46,7 @@ def _secrets(args: argparse.Namespace) -> int:
     write_private(out / "s3.env", f"HALFMOON_S3_ACCESS_KEY={access}\nHALFMOON_S3_SECRET_KEY={secret}\n"
                                   f"AWS_ACCESS_KEY_ID={access}\nAWS_SECRET_ACCESS_KEY={secret}\n")
     write_private(out / COMPLETE, "")  # last: a run cut short is redone by the next --if-missing
-    print(f"wrote {out}/: nats-server.conf, nats-credentials.json, <role>.env for {', '.join(ROLES)}, "
+    print(f"wrote {out}/: nats-server.conf, nats-authorization.conf, nats-credentials.json, <role>.env for {', '.join(ROLES)}, "
           f"api-keys ({len(keys)} keys), auth-secret, cluster-secret, s3.json and s3.env (all mode 0600)")
     return 0
 

@@ -64,11 +64,15 @@ class NatsAuth:
             **({"allow_responses": True} if perms.responds else {}),
         }}
 
+    def authorization(self) -> dict:
+        """The ``authorization`` block alone: what a server with its own config includes (Kubernetes)."""
+        return {"authorization": {"users": [self.user(r) for r in ROLES]}}
+
     def server_config(self, host: str, port: int, store_dir: Path | None, tls: TlsFiles | None = None,
                       monitor_port: int = 0) -> str:
         """A nats-server config (JSON is valid NATS config syntax) admitting only these users; the
         monitoring port (health checks) carries no messages and needs no credentials."""
-        config: dict = {"host": host, "port": port, "authorization": {"users": [self.user(r) for r in ROLES]}}
+        config: dict = {"host": host, "port": port, **self.authorization()}
         if monitor_port:
             config["http_port"] = monitor_port
         if store_dir is not None:
