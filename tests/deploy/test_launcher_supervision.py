@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -113,3 +114,29 @@ class TestRestartsAKilledService:
         until(lambda: serves(up.url), 120, "serving after the restart")
         assert "decode-0 exited with -9" in up.text() and "decode-0 restarted (restart 1)" in up.text()
         assert up.proc.poll() is None
+
+
+class TestRestartsNats:
+    def test_nats_comes_back_on_its_port_and_every_service_reconnects(self, up: Up) -> None:
+        (old,) = up.nats_pids()
+        os.kill(old, signal.SIGKILL)
+        until(lambda: len(pids := up.nats_pids()) == 1 and old not in pids, 60, "a new nats-server")
+        until(lambda: serves(up.url), 120, "serving after NATS came back")
+        assert "nats exited with -9" in up.text() and "nats restarted" in up.text()
+
+
+class TestCrashLoop:
+    def test_a_crash_loop_stops_everything_and_names_the_service(
+        self, tiny_model_dir: Path, tmp_path: Path, processes: Processes
+    ) -> None:
+        with socket.socket() as taken:  # the gateway's port is in use, so the gateway exits at every start
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            up = Up(processes, tiny_model_dir, tmp_path / "run", "--port", str(taken.getsockname()[1]),
+                    "--prefill", "0", "--decode", "0", "--transfer", "0",
+                    "--crash-loop-window", "900")  # a gateway start takes over 10 s on a loaded machine
+            assert up.proc.wait(timeout=900) == 1, up.text()
+        text = up.text()
+        assert "gateway-0 is crash-looping: 5 exits within 900s" in text, text
+        assert "address already in use" in text.lower(), text
+        assert not [p for p in psutil.Process().children(recursive=True) if "halfmoon" in " ".join(p.cmdline())]
