@@ -19,6 +19,7 @@ class Placement(NamedTuple):
     decode: str
     predicted_ttft_ms: float | None = None
     reused_tokens: int = 0  # prompt tokens the chosen prefill instance is expected to reuse
+    prefill_s: float = 0.0  # predicted prefill work (transfer and compute) it adds to that instance
 
 
 class Rejection(NamedTuple):
@@ -49,12 +50,8 @@ class PlacementPolicy(ABC):
     ) -> Placement | Rejection: ...
 
 
-def _pending(view: InstanceView) -> int:
-    return max(0, view.load.queue_len + view.load.running + view.assigned)
-
-
 class LeastLoaded(PlacementPolicy):
-    """Fewest queued + running + just-assigned requests; decode ties go to more free KV blocks,
+    """Fewest pending requests (reported, or placed and not done); decode ties go to more free KV blocks,
     remaining ties to the smallest instance id."""
 
     def place(
@@ -65,6 +62,6 @@ class LeastLoaded(PlacementPolicy):
             return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
         if not decode:
             return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
-        p = min(prefill, key=lambda v: (_pending(v), v.instance_id))
-        d = min(decode, key=lambda v: (_pending(v), -v.load.free_kv_blocks, v.instance_id))
+        p = min(prefill, key=lambda v: (v.pending, v.instance_id))
+        d = min(decode, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
         return Placement(p.instance_id, d.instance_id)
