@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from halfmoon.policy.ledger import Outstanding, Stage, WorkLedger
+from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
 from halfmoon.protocol import Heartbeat, Load, Placed, RejectReason, Role, SamplingParams, ScheduleRequest
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection
@@ -121,7 +121,7 @@ class TestLedgerAcrossConductors:
                 ledger.place(placed.request_id, placement_stages(placed, now=0.0), now=0.0)
         assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(4, 2.0, 40)
         for ledger in (a, b):
-            ledger.done("r0", "p0", completed=True, now=0.5)  # WorkDone reaches every conductor
+            ledger.done("r0", "p0", Cleared.COMPLETED, now=0.5)  # WorkDone reaches every conductor
             ledger.end("r1", now=0.5)  # so does a cancellation
             ledger.reconcile("p0", held=1, now=2.0)  # r2 never reached p0
         assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(1, 0.5, 10)

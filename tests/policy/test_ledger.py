@@ -42,22 +42,23 @@ class TestPlacing:
 class TestEndings:
     def test_completed_prefill_leaves_decode_then_completed_decode_leaves_nothing(self):
         ledger = ledger_with("a")
-        assert ledger.done("a", "p0", completed=True, now=1.0) == 1
+        assert ledger.done("a", "p0", Cleared.COMPLETED, now=1.0) == 1
         assert ledger.outstanding("p0") == Outstanding() and ledger.outstanding("d0").count == 1
-        assert ledger.done("a", "d0", completed=True, now=2.0) == 1
+        assert ledger.done("a", "d0", Cleared.COMPLETED, now=2.0) == 1
         assert len(ledger) == 0 and ledger.cleared[Cleared.COMPLETED] == 2
 
+    @pytest.mark.parametrize("how", [Cleared.FAILED, Cleared.CANCELLED])
     @pytest.mark.parametrize("where", ["p0", "d0"])
-    def test_a_failure_anywhere_ends_the_whole_request(self, where):
+    def test_a_failure_or_cancellation_anywhere_ends_the_whole_request(self, where, how):
         ledger = ledger_with("a", "b")
-        assert ledger.done("a", where, completed=False, now=1.0) == 2
+        assert ledger.done("a", where, how, now=1.0) == 2
         assert ledger.stages("a") == () and ledger.outstanding("p0").count == 1
-        assert ledger.cleared[Cleared.FAILED] == 2
+        assert ledger.cleared[how] == 2
 
     def test_news_from_an_instance_outside_the_placement_is_about_an_older_attempt(self):
         ledger = ledger_with("a")
-        assert ledger.done("a", "p9", completed=False, now=1.0) == 0
-        assert ledger.done("unknown", "p0", completed=True, now=1.0) == 0
+        assert ledger.done("a", "p9", Cleared.FAILED, now=1.0) == 0
+        assert ledger.done("unknown", "p0", Cleared.COMPLETED, now=1.0) == 0
         assert len(ledger) == 2
 
     def test_a_cancelled_request_leaves_every_instance(self):
@@ -124,5 +125,5 @@ class TestSameInstanceBothStages:
         ledger = WorkLedger()
         ledger.place("a", placement("x", "x"), now=0.0)
         assert ledger.outstanding("x").count == 2
-        assert ledger.done("a", "x", completed=True, now=1.0) == 2
+        assert ledger.done("a", "x", Cleared.COMPLETED, now=1.0) == 2
         assert len(ledger) == 0

@@ -88,18 +88,18 @@ class WorkLedger:
             self._instances.setdefault(entry.stage.instance_id, {})[entry.key] = entry
         self._advance(request_id, now)
 
-    def done(self, request_id: Hashable, instance_id: str, completed: bool, now: float) -> int:
-        """``instance_id`` is through with ``request_id``: its part completed (later stages become due),
-        or the request failed or was cancelled there (nothing later will run). An instance that is not
-        part of the request's current placement speaks of an older attempt and is ignored.
+    def done(self, request_id: Hashable, instance_id: str, how: Cleared, now: float) -> int:
+        """``instance_id`` is through with ``request_id``: its part ``COMPLETED`` (later stages become due),
+        or the request ended there otherwise (failed, cancelled: nothing later will run). An instance
+        that is not part of the request's current placement speaks of an older attempt and is ignored.
         Returns the entries cleared."""
         entries = self._requests.get(request_id, [])
         mine = [e for e in entries if e.stage.instance_id == instance_id]
         if not mine:
             return 0
-        if not completed:
-            return self._drop(entries, Cleared.FAILED, now)
-        return self._drop(mine, Cleared.COMPLETED, now)
+        if how is not Cleared.COMPLETED:
+            return self._drop(entries, how, now)
+        return self._drop(mine, how, now)
 
     def end(self, request_id: Hashable, now: float, how: Cleared = Cleared.CANCELLED) -> int:
         """The request is over everywhere (its requester gave up)."""

@@ -12,7 +12,7 @@ from halfmoon.core.kv_spec import KVSpecMismatch
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.policy.ledger import Stage, WorkLedger
+from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
@@ -102,7 +102,7 @@ class ConductorService(Service[ConductorConfig]):
             self.ledger.place(placed.request_id, placement_stages(placed, time.monotonic()), time.monotonic())
 
     async def _on_work_done(self, done: WorkDone, _headers: Mapping[str, str]) -> None:
-        self.ledger.done(done.request_id, done.instance_id, done.outcome is WorkOutcome.COMPLETED, time.monotonic())
+        self.ledger.done(done.request_id, done.instance_id, _CLEARED[done.outcome], time.monotonic())
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         # NOTE: a cancel naming an attempt precedes that request's next placement, which replaces the
@@ -209,6 +209,10 @@ class ConductorService(Service[ConductorConfig]):
         views = [v._replace(outstanding=self.ledger.outstanding(v.instance_id)) for v in self.table.candidates(role)]
         kept = [v for v in views if v.instance_id not in exclude]
         return kept or views
+
+
+_CLEARED = {WorkOutcome.COMPLETED: Cleared.COMPLETED, WorkOutcome.FAILED: Cleared.FAILED,
+            WorkOutcome.CANCELLED: Cleared.CANCELLED}
 
 
 def placement_stages(placed: Placed, now: float) -> tuple[Stage, Stage]:
