@@ -252,6 +252,9 @@ class EngineWorker(Service[WorkerConfig]):
     async def drain(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.sleep(0)  # the tasks' done callbacks queue the last WorkDone notes; send them before goodbye
+        if self._reporting:
+            await asyncio.gather(*self._reporting, return_exceptions=True)
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):
