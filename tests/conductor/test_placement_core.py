@@ -6,7 +6,7 @@ import pytest
 from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
 from halfmoon.protocol import Heartbeat, Load, Placed, RejectReason, Role, SamplingParams, ScheduleRequest
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
-from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection
+from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection, place_pair
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView
 from halfmoon.services.conductor.service import placement_stages
 
@@ -154,3 +154,29 @@ class TestLiveBlockIndexMatch:
         assert index.match([b"k0", b"k1", b"k2"]) == 2
         index.forget("p0")
         assert index.match([b"k0"]) == 0
+
+
+class TestAggregatedPlacement:
+    """Aggregated instances take both phases where no prefill/decode pair is live."""
+
+    def test_only_aggregated_instances_place_both_phases_on_one(self):
+        table = InstanceTable(timeout_s=1.0)
+        for beat in (hb("a0", role=Role.AGGREGATED, running=2), hb("a1", role=Role.AGGREGATED)):
+            table.observe(beat, 0.0)
+        aggregated = table.candidates(Role.AGGREGATED)
+        assert place_pair(LeastLoaded(), REQUEST, [], [], aggregated, now=0.0) == Placement("a1", "a1")
+
+    def test_a_live_pair_is_preferred_and_nothing_live_is_rejected(self):
+        table = InstanceTable(timeout_s=1.0)
+        for beat in (hb("p0"), hb("d0", role=Role.DECODE), hb("a0", role=Role.AGGREGATED)):
+            table.observe(beat, 0.0)
+        views = [table.candidates(role) for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED)]
+        assert place_pair(LeastLoaded(), REQUEST, *views, now=0.0) == Placement("p0", "d0")
+        result = place_pair(LeastLoaded(), REQUEST, [], [], [], now=0.0)
+        assert isinstance(result, Rejection) and result.reason is RejectReason.NO_PREFILL_INSTANCE
+
+    def test_an_aggregated_placement_is_one_ledger_entry(self):
+        placed = Placed(conductor="c0", prefill_instance="a0", decode_instance="a0", request_id="r", prefill_s=0.5,
+                        ttl_s=5.0, decode_ttl_s=9.0)
+        (stage,) = placement_stages(placed, now=10.0)
+        assert (stage.instance_id, stage.expires_at, stage.work_s) == ("a0", 19.0, 0.5)

@@ -62,6 +62,9 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, s.decode_submit_any,
                                     *pool),
                            subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
+    if role is Role.AGGREGATED:  # a prefill instance that decodes itself: it hands nothing to decode
+        return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, *pool),
+                           subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
     if role is Role.DECODE:
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, *pool),
                            subscribe=(s.decode_submit_any, *engine_listens, *inbox), responds=True)

@@ -157,7 +157,7 @@ class EngineWorker(Service[WorkerConfig]):
     def _on_step(self, timing: StepTiming) -> None:
         """Runs on the engine thread after every step."""
         self.meter.on_step(timing)
-        if timing.num_outputs and self.role is Role.DECODE:
+        if timing.num_outputs and self.role in (Role.DECODE, Role.AGGREGATED):
             self._tbt.observe(timing.seconds)
 
     async def _on_submit(self, request: Any) -> Message:

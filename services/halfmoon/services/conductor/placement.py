@@ -1,4 +1,5 @@
-"""Placement policies: which prefill and decode instance serve a request. Pure code.
+"""Placement policies: which prefill and decode instance serve a request (or which aggregated
+instance serves both phases). Pure code.
 
 The cache- and SLO-aware policy (kv_placement.py, over shared/halfmoon/policy/) implements the same interface.
 """
@@ -65,3 +66,13 @@ class LeastLoaded(PlacementPolicy):
         p = min(prefill, key=lambda v: (v.pending, v.instance_id))
         d = min(decode, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
         return Placement(p.instance_id, d.instance_id)
+
+
+def place_pair(policy: PlacementPolicy, request: ScheduleRequest, prefill: Sequence[InstanceView],
+               decode: Sequence[InstanceView], aggregated: Sequence[InstanceView], now: float) -> Placement | Rejection:
+    """A prefill/decode pair when both pools have live instances; otherwise, when aggregated instances
+    are live, one of them for both phases (its own decode, whatever the policy's decode choice)."""
+    if aggregated and not (prefill and decode):
+        choice = policy.place(request, aggregated, aggregated, now)
+        return choice._replace(decode=choice.prefill) if isinstance(choice, Placement) else choice
+    return policy.place(request, prefill, decode, now)

@@ -17,7 +17,7 @@ from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.service import Service, ServiceConfig
-from halfmoon.services.conductor.placement import Placement, PlacementPolicy
+from halfmoon.services.conductor.placement import Placement, PlacementPolicy, place_pair
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView
 from halfmoon.telemetry.metrics import METRICS, Metrics
@@ -46,7 +46,8 @@ class ConductorConfig(ServiceConfig, PolicySettings):
 
 
 class ConductorService(Service[ConductorConfig]):
-    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice).
+    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice): a prefill
+    and a decode instance, or, where no such pair is live, an aggregated instance for both phases.
 
     Several conductors run side by side, each a hot standby for the others: every one hears all
     heartbeats, KV events and the others' placements (Placed), so each has the whole picture
@@ -177,8 +178,9 @@ class ConductorService(Service[ConductorConfig]):
             return self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
         if request.deadline <= time.time():
             return self._reject(request, RejectReason.DEADLINE, "deadline passed before scheduling")
-        prefill, decode = (self._candidates(role, request.exclude) for role in (Role.PREFILL, Role.DECODE))
-        choice = self.policy.place(request, prefill, decode, now=time.time())
+        prefill, decode, aggregated = (self._candidates(role, request.exclude)
+                                       for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED))
+        choice = place_pair(self.policy, request, prefill, decode, aggregated, now=time.time())
         if not isinstance(choice, Placement):
             return self._reject(request, choice.reason, choice.message, choice.retry_after_s)
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
@@ -215,7 +217,10 @@ _CLEARED = {WorkOutcome.COMPLETED: Cleared.COMPLETED, WorkOutcome.FAILED: Cleare
             WorkOutcome.CANCELLED: Cleared.CANCELLED}
 
 
-def placement_stages(placed: Placed, now: float) -> tuple[Stage, Stage]:
-    """The ledger entries of one placement: prefill first, then decode (due once prefill is done)."""
+def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
+    """The ledger entries of one placement: prefill first, then decode (due once prefill is done); an
+    aggregated instance doing both has one entry, lasting as long as decode's."""
+    if placed.prefill_instance == placed.decode_instance:
+        return (Stage(placed.prefill_instance, 0, now + placed.decode_ttl_s, placed.prefill_s, placed.prompt_tokens),)
     return (Stage(placed.prefill_instance, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens),
             Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))
