@@ -18,6 +18,7 @@ from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.service import request
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
+from tests.e2e.test_conductor import SubmitWatch
 from tests.e2e.test_serving import MAX_TOKENS, complete_all, prompts
 
 
@@ -29,36 +30,14 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     cluster.stop()
 
 
-class Submits:
-    """The instances PrefillRequests were submitted to, from the NATS subjects."""
-
-    def __init__(self, cluster: LocalCluster) -> None:
-        self.cluster = cluster
-        self.where: list[str] = []
-
-    async def __aenter__(self) -> Submits:
-        self.nc = await admin_nats(self.cluster)
-
-        async def on_submit(msg) -> None:  # type: ignore[no-untyped-def]
-            self.where.append(msg.subject.split(".")[-2])
-
-        await self.nc.subscribe(f"{Subjects('e2e').root}.prefill.*.submit", cb=on_submit)
-        await self.nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.nc.flush()
-        await self.nc.close()
-
-
 class TestAggregatedGreedy:
     async def test_completions_equal_the_reference_and_run_on_the_aggregated_instance(
             self, cluster: LocalCluster, tiny_model_dir: Path) -> None:
         batch = prompts(tiny_model_dir)
-        async with Submits(cluster) as submits:
+        async with SubmitWatch(cluster) as submits:
             texts = await complete_all(cluster, batch)
         assert texts == [reference_text(tiny_model_dir, p, MAX_TOKENS) for p in batch]
-        assert set(submits.where) == {"aggregated-0"}
+        assert set(submits.where.values()) == {"aggregated-0"}
 
 
 class TestAggregatedPrefixReuse:
