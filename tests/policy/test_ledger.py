@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
 
@@ -127,3 +129,31 @@ class TestSameInstanceBothStages:
         assert ledger.outstanding("x").count == 2
         assert ledger.done("a", "x", Cleared.COMPLETED, now=1.0) == 2
         assert len(ledger) == 0
+
+
+class TestTotalsStayExact:
+    def test_totals_equal_the_entries_after_any_mix_of_endings(self):
+        rng = random.Random(3)
+        ledger, rids, instances = WorkLedger(grace_s=0.5), [f"r{i}" for i in range(30)], ["p0", "p1", "d0", "d1"]
+        for step in range(2000):
+            now, rid, iid = step * 0.01, rng.choice(rids), rng.choice(instances)
+            op = rng.randrange(6)
+            if op == 0:
+                ledger.place(rid, placement(rng.choice(instances[:2]), rng.choice(instances[2:]), rng.random(),
+                                            rng.randrange(1, 50), now + rng.random() * 5), now)
+            elif op == 1:
+                ledger.done(rid, iid, rng.choice(list(Cleared)), now)
+            elif op == 2:
+                ledger.end(rid, now)
+            elif op == 3:
+                ledger.reconcile(iid, rng.randrange(3), now)
+            elif op == 4:
+                ledger.expire(now)
+            else:
+                ledger.instance_down(iid, now)
+            for inst in instances:
+                stages = [s for r in rids for s in ledger.stages(r) if s.instance_id == inst]
+                held = ledger.outstanding(inst)
+                assert (held.count, held.tokens) == (len(stages), sum(s.tokens for s in stages))
+                assert held.work_s == pytest.approx(sum(s.work_s for s in stages))
+        assert len(ledger) == sum(len(ledger.stages(r)) for r in rids)

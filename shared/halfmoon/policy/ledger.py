@@ -75,6 +75,7 @@ class WorkLedger:
         self.grace_s = grace_s
         self._requests: dict[Hashable, list[_Entry]] = {}
         self._instances: dict[str, dict[tuple[Hashable, int], _Entry]] = {}  # by (request id, stage order)
+        self._totals: dict[str, Outstanding] = {}  # kept as entries come and go: read once per placement
         self.cleared: dict[Cleared, int] = dict.fromkeys(Cleared, 0)  # entries cleared so far, by how
 
     def place(self, request_id: Hashable, stages: Sequence[Stage], now: float) -> None:
@@ -86,6 +87,7 @@ class WorkLedger:
         self._requests[request_id] = entries
         for entry in entries:
             self._instances.setdefault(entry.stage.instance_id, {})[entry.key] = entry
+            self._count(entry.stage, 1)
         self._advance(request_id, now)
 
     def done(self, request_id: Hashable, instance_id: str, how: Cleared, now: float) -> int:
@@ -123,8 +125,7 @@ class WorkLedger:
         return self._drop(settled[: max(0, len(settled) - held)], Cleared.RECONCILED, now)
 
     def outstanding(self, instance_id: str) -> Outstanding:
-        entries = self._instances.get(instance_id, {}).values()
-        return Outstanding(len(entries), sum(e.stage.work_s for e in entries), sum(e.stage.tokens for e in entries))
+        return self._totals.get(instance_id, Outstanding())
 
     def stages(self, request_id: Hashable) -> tuple[Stage, ...]:
         return tuple(e.stage for e in self._requests.get(request_id, ()))
@@ -147,7 +148,8 @@ class WorkLedger:
             else:
                 self._requests.pop(rid, None)
             on_instance = self._instances.get(iid, {})
-            on_instance.pop(entry.key, None)
+            if on_instance.pop(entry.key, None) is not None:
+                self._count(entry.stage, -1)
             if not on_instance:
                 self._instances.pop(iid, None)
             touched.add(rid)
@@ -155,6 +157,15 @@ class WorkLedger:
             self._advance(rid, now)
         self.cleared[how] += len(gone)
         return len(gone)
+
+    def _count(self, stage: Stage, sign: int) -> None:
+        held = self._totals.get(stage.instance_id, Outstanding())
+        count = held.count + sign
+        if count == 0:  # exactly nothing: no rounding residue of the work sums
+            self._totals.pop(stage.instance_id, None)
+            return
+        self._totals[stage.instance_id] = Outstanding(count, held.work_s + sign * stage.work_s,
+                                                      held.tokens + sign * stage.tokens)
 
     def _advance(self, request_id: Hashable, now: float) -> None:
         """Mark the first outstanding stage of a request due (from ``now`` if it was not yet)."""
