@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from halfmoon.protocol import Heartbeat, Load, RejectReason, Role, SamplingParams, ScheduleRequest
+from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
+from halfmoon.protocol import Heartbeat, Load, Placed, RejectReason, Role, SamplingParams, ScheduleRequest
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
-from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection
-from halfmoon.services.conductor.registry import InstanceTable
+from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection, place_pair
+from halfmoon.services.conductor.registry import InstanceTable, InstanceView
+from halfmoon.services.conductor.service import placement_stages
 
 REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=4, sampling=SamplingParams(), deadline=0.0)
 
@@ -31,13 +33,11 @@ class TestInstanceTable:
         assert table.expire(now=1.2) and "a" not in table and "b" in table
         assert table.expire(now=1.3) == []
 
-    def test_heartbeat_refreshes_and_resets_assignments(self):
+    def test_heartbeat_refreshes_liveness_and_load(self):
         table = InstanceTable(timeout_s=1.0)
         table.observe(hb("a"), now=0.0)
-        table.note_assigned("a", now=0.1)
-        assert table.get("a").assigned == 1
         assert table.observe(hb("a", queue_len=3), now=0.9) is False
-        assert table.get("a").assigned == 0 and table.get("a").load.queue_len == 3
+        assert table.get("a").load.queue_len == 3 and table.get("a").pending == 3
         assert table.expire(now=1.5) == []
 
     def test_slow_heartbeaters_get_three_intervals(self):
@@ -81,12 +81,17 @@ class TestLeastLoaded:
         )
         assert LeastLoaded().place(REQUEST, p, d).decode == "d1"
 
-    def test_assignments_since_heartbeat_spread_a_burst(self):
+    def test_placements_in_the_ledger_spread_a_burst(self):
         table, _, _ = self.views(hb("p0"), hb("p1"), hb("d0", role=Role.DECODE))
+        ledger = WorkLedger()
+
+        def views(role: Role) -> list[InstanceView]:
+            return [v._replace(outstanding=ledger.outstanding(v.instance_id)) for v in table.candidates(role)]
+
         chosen = []
-        for _ in range(4):
-            choice = LeastLoaded().place(REQUEST, table.candidates(Role.PREFILL), table.candidates(Role.DECODE))
-            table.note_assigned(choice.prefill, now=0.0)
+        for i in range(4):
+            choice = LeastLoaded().place(REQUEST, views(Role.PREFILL), views(Role.DECODE))
+            ledger.place(f"r{i}", [Stage(choice.prefill, 0, 60.0), Stage(choice.decode, 1, 60.0)], now=0.0)
             chosen.append(choice.prefill)
         assert sorted(chosen) == ["p0", "p0", "p1", "p1"]
 
@@ -104,34 +109,33 @@ class TestLeastLoaded:
         assert isinstance(result, Rejection) and result.reason is reason and result.message
 
 
-class TestAssignedAcrossConductors:
-    """Two conductors each count every placement once (their own and, via Placed, the other's)."""
+class TestLedgerAcrossConductors:
+    """Two conductors hold the same entries: their own placements and, via Placed, the other's."""
 
-    def test_both_tables_agree_and_heartbeats_settle_them(self):
-        a, b = InstanceTable(timeout_s=1.0), InstanceTable(timeout_s=1.0)
-        for table in (a, b):
-            table.observe(hb("d0", role=Role.DECODE, accepted_total=7), now=0.0)  # 7 taken before either began
-        for _ in range(3):  # a places three, b hears each Placed note
-            a.note_assigned("d0", now=0.1)
-            b.note_assigned("d0", now=0.1)
-        b.note_assigned("d0", now=0.2)
-        a.note_assigned("d0", now=0.2)  # and b places one
-        assert a.get("d0").assigned == b.get("d0").assigned == 4
-        for table in (a, b):
-            table.observe(hb("d0", role=Role.DECODE, accepted_total=10), now=0.3)  # three arrived
-        assert a.get("d0").assigned == b.get("d0").assigned == 1
+    def test_both_ledgers_agree_and_drain_alike(self):
+        a, b = WorkLedger(grace_s=1.0), WorkLedger(grace_s=1.0)
+        for i in range(4):
+            placed = Placed(conductor="c0", prefill_instance="p0", decode_instance="d0", request_id=f"r{i}",
+                            prefill_s=0.5, prompt_tokens=10)
+            for ledger in (a, b):  # c0 places, c1 hears the Placed note
+                ledger.place(placed.request_id, placement_stages(placed, now=0.0), now=0.0)
+        assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(4, 2.0, 40)
+        for ledger in (a, b):
+            ledger.done("r0", "p0", Cleared.COMPLETED, now=0.5)  # WorkDone reaches every conductor
+            ledger.end("r1", now=0.5)  # so does a cancellation
+            ledger.reconcile("p0", held=1, now=2.0)  # r2 never reached p0
+        assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(1, 0.5, 10)
+        assert a.stages("r3") == b.stages("r3")
 
-    def test_placements_that_never_arrive_stop_counting(self):
-        table = InstanceTable(timeout_s=100.0, assign_ttl_s=5.0)
-        table.observe(hb("d0", role=Role.DECODE, accepted_total=1), now=0.0)
-        table.note_assigned("d0", now=1.0)  # its requester died before the hand-off
-        table.observe(hb("d0", role=Role.DECODE, accepted_total=1), now=2.0)
-        assert table.get("d0").assigned == 1
-        table.observe(hb("d0", role=Role.DECODE, accepted_total=1), now=7.0)
-        assert table.get("d0").assigned == 0
-        table.note_assigned("d0", now=7.5)
-        assert table.get("d0").assigned == 1
+    def test_placed_note_sets_the_deadlines(self):
+        placed = Placed(conductor="c0", prefill_instance="p0", decode_instance="d0", request_id="r", ttl_s=5.0,
+                        decode_ttl_s=9.0)
+        prefill, decode = placement_stages(placed, now=10.0)
+        assert (prefill.instance_id, prefill.order, prefill.expires_at) == ("p0", 0, 15.0)
+        assert (decode.instance_id, decode.order, decode.expires_at) == ("d0", 1, 19.0)
 
+
+class TestCutOff:
     def test_cut_off_conductor_holds_everyone(self):
         table = InstanceTable(timeout_s=1.0)
         table.observe(hb("d0", role=Role.DECODE), now=0.0)
@@ -150,3 +154,29 @@ class TestLiveBlockIndexMatch:
         assert index.match([b"k0", b"k1", b"k2"]) == 2
         index.forget("p0")
         assert index.match([b"k0"]) == 0
+
+
+class TestAggregatedPlacement:
+    """Aggregated instances take both phases where no prefill/decode pair is live."""
+
+    def test_only_aggregated_instances_place_both_phases_on_one(self):
+        table = InstanceTable(timeout_s=1.0)
+        for beat in (hb("a0", role=Role.AGGREGATED, running=2), hb("a1", role=Role.AGGREGATED)):
+            table.observe(beat, 0.0)
+        aggregated = table.candidates(Role.AGGREGATED)
+        assert place_pair(LeastLoaded(), REQUEST, [], [], aggregated, now=0.0) == Placement("a1", "a1")
+
+    def test_a_live_pair_is_preferred_and_nothing_live_is_rejected(self):
+        table = InstanceTable(timeout_s=1.0)
+        for beat in (hb("p0"), hb("d0", role=Role.DECODE), hb("a0", role=Role.AGGREGATED)):
+            table.observe(beat, 0.0)
+        views = [table.candidates(role) for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED)]
+        assert place_pair(LeastLoaded(), REQUEST, *views, now=0.0) == Placement("p0", "d0")
+        result = place_pair(LeastLoaded(), REQUEST, [], [], [], now=0.0)
+        assert isinstance(result, Rejection) and result.reason is RejectReason.NO_PREFILL_INSTANCE
+
+    def test_an_aggregated_placement_is_one_ledger_entry(self):
+        placed = Placed(conductor="c0", prefill_instance="a0", decode_instance="a0", request_id="r", prefill_s=0.5,
+                        ttl_s=5.0, decode_ttl_s=9.0)
+        (stage,) = placement_stages(placed, now=10.0)
+        assert (stage.instance_id, stage.expires_at, stage.work_s) == ("a0", 19.0, 0.5)

@@ -30,6 +30,8 @@ from halfmoon.protocol import (
     ResumeRequest,
     TokenEvent,
     Usage,
+    WorkDone,
+    WorkOutcome,
     codecs,
 )
 from halfmoon.protocol.cache import (
@@ -113,7 +115,10 @@ CASES = [
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="client gone")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="migrated", attempt=0)),
     (codecs.RESUME, ResumeRequest(request_id="r-1", attempt=1, from_index=17)),
-    (codecs.PLACED, Placed(conductor="conductor-1", prefill_instance="p0", decode_instance="d1")),
+    (codecs.PLACED, Placed(conductor="conductor-1", prefill_instance="p0", decode_instance="d1", request_id="r-1",
+                           prefill_s=0.25, prompt_tokens=6, ttl_s=61.0, decode_ttl_s=90.0)),
+    (codecs.WORK_DONE, WorkDone(request_id="r-1", instance_id="p0", outcome=WorkOutcome.COMPLETED)),
+    (codecs.WORK_DONE, WorkDone(request_id="r-1", instance_id="d1", outcome=WorkOutcome.CANCELLED, attempt=2)),
     (
         codecs.DECODE_REQUEST,
         DecodeRequest(

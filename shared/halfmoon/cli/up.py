@@ -58,7 +58,8 @@ def _up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     env, api_line = gateway_security(args, run_dir)
     model = Path(args.model) if args.model else ensure_default_model(console)
-    counts = {"prefill": args.prefill, "decode": args.decode, "transfer": args.transfer, "conductor": args.conductors}
+    counts = engine_counts(args.prefill, args.decode, args.aggregated)
+    counts.update(transfer=args.transfer, conductor=args.conductors)
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
                            gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
@@ -72,7 +73,7 @@ def _up(args: argparse.Namespace) -> int:
         console.print(f"[red]{exc}[/]\nstopped everything; logs in {cluster.run_dir}/logs")
         return 1
     console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
-                  f"[bold]{model.name}[/] ({args.prefill} prefill, {args.decode} decode); logs in {cluster.run_dir}/logs, "
+                  f"[bold]{model.name}[/] ({shape(counts)}); logs in {cluster.run_dir}/logs, "
                   f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). A process that exits is "
                   f"restarted; Ctrl-C stops everything.")
     nats_line = (f"each service has its own NATS user ({cluster.run_dir}/nats-credentials.json, 0600)"
@@ -102,11 +103,29 @@ def _up(args: argparse.Namespace) -> int:
     return code
 
 
+def engine_counts(prefill: int | None, decode: int | None, aggregated: int) -> dict[str, int]:
+    """Instances per engine service: disaggregated 1 + 1 unless aggregated ones are asked for."""
+    default = 0 if aggregated else 1
+    counts = {"prefill": default if prefill is None else prefill, "decode": default if decode is None else decode,
+              "aggregated": aggregated}
+    if min(counts.values()) < 0:
+        raise SystemExit(f"halfmoon up: instance counts must be >= 0, got {counts}")
+    if not counts["aggregated"] and not (counts["prefill"] and counts["decode"]):
+        raise SystemExit("halfmoon up: serving needs a prefill and a decode instance, or --aggregated N")
+    return counts
+
+
+def shape(counts: dict[str, int]) -> str:
+    return ", ".join(f"{counts[name]} {name}" for name in ("prefill", "decode", "aggregated") if counts[name])
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="start NATS and every service on this machine")
     up.add_argument("--model", help="model directory (default: a tiny random Llama, created on first use)")
-    up.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    up.add_argument("--decode", type=int, default=1, help="decode instances")
+    up.add_argument("--prefill", type=int, help="prefill instances (default 1, or 0 with --aggregated)")
+    up.add_argument("--decode", type=int, help="decode instances (default 1, or 0 with --aggregated)")
+    up.add_argument("--aggregated", type=int, default=0,
+                    help="aggregated instances: each prefills and decodes its requests itself (no hand-off)")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
     up.add_argument("--conductors", type=int, default=1, help="conductors (2: a hot standby shares the placements)")
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free one)")

@@ -20,7 +20,7 @@ import nats
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
-from halfmoon.deploy.topology import ServiceSpec, instances
+from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
 
@@ -140,9 +140,9 @@ class LocalCluster:
             env["HALFMOON_PORT"] = str(self.gateway_port)
         if spec.name == "transfer":
             env["HALFMOON_NVME_DIR"] = str(self.run_dir / "nvme" / instance_id)
-        if spec.name in ("prefill", "decode") and "OMP_NUM_THREADS" not in os.environ:
+        if spec.name in ENGINE_SERVICES and "OMP_NUM_THREADS" not in os.environ:
             # One machine, several engines: more torch threads than cores makes every engine crawl.
-            engines = sum(1 for s, _ in self.plan if s.name in ("prefill", "decode"))
+            engines = sum(1 for s, _ in self.plan if s.name in ENGINE_SERVICES)
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
         if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
             env.update(HALFMOON_METRICS_PORT="-1", HALFMOON_METRICS_HOST="127.0.0.1")  # -1: any free port

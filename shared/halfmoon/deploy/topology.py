@@ -26,17 +26,24 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("gateway", "halfmoon.services.gateway", scalable=True),
 )
 
+# Services a deployment runs only when asked (``halfmoon up --aggregated N``); none by default, and not yet
+# in the compose and Kubernetes manifests.
+OPTIONAL_SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec("aggregated", "halfmoon.services.aggregated", scalable=True),
+)
+
 REQUEST_PATH = ("gateway", "conductor", "prefill", "transfer", "decode")
+ENGINE_SERVICES = ("prefill", "decode", "aggregated")  # the processes that run a model engine
 
 
 def instances(counts: dict[str, int]) -> list[tuple[ServiceSpec, str]]:
-    """(spec, instance id) for every process of a deployment; unnamed services run once."""
-    unknown = set(counts) - {s.name for s in SERVICES}
+    """(spec, instance id) for every process of a deployment; unnamed services run once (optional ones not)."""
+    unknown = set(counts) - {s.name for s in (*SERVICES, *OPTIONAL_SERVICES)}
     if unknown:
         raise ValueError(f"unknown services {sorted(unknown)}")
     result = []
-    for spec in SERVICES:
-        count = counts.get(spec.name, 1)
+    for spec in (*SERVICES, *OPTIONAL_SERVICES):
+        count = counts.get(spec.name, 0 if spec in OPTIONAL_SERVICES else 1)
         if count < 0 or (count > 1 and not spec.scalable):
             raise ValueError(f"{spec.name} runs {'once' if not spec.scalable else 'zero or more times'}, not {count}")
         result.extend((spec, f"{spec.name}-{i}") for i in range(count))

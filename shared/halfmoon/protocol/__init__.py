@@ -6,7 +6,15 @@ from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, FinishReason, ResumeRequest, StreamEvent, TokenEvent, Usage
 from halfmoon.protocol.subjects import PROTOCOL_VERSION, Subjects, check_token
-from halfmoon.protocol.work import BlockLocation, CancelRequest, DecodeRequest, KVLocation, PrefillRequest
+from halfmoon.protocol.work import (
+    BlockLocation,
+    CancelRequest,
+    DecodeRequest,
+    KVLocation,
+    PrefillRequest,
+    WorkDone,
+    WorkOutcome,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -39,5 +47,7 @@ __all__ = [
     "Subjects",
     "TokenEvent",
     "Usage",
+    "WorkDone",
+    "WorkOutcome",
     "check_token",
 ]

@@ -56,12 +56,17 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
                            subscribe=(s.stream_any, s.down, *inbox), responds=False)
     if role is Role.CONDUCTOR:
         return Permissions(publish=(*own, s.kv_snapshot, s.placed),
-                           subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, s.placed, *inbox), responds=True)
+                           subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, s.placed, s.work_done, s.cancel,
+                                      *inbox), responds=True)
     if role is Role.PREFILL:
-        return Permissions(publish=(*own, s.stream_any, s.kv_events, s.decode_submit_any, *pool),
+        return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, s.decode_submit_any,
+                                    *pool),
+                           subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
+    if role is Role.AGGREGATED:  # a prefill instance that decodes itself: it hands nothing to decode
+        return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, *pool),
                            subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
     if role is Role.DECODE:
-        return Permissions(publish=(*own, s.stream_any, *pool),
+        return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, *pool),
                            subscribe=(s.decode_submit_any, *engine_listens, *inbox), responds=True)
     if role is Role.CACHE_MANAGER:
         return Permissions(publish=(*own, s.transfer_orders_any),

@@ -15,6 +15,7 @@ class Role(StrEnum):
     CONDUCTOR = "conductor"
     PREFILL = "prefill"
     DECODE = "decode"
+    AGGREGATED = "aggregated"  # prefills and decodes its requests itself (no hand-off)
     CACHE_MANAGER = "cache-manager"
     TRANSFER = "transfer"
 

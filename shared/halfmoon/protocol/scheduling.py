@@ -47,11 +47,21 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
 
 
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):
-    """Conductor ``conductor`` placed one request on this pair: the others count it as load too."""
+    """Conductor ``conductor`` placed ``request_id`` on this pair: the others enter it in their ledgers
+    too. ``prefill_s``: the predicted prefill work; ``ttl_s``: how long after placement it may stay
+    without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part."""
 
     conductor: str
     prefill_instance: str
     decode_instance: str
+    request_id: str
+    prefill_s: float = 0.0
+    prompt_tokens: int = 0
+    ttl_s: float = 60.0
+    decode_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
 
 
 class RejectReason(StrEnum):

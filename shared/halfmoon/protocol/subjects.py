@@ -87,6 +87,15 @@ class Subjects:
         """Pub/sub: CancelRequest, heard by every prefill and decode instance."""
         return f"{self.root}.request.cancel"
 
+    def work_done_from(self, role: str) -> str:
+        """Pub/sub: WorkDone from prefill and decode instances of ``role``, for the conductors' ledgers."""
+        return f"{self.root}.work.done.{check_token(role, 'role')}"
+
+    @property
+    def work_done(self) -> str:
+        """Subscription pattern: WorkDone from every role."""
+        return f"{self.root}.work.done.{ANY}"
+
     def stream(self, request_id: str) -> str:
         """Pub/sub: TokenEvent | ErrorEvent for one request, consumed by its gateway."""
         return f"{self.root}.stream.{check_token(request_id, 'request id')}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.base import Message
@@ -137,6 +139,29 @@ class CancelRequest(Message, frozen=True, kw_only=True, tag="cancel"):
     request_id: str
     reason: str = ""
     attempt: int | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
+
+
+class WorkOutcome(StrEnum):
+    COMPLETED = "completed"  # this instance's part is done (prefill: the first token; decode: the last)
+    FAILED = "failed"  # an error ended the request here
+    CANCELLED = "cancelled"  # the requester cancelled it, or the instance shut down holding it
+
+
+class WorkDone(Message, frozen=True, kw_only=True, tag="work_done"):
+    """``instance_id`` is through with ``request_id`` (attempt ``attempt``): its work no longer loads it.
+
+    Published once per request and instance when its engine work ends, and once more by a prefill
+    instance whose hand-off then fails (nothing downstream will run). The conductors clear their
+    ledgers of placed work with it.
+    """
+
+    request_id: str
+    instance_id: str
+    outcome: WorkOutcome
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")

@@ -11,6 +11,8 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import nats
+
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
@@ -19,7 +21,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
-from halfmoon.protocol.work import CancelRequest
+from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
 from halfmoon.service.handoff import KVHandOff
@@ -91,7 +93,8 @@ class EngineWorker(Service[WorkerConfig]):
     acks, runs it as a task keyed by request id, cancels it on CancelRequest, refuses new
     work while draining and waits for the tasks on drain. A newer attempt of a request that
     is still here (it migrated away and back) replaces the older one. Stream events go out
-    through ``publish_event``, which keeps the recent ones for ``ResumeRequest``.
+    through ``publish_event``, which keeps the recent ones for ``ResumeRequest``. How each request's
+    work ends here goes out as WorkDone, for the conductors' ledgers of placed work.
     """
 
     config_class = WorkerConfig
@@ -109,6 +112,9 @@ class EngineWorker(Service[WorkerConfig]):
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
         self.replay = ReplayBuffer()
         self._busy: set[str] = set()  # requests whose engine work is not done (reported as load)
+        self._failed: set[str] = set()  # requests here that an error event ended
+        self._reported: dict[str, WorkOutcome] = {}  # the WorkDone sent for requests still here
+        self._reporting: set[asyncio.Task[None]] = set()
         self._accepted = 0
         self._tbt = METRICS.tbt.labels(self.instance_id)
 
@@ -151,7 +157,7 @@ class EngineWorker(Service[WorkerConfig]):
     def _on_step(self, timing: StepTiming) -> None:
         """Runs on the engine thread after every step."""
         self.meter.on_step(timing)
-        if timing.num_outputs and self.role is Role.DECODE:
+        if timing.num_outputs and self.role in (Role.DECODE, Role.AGGREGATED):
             self._tbt.observe(timing.seconds)
 
     async def _on_submit(self, request: Any) -> Message:
@@ -164,6 +170,8 @@ class EngineWorker(Service[WorkerConfig]):
             self._tasks[rid].cancel()  # superseded: the requester moved on to a newer attempt
         task = asyncio.create_task(self._guarded(request))
         self._busy.add(rid)
+        self._failed.discard(rid)
+        self._reported.pop(rid, None)
         self._accepted += 1
         self._tasks[rid], self._attempts[rid] = task, request.attempt
         task.add_done_callback(lambda t, rid=rid: self._forget(rid, t))
@@ -173,8 +181,13 @@ class EngineWorker(Service[WorkerConfig]):
         # NOTE: a task cancelled before its first step never runs ``_guarded``'s body, so only a
         # done callback sees every ending; the request leaves the load figures here whatever happened.
         if self._tasks.get(request_id) is task:
+            outcome = (WorkOutcome.CANCELLED if task.cancelled()
+                       else WorkOutcome.FAILED if request_id in self._failed else WorkOutcome.COMPLETED)
+            self._report(request_id, outcome)
             del self._tasks[request_id], self._attempts[request_id]
             self._busy.discard(request_id)
+            self._failed.discard(request_id)
+            self._reported.pop(request_id, None)
 
     async def _guarded(self, request: Any) -> None:
         """Run one request; a bug fails that request with an error event, never silently."""
@@ -188,7 +201,28 @@ class EngineWorker(Service[WorkerConfig]):
 
     def done_computing(self, request_id: str) -> None:
         """The engine's part of a request is over (prefill calls it before the hand-off)."""
-        self._busy.discard(request_id)
+        if request_id in self._busy:
+            self._busy.discard(request_id)
+            self._report(request_id, WorkOutcome.FAILED if request_id in self._failed else WorkOutcome.COMPLETED)
+
+    def _report(self, request_id: str, outcome: WorkOutcome) -> None:
+        """Publish WorkDone once per request, and again when a completed part turns into a failure later
+        (a prefill whose hand-off failed: the decode placed for it will never run)."""
+        prior = self._reported.get(request_id)
+        if prior is outcome or prior in (WorkOutcome.FAILED, WorkOutcome.CANCELLED):
+            return
+        self._reported[request_id] = outcome
+        done = WorkDone(request_id=request_id, instance_id=self.instance_id, outcome=outcome,
+                        attempt=self._attempts.get(request_id, 0))
+        task = asyncio.get_running_loop().create_task(self._publish_done(done))
+        self._reporting.add(task)
+        task.add_done_callback(self._reporting.discard)
+
+    async def _publish_done(self, done: WorkDone) -> None:
+        try:
+            await self.publish(self.subjects.work_done_from(self.role.value), done)
+        except nats.errors.Error as exc:  # the conductors' heartbeat reconciliation frees the work instead
+            self.log.warning("work done not sent", extra={"request_id": done.request_id, "error": str(exc)})
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         task = self._tasks.get(cancel.request_id)
@@ -218,6 +252,9 @@ class EngineWorker(Service[WorkerConfig]):
     async def drain(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.sleep(0)  # the tasks' done callbacks queue the last WorkDone notes; send them before goodbye
+        if self._reporting:
+            await asyncio.gather(*self._reporting, return_exceptions=True)
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):
@@ -228,5 +265,7 @@ class EngineWorker(Service[WorkerConfig]):
 
     async def send_error(self, subject: str, request_id: str, code: ErrorCode, message: str, attempt: int) -> None:
         METRICS.errors.labels(code.value).inc()
+        if request_id in self._tasks:
+            self._failed.add(request_id)
         await self.publish_event(subject, ErrorEvent(request_id=request_id, code=code, message=message,
                                                      instance_id=self.instance_id, attempt=attempt))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
 from halfmoon.policy.admission import make_admission
 from halfmoon.policy.cpp import CppPolicy
 from halfmoon.policy.decode import SloAwareDecode
+from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.policy.prefill import make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import (
@@ -27,12 +29,11 @@ ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_EPOCH = 0, 1, 2, 3
 
 
 class _PrefillNode:
-    __slots__ = ("id", "busy_until", "queue_tokens", "recent_ttft")
+    __slots__ = ("id", "busy_until", "recent_ttft")
 
     def __init__(self, id_: str) -> None:
         self.id = id_
         self.busy_until = 0.0
-        self.queue_tokens = 0
         self.recent_ttft = RecentSamples()
 
 
@@ -68,6 +69,7 @@ class DisaggregatedSim(SimBase):
             config.slo,
             None if (cpp := config.cpp_settings()) is None else CppPolicy(self.cost, cpp),
         )
+        self.ledger = WorkLedger()  # the conductor's: prefill work placed and not done, per node
         self._jobs: dict[int, tuple[tuple[_PrefillNode, ...], int, tuple, int | None, float]] = {}
 
     def _dispatch(self, kind: int, a: int, b: int) -> None:
@@ -101,7 +103,8 @@ class DisaggregatedSim(SimBase):
         req, now = self.trace[rid], self.now
         sched_req = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
         pstates = [
-            PrefillInstanceState(n.id, max(0.0, n.busy_until - now), n.queue_tokens, n.recent_ttft.values(now))
+            PrefillInstanceState(n.id, max(0.0, n.busy_until - now), self.ledger.outstanding(n.id).tokens,
+                                 n.recent_ttft.values(now))
             for n in self.prefill
         ]
         dstates = [self._decode_state(n) for n in self.decode]
@@ -118,7 +121,8 @@ class DisaggregatedSim(SimBase):
         done = max(now, *(n.busy_until for n in stages)) + choice.transfer_s + choice.prefill_s
         for stage in stages:
             stage.busy_until = done
-            stage.queue_tokens += req.input_length
+        self.ledger.place(rid, [Stage(n.id, 0, math.inf, choice.transfer_s + choice.prefill_s, req.input_length)
+                                for n in stages], now)
         self.pipelined += decision.pipeline is not None
         self.cache.node(node.id).lock(req.hash_ids[:local])
         for key, src in choice.pulls:
@@ -145,8 +149,7 @@ class DisaggregatedSim(SimBase):
         node = stages[0]
         req, now = self.trace[rid], self.now
         keys = req.hash_ids
-        for stage in stages:
-            stage.queue_tokens -= req.input_length
+        self.ledger.end(rid, now, Cleared.COMPLETED)
         self.cache.node(node.id).unlock(keys[:local])
         for key, src in pulls:
             self.cache.node(src).unlock((key,))

@@ -110,6 +110,22 @@ class Metrics:
             buckets=_ERROR_BUCKETS,
             registry=r,
         )
+        self.ttft_predicted = Histogram(
+            "halfmoon_ttft_predicted_seconds", "the conductor's predicted TTFT of each served request",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_delivered = Histogram(
+            "halfmoon_ttft_delivered_seconds", "the delivered TTFT of each request with a prediction, from placement",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        # the conductor's ledger of placed work (docs/OBSERVABILITY.md)
+        self.conductor_outstanding = Gauge(
+            "halfmoon_conductor_outstanding_requests", "requests placed on an instance and not done, per the "
+            "conductor's ledger", ["instance"], registry=r)
+        self.conductor_outstanding_work = Gauge(
+            "halfmoon_conductor_outstanding_work_seconds", "predicted prefill work placed on an instance and not "
+            "done, per the conductor's ledger", ["instance"], registry=r)
+        self.ledger_cleared = Gauge(
+            "halfmoon_conductor_ledger_cleared", "ledger entries cleared since the conductor started, by how",
+            ["how"], registry=r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._sources: list[ScrapeSource] = []
 
@@ -119,6 +135,8 @@ class Metrics:
         return lambda: self._sources.remove(source) if source in self._sources else None
 
     def record_ttft_prediction(self, predicted_s: float, delivered_s: float) -> None:
+        self.ttft_predicted.observe(predicted_s)
+        self.ttft_delivered.observe(delivered_s)
         error = abs(predicted_s - delivered_s) / max(delivered_s, 1e-6)
         self.ttft_prediction_error.labels("over" if predicted_s >= delivered_s else "under").observe(error)
 

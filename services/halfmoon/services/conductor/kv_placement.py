@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
-from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 from halfmoon.core.kv_spec import KVSpec
@@ -23,9 +21,9 @@ class KVCentricPlacement(PlacementPolicy):
     Block keys need the deployment's KV identity, which the first engine heartbeat brings
     (``adopt``); until then requests are placed least-loaded.
 
-    A prefill instance's queue wait is the predicted prefill time of its latest placements, as
-    many as it has queued + running + just-assigned requests (the oldest have finished first);
-    a decode instance's context is its used KV blocks (heartbeat) in tokens.
+    A prefill instance's queue wait is the predicted prefill work of the placements the conductor's
+    ledger holds for it, plus, for requests it reports beyond those, their mean; a decode instance's
+    context is its used KV blocks (heartbeat) in tokens.
     """
 
     def __init__(self, make_scheduler: Callable[[KVSpec], KVCentricScheduler], index: LiveBlockIndex) -> None:
@@ -33,7 +31,6 @@ class KVCentricPlacement(PlacementPolicy):
         self.index = index
         self.spec: KVSpec | None = None
         self.scheduler: KVCentricScheduler | None = None
-        self.placed_prefill_s: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=1024))
         self._before_spec = LeastLoaded()
 
     @property
@@ -53,16 +50,17 @@ class KVCentricPlacement(PlacementPolicy):
         return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size)
 
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
-        waiting = max(0, view.load.queue_len + view.load.running + view.assigned)
-        placed = self.placed_prefill_s[view.instance_id]
-        queue_s = sum(itertools.islice(reversed(placed), waiting))
+        placed = view.outstanding
+        waiting = view.pending
+        scale = waiting / placed.count if placed.count else 0.0  # requests it reports beyond the ledger's: the mean
         recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
-        return PrefillInstanceState(view.instance_id, queue_s, waiting, recent)
+        return PrefillInstanceState(view.instance_id, placed.work_s * scale, round(placed.tokens * scale), recent)
 
     def _decode_state(self, view: InstanceView) -> DecodeInstanceState:
         used = view.load.total_kv_blocks - view.load.free_kv_blocks
         recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
-        return DecodeInstanceState(view.instance_id, max(0, view.load.running + view.assigned), used * self.block_size,
+        batch = max(view.load.running, view.outstanding.count)
+        return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
@@ -80,7 +78,7 @@ class KVCentricPlacement(PlacementPolicy):
             return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s)
         assert decision.prefill is not None
         chosen = decision.prefill
-        self.placed_prefill_s[chosen.instance_id].append(chosen.transfer_s + chosen.prefill_s)
         decode_id = decision.decode.instance_id if decision.decode else min(
-            decode, key=lambda v: (v.load.running + v.assigned, v.instance_id)).instance_id
-        return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size)
+            decode, key=lambda v: (max(v.load.running, v.outstanding.count), v.instance_id)).instance_id
+        return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
+                         chosen.transfer_s + chosen.prefill_s)

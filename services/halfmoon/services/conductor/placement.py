@@ -1,4 +1,5 @@
-"""Placement policies: which prefill and decode instance serve a request. Pure code.
+"""Placement policies: which prefill and decode instance serve a request (or which aggregated
+instance serves both phases). Pure code.
 
 The cache- and SLO-aware policy (kv_placement.py, over shared/halfmoon/policy/) implements the same interface.
 """
@@ -19,6 +20,7 @@ class Placement(NamedTuple):
     decode: str
     predicted_ttft_ms: float | None = None
     reused_tokens: int = 0  # prompt tokens the chosen prefill instance is expected to reuse
+    prefill_s: float = 0.0  # predicted prefill work (transfer and compute) it adds to that instance
 
 
 class Rejection(NamedTuple):
@@ -49,12 +51,8 @@ class PlacementPolicy(ABC):
     ) -> Placement | Rejection: ...
 
 
-def _pending(view: InstanceView) -> int:
-    return max(0, view.load.queue_len + view.load.running + view.assigned)
-
-
 class LeastLoaded(PlacementPolicy):
-    """Fewest queued + running + just-assigned requests; decode ties go to more free KV blocks,
+    """Fewest pending requests (reported, or placed and not done); decode ties go to more free KV blocks,
     remaining ties to the smallest instance id."""
 
     def place(
@@ -65,6 +63,16 @@ class LeastLoaded(PlacementPolicy):
             return Rejection(RejectReason.NO_PREFILL_INSTANCE, "no live prefill instance is taking work")
         if not decode:
             return Rejection(RejectReason.NO_DECODE_INSTANCE, "no live decode instance is taking work")
-        p = min(prefill, key=lambda v: (_pending(v), v.instance_id))
-        d = min(decode, key=lambda v: (_pending(v), -v.load.free_kv_blocks, v.instance_id))
+        p = min(prefill, key=lambda v: (v.pending, v.instance_id))
+        d = min(decode, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
         return Placement(p.instance_id, d.instance_id)
+
+
+def place_pair(policy: PlacementPolicy, request: ScheduleRequest, prefill: Sequence[InstanceView],
+               decode: Sequence[InstanceView], aggregated: Sequence[InstanceView], now: float) -> Placement | Rejection:
+    """A prefill/decode pair when both pools have live instances; otherwise, when aggregated instances
+    are live, one of them for both phases (its own decode, whatever the policy's decode choice)."""
+    if aggregated and not (prefill and decode):
+        choice = policy.place(request, aggregated, aggregated, now)
+        return choice._replace(decode=choice.prefill) if isinstance(choice, Placement) else choice
+    return policy.place(request, prefill, decode, now)

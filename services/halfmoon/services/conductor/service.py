@@ -5,19 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from halfmoon.core.kv_spec import KVSpecMismatch
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
+from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.service import Service, ServiceConfig
-from halfmoon.services.conductor.placement import Placement, PlacementPolicy
+from halfmoon.services.conductor.placement import Placement, PlacementPolicy, place_pair
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView
+from halfmoon.telemetry.metrics import METRICS, Metrics
 from opentelemetry.trace import TracerProvider
 
 
@@ -26,23 +29,33 @@ class ConductorConfig(ServiceConfig, PolicySettings):
     instance_timeout_s: float = field(default=3.0, metadata={"help": "drop an instance silent this long"})
     sweep_interval_s: float = field(default=0.25, metadata={"help": "how often to look for silent instances"})
     retry_after_s: float = field(default=1.0, metadata={"help": "Retry-After suggested on rejection"})
+    ledger_grace_s: float = field(default=2.0, metadata={
+        "help": "placed work missing from its instance's heartbeat this long is dropped from the ledger"})
+    ledger_ttl_s: float = field(default=60.0, metadata={
+        "help": "placed work with no news expires this long after its predicted end"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("instance_timeout_s", "sweep_interval_s"):
+        for name in ("instance_timeout_s", "sweep_interval_s", "ledger_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        for name in ("retry_after_s", "ledger_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.check_policy()
 
 
 class ConductorService(Service[ConductorConfig]):
-    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice).
+    """Schedules on the ``schedule`` subject (queue group, so standbys never answer twice): a prefill
+    and a decode instance, or, where no such pair is live, an aggregated instance for both phases.
 
     Several conductors run side by side, each a hot standby for the others: every one hears all
     heartbeats, KV events and the others' placements (Placed), so each has the whole picture
     and takes over the moment NATS stops routing schedule requests to a dead one.
+
+    Each keeps a ledger of the work placed on every instance (its own placements and the others'),
+    cleared by the instances' WorkDone, the requesters' cancellations, InstanceDown, heartbeats that
+    hold less than it, and expiry: queue estimates drain however a request ends.
     """
 
     role = Role.CONDUCTOR
@@ -56,6 +69,8 @@ class ConductorService(Service[ConductorConfig]):
     ) -> None:
         super().__init__(config, tracer_provider)
         self.table = InstanceTable(config.instance_timeout_s)
+        self.ledger = WorkLedger(config.ledger_grace_s)
+        self._unscrape: Callable[[], None] = lambda: None
         built, self.block_index, self.prefill_cost = build_placement(config)
         self.policy = policy or built
         self._sweeper: asyncio.Task[None] | None = None
@@ -69,6 +84,9 @@ class ConductorService(Service[ConductorConfig]):
         await self.listen_downs(self._on_down)
         await self.listen(self.subjects.kv_events, codecs.KV_EVENTS, self._on_kv_events)
         await self.listen(self.subjects.placed, codecs.PLACED, self._on_placed)
+        await self.listen(self.subjects.work_done, codecs.WORK_DONE, self._on_work_done)
+        await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
+        self._unscrape = METRICS.on_scrape(self._record_ledger)
         await self.serve(
             self.subjects.schedule,
             codecs.SCHEDULE_REQUEST,
@@ -82,19 +100,35 @@ class ConductorService(Service[ConductorConfig]):
 
     async def _on_placed(self, placed: Placed, _headers: Mapping[str, str]) -> None:
         if placed.conductor != self.instance_id:
-            now = time.monotonic()
-            self.table.note_assigned(placed.prefill_instance, now)
-            self.table.note_assigned(placed.decode_instance, now)
+            self.ledger.place(placed.request_id, placement_stages(placed, time.monotonic()), time.monotonic())
+
+    async def _on_work_done(self, done: WorkDone, _headers: Mapping[str, str]) -> None:
+        self.ledger.done(done.request_id, done.instance_id, _CLEARED[done.outcome], time.monotonic())
+
+    async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
+        # NOTE: a cancel naming an attempt precedes that request's next placement, which replaces the
+        # entries anyway; acting on it could clear the new placement if the two arrive out of order.
+        if cancel.attempt is None:
+            self.ledger.end(cancel.request_id, time.monotonic())
+
+    def _record_ledger(self, metrics: Metrics) -> None:
+        metrics.conductor_outstanding.clear()
+        metrics.conductor_outstanding_work.clear()
+        for iid in {*self.ledger.instances(), *self.table.ids()}:
+            held = self.ledger.outstanding(iid)
+            metrics.conductor_outstanding.labels(iid).set(held.count)
+            metrics.conductor_outstanding_work.labels(iid).set(held.work_s)
+        for how, total in self.ledger.cleared.items():
+            metrics.ledger_cleared.labels(how.value).set(total)
 
     async def _on_kv_events(self, events: KVEvents, _headers: Mapping[str, str]) -> None:
         self.block_index.apply(events.instance_id, events.stored, events.evicted, events.snapshot)
-        if not events.snapshot:  # one prefill finished: its queue is shorter before the heartbeat says so
-            self.table.note_done(events.instance_id)
         if self.prefill_cost is not None:
             for new, cached, seconds in events.prefill_samples:
                 self.prefill_cost.record(new, cached, seconds)
 
     async def close(self) -> None:
+        self._unscrape()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -110,11 +144,14 @@ class ConductorService(Service[ConductorConfig]):
                     self.log.error("instance refused: its KV blocks would not match the others'",
                                    extra={"instance": heartbeat.instance_id, "why": str(exc)})
                 return
-        if self.table.observe(heartbeat, time.monotonic()):
+        now = time.monotonic()
+        self.ledger.reconcile(heartbeat.instance_id, heartbeat.load.queue_len + heartbeat.load.running, now)
+        if self.table.observe(heartbeat, now):
             self.log.info("instance up", extra={"instance": heartbeat.instance_id, "role": heartbeat.role.value})
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
         self.block_index.forget(down.instance_id)
+        self.ledger.instance_down(down.instance_id, time.monotonic())
         if down.reason != "silent" and self.table.remove(down.instance_id) is not None:
             self.log.info("instance left", extra={"instance": down.instance_id, "reason": down.reason})
 
@@ -126,8 +163,10 @@ class ConductorService(Service[ConductorConfig]):
                 # Holding every instance until the outage ends gives each a full timeout after it.
                 self.table.hold(time.monotonic())
                 continue
+            self.ledger.expire(time.monotonic())
             for gone in self.table.expire(time.monotonic()):
                 self.block_index.forget(gone.instance_id)
+                self.ledger.instance_down(gone.instance_id, time.monotonic())
                 self.log.warning("instance silent; dropped", extra={"instance": gone.instance_id})
                 down = InstanceDown(
                     instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time()
@@ -139,16 +178,19 @@ class ConductorService(Service[ConductorConfig]):
             return self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
         if request.deadline <= time.time():
             return self._reject(request, RejectReason.DEADLINE, "deadline passed before scheduling")
-        prefill, decode = (_avoiding(self.table.candidates(role), request.exclude) for role in (Role.PREFILL,
-                                                                                                Role.DECODE))
-        choice = self.policy.place(request, prefill, decode, now=time.time())
+        prefill, decode, aggregated = (self._candidates(role, request.exclude)
+                                       for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED))
+        choice = place_pair(self.policy, request, prefill, decode, aggregated, now=time.time())
         if not isinstance(choice, Placement):
             return self._reject(request, choice.reason, choice.message, choice.retry_after_s)
-        now = time.monotonic()
-        self.table.note_assigned(choice.prefill, now)
-        self.table.note_assigned(choice.decode, now)
-        await self.publish(self.subjects.placed, Placed(conductor=self.instance_id, prefill_instance=choice.prefill,
-                                                        decode_instance=choice.decode))
+        ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
+        placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
+                        request_id=request.request_id, prefill_s=choice.prefill_s, prompt_tokens=request.prompt_len,
+                        ttl_s=self.config.ledger_ttl_s + 2 * ttft_s,
+                        decode_ttl_s=self.config.ledger_ttl_s + 2 * (ttft_s + request.sampling.max_tokens
+                                                                     * self.config.tbt_slo_s))
+        self.ledger.place(request.request_id, placement_stages(placed, time.monotonic()), time.monotonic())
+        await self.publish(self.subjects.placed, placed)
         return ScheduleAccepted(
             request_id=request.request_id,
             prefill_instance=choice.prefill,
@@ -163,7 +205,22 @@ class ConductorService(Service[ConductorConfig]):
         return ScheduleRejected(request_id=request.request_id, reason=reason, message=message, retry_after_s=retry)
 
 
-def _avoiding(candidates: list[InstanceView], exclude: tuple[str, ...]) -> list[InstanceView]:
-    """The candidates minus those the requester saw fail, unless that leaves none (they may be back)."""
-    kept = [v for v in candidates if v.instance_id not in exclude]
-    return kept or candidates
+    def _candidates(self, role: Role, exclude: tuple[str, ...]) -> list[InstanceView]:
+        """Live instances of ``role`` with the work the ledger holds for them, minus those the requester
+        saw fail, unless that leaves none (they may be back)."""
+        views = [v._replace(outstanding=self.ledger.outstanding(v.instance_id)) for v in self.table.candidates(role)]
+        kept = [v for v in views if v.instance_id not in exclude]
+        return kept or views
+
+
+_CLEARED = {WorkOutcome.COMPLETED: Cleared.COMPLETED, WorkOutcome.FAILED: Cleared.FAILED,
+            WorkOutcome.CANCELLED: Cleared.CANCELLED}
+
+
+def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
+    """The ledger entries of one placement: prefill first, then decode (due once prefill is done); an
+    aggregated instance doing both has one entry, lasting as long as decode's."""
+    if placed.prefill_instance == placed.decode_instance:
+        return (Stage(placed.prefill_instance, 0, now + placed.decode_ttl_s, placed.prefill_s, placed.prompt_tokens),)
+    return (Stage(placed.prefill_instance, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens),
+            Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))

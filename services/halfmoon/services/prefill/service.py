@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
@@ -21,6 +22,12 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
 
 HANDOFF_TIMEOUT_S = 10.0
+
+
+class Prefix(NamedTuple):
+    keys: list[bytes]  # of the request's full blocks (prompt and delivered output)
+    local: int  # leading blocks in the local prefix cache
+    fetched: Fetched  # the blocks after those that the pool had
 
 
 class PrefillService(EngineWorker):
@@ -43,8 +50,9 @@ class PrefillService(EngineWorker):
         assert self.engine is not None
         return self.engine.kv_spec.hasher(req.tenant_salt).keys(req.prompt_token_ids + req.output_token_ids)
 
-    async def _serve(self, req: PrefillRequest) -> None:
-        started = time.perf_counter()
+    async def fetch_prefix(self, req: PrefillRequest) -> Prefix:
+        """The request's block keys, and how much of its prefix is in the local cache and in the pool."""
+        assert self.engine is not None
         keys = self.block_keys(req)
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
         # The last token is always computed: its logits give the next output token.
@@ -55,6 +63,20 @@ class PrefillService(EngineWorker):
         fetched = await self.pool.fetch_prefix(reusable[local:])
         METRICS.cache_hit_blocks.labels(self.role.value).inc(local + len(fetched.payloads))
         METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - local - len(fetched.payloads))
+        return Prefix(keys, local, fetched)
+
+    def prompt_keys(self, req: PrefillRequest, keys: list[bytes]) -> list[bytes]:
+        """The keys the engine caches the prompt's full blocks under (none without a local cache)."""
+        return keys[: len(req.prompt_token_ids) // self.config.block_size] if self.local_cache else []
+
+    def record_ttft(self, seconds: float) -> None:
+        self.meter.ttft_ms.append(seconds * 1000)
+        METRICS.ttft.labels(self.instance_id).observe(seconds)
+
+    async def _serve(self, req: PrefillRequest) -> None:
+        started = time.perf_counter()
+        keys, local, fetched = await self.fetch_prefix(req)
+        context = len(req.prompt_token_ids) + len(req.output_token_ids)
         try:
             try:
                 computing = time.perf_counter()
@@ -67,10 +89,9 @@ class PrefillService(EngineWorker):
             self.done_computing(req.request_id)
             await self.publish_event(req.stream_subject, token_event(first, req.sampling, self.instance_id,
                                                                      first.num_cached_tokens, req.attempt))
-            self.meter.ttft_ms.append((finished - started) * 1000)
-            METRICS.ttft.labels(self.instance_id).observe(finished - started)
+            self.record_ttft(finished - started)
             cached = first.num_cached_tokens
-            await self._publish_cache_events((context - cached, cached, finished - computing))
+            await self.publish_cache_events((context - cached, cached, finished - computing))
             if first.finish_reason == PREFILL_DONE:
                 await self._hand_off(req, first, keys, local, fetched)
         except (RemoteError, TransferError, OSError, EngineError) as exc:
@@ -92,12 +113,10 @@ class PrefillService(EngineWorker):
             span.set_attribute("halfmoon.blocks_hit", local + len(pooled))
             outputs = []
             try:
-                prompt_keys = keys[: len(req.prompt_token_ids) // self.config.block_size]
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
                                                       kv_blocks=pooled, kv_start_block=local,
-                                                      block_keys=prompt_keys if self.local_cache else (),
-                                                      prefill_only=True):
+                                                      block_keys=self.prompt_keys(req, keys), prefill_only=True):
                     outputs.append(out)
             except asyncio.CancelledError:
                 await self.engine.abort(req.request_id)
@@ -108,7 +127,7 @@ class PrefillService(EngineWorker):
                 span.set_attribute("halfmoon.attempt", req.attempt)
             return outputs[-1]
 
-    async def _publish_cache_events(self, sample: tuple[int, int, float]) -> None:
+    async def publish_cache_events(self, sample: tuple[int, int, float]) -> None:
         """Tell the conductor what the local prefix cache gained and lost, and how long prefill took."""
         assert self.engine is not None
         stored, evicted = await self.engine.call(lambda e: e.take_cache_events())

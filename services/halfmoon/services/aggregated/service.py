@@ -1,0 +1,65 @@
+"""Aggregated instance: prefills and decodes each request in its own engine, with no hand-off.
+
+It takes PrefillRequests like a prefill instance (the conductor places both phases here), reuses the
+prompt's prefix from its local cache and the KVCache pool, and, like a decode instance, stores the
+blocks it computes (the prompt's at once, generated ones as they fill) in the pool for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from halfmoon.core.errors import EngineError
+from halfmoon.protocol.base import ErrorCode
+from halfmoon.protocol.registry import Role
+from halfmoon.protocol.work import PrefillRequest
+from halfmoon.service.generated_kv import STORE_EVERY_BLOCKS, GeneratedKV
+from halfmoon.service.streaming import token_event
+from halfmoon.services.prefill.service import Prefix, PrefillService
+
+
+class AggregatedService(PrefillService):
+    role = Role.AGGREGATED
+
+    async def _serve(self, req: PrefillRequest) -> None:
+        started = time.perf_counter()
+        prefix = await self.fetch_prefix(req)
+        try:
+            await self._generate(req, prefix, started)
+        except EngineError as exc:
+            await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+        finally:
+            await self.pool.release(prefix.fetched.lease_id)
+
+    async def _generate(self, req: PrefillRequest, prefix: Prefix, started: float) -> None:
+        assert self.engine is not None
+        context = len(req.prompt_token_ids) + len(req.output_token_ids)
+        saver = GeneratedKV(self, req.request_id, req.tenant_salt, [*req.prompt_token_ids, *req.output_token_ids],
+                            prefix.local + len(prefix.fetched.payloads))
+        cached: int | None = None
+        with self.tracer.start_as_current_span("aggregated.generate") as span:
+            span.set_attribute("halfmoon.request_id", req.request_id)
+            span.set_attribute("halfmoon.prompt_tokens", len(req.prompt_token_ids))
+            span.set_attribute("halfmoon.blocks_hit", prefix.local + len(prefix.fetched.payloads))
+            try:
+                async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
+                                                      output_token_ids=req.output_token_ids,
+                                                      kv_blocks=prefix.fetched.payloads, kv_start_block=prefix.local,
+                                                      block_keys=self.prompt_keys(req, prefix.keys)):
+                    first = cached is None
+                    if cached is None:
+                        cached = out.num_cached_tokens
+                        self.record_ttft(time.perf_counter() - started)
+                    # the prompt's blocks go to the pool as soon as they are computed; generated ones in batches
+                    saver.progress(out, every=1 if first else STORE_EVERY_BLOCKS)
+                    await self.publish_event(req.stream_subject, token_event(out, req.sampling, self.instance_id,
+                                                                             cached, req.attempt))
+                    if first:
+                        await self.publish_cache_events((context - cached, cached, time.perf_counter() - started))
+            except asyncio.CancelledError:
+                await saver.close(wait=False)
+                await self.engine.abort(req.request_id)
+                raise
+            await saver.close(wait=True)
+            span.set_attribute("halfmoon.tokens_computed", context - (cached or 0))

@@ -1,0 +1,27 @@
+"""`halfmoon up`'s engine instance counts: disaggregated by default, aggregated on request."""
+
+from __future__ import annotations
+
+import pytest
+from halfmoon.cli.up import engine_counts, shape
+from halfmoon.deploy.topology import instances
+
+
+class TestEngineCounts:
+    def test_default_is_one_prefill_one_decode(self):
+        assert engine_counts(None, None, 0) == {"prefill": 1, "decode": 1, "aggregated": 0}
+
+    def test_aggregated_alone_unless_prefill_or_decode_are_asked_for(self):
+        assert engine_counts(None, None, 2) == {"prefill": 0, "decode": 0, "aggregated": 2}
+        assert engine_counts(1, 1, 1) == {"prefill": 1, "decode": 1, "aggregated": 1}
+        assert shape(engine_counts(None, None, 2)) == "2 aggregated"
+
+    @pytest.mark.parametrize(("prefill", "decode", "aggregated"), [(0, 1, 0), (1, 0, 0), (-1, 1, 1)])
+    def test_a_deployment_that_cannot_serve_is_refused(self, prefill, decode, aggregated):
+        with pytest.raises(SystemExit):
+            engine_counts(prefill, decode, aggregated)
+
+    def test_aggregated_instances_run_only_when_asked_for(self):
+        assert not [iid for _, iid in instances({}) if iid.startswith("aggregated")]
+        plan = [iid for _, iid in instances({"prefill": 0, "decode": 0, "aggregated": 2})]
+        assert "aggregated-1" in plan and not [iid for iid in plan if iid.startswith(("prefill", "decode"))]
