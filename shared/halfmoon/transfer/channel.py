@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 from halfmoon.storage.base import Buffer
 from halfmoon.telemetry import inject_headers
 from halfmoon.transfer.framing import LEN, MAX_HEADER, FramingError, Request, Response, encode
+from halfmoon.transfer.hooks import move_prepared
 
 
 class ChannelClosed(ConnectionError):
@@ -41,14 +42,16 @@ class Channel:
             raise
         return cls(sock)
 
-    async def send(self, header: Request | Response, payloads: Iterable[Buffer] = ()) -> None:
+    async def send(self, header: Request | Response, payloads: Iterable[Buffer] = (),
+                   prepare: Callable[[int, memoryview], object] | None = None) -> None:
+        """The header, then each payload (after ``prepare(index, payload)``, if given)."""
         if isinstance(header, Request) and not header.traceparent:
             traceparent = inject_headers().get("traceparent", "")
             if traceparent:
                 header = msgspec.structs.replace(header, traceparent=traceparent)
         await self._loop.sock_sendall(self.sock, encode(header))
-        for payload in payloads:
-            await self._loop.sock_sendall(self.sock, payload)
+        await move_prepared(prepare, [memoryview(p).cast("B") for p in payloads],
+                            lambda _, view: self._loop.sock_sendall(self.sock, view))
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` completely from the socket."""

@@ -18,8 +18,16 @@ from halfmoon.storage.base import Buffer
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
+from halfmoon.transfer.hooks import copy_into, move_checked, move_prepared
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import TransferError, Transport, check_batch, destination, missing_error
+from halfmoon.transfer.transport import (
+    BlockHook,
+    TransferError,
+    Transport,
+    check_batch,
+    destination,
+    missing_error,
+)
 
 _READ = METRICS.transfer_bytes.labels("shm", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("shm", "write")
@@ -48,6 +56,7 @@ class ShmTransport(Transport):
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
+        check: BlockHook | None = None,
     ) -> list[memoryview | None]:
         self._check_segment()
         if extents is None:
@@ -72,12 +81,11 @@ class ShmTransport(Transport):
         views: list[memoryview | None] = []
         pos = 0
         for src in sources:
-            if src is None:
-                views.append(None)
-                continue
-            out[pos : pos + src.nbytes] = src
-            views.append(out[pos : pos + src.nbytes])
-            pos += src.nbytes
+            views.append(None if src is None else out[pos : pos + src.nbytes])
+            pos += 0 if src is None else src.nbytes
+        # NOTE: checked on the private copy: every same-host client can write the segment
+        copies = {i: src for i, src in enumerate(sources) if src is not None}
+        await move_checked(check, views, lambda i, view: copy_into(view, copies[i]))
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views
@@ -90,9 +98,10 @@ class ShmTransport(Transport):
         caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
+        prepare: BlockHook | None = None,
     ) -> None:
         if tier is not Tier.DRAM:
-            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier)
+            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier, prepare=prepare)
             return
         sizes = check_batch(keys, payloads, offsets)
         self._check_segment()
@@ -105,8 +114,8 @@ class ShmTransport(Transport):
             targets = list(offsets)
         if any(o < 0 or o + s > self._shm.size for o, s in zip(targets, sizes)):
             raise ValueError("offsets fall outside the node's DRAM segment")
-        for offset, size, payload in zip(targets, sizes, payloads):
-            self._seg[offset : offset + size] = memoryview(payload).cast("B")
+        await move_prepared(prepare, [memoryview(p).cast("B") for p in payloads],
+                            lambda i, src: copy_into(self._seg[targets[i] : targets[i] + sizes[i]], src))
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
         claim = offsets is not None
         commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
@@ -123,3 +132,4 @@ class ShmTransport(Transport):
         await self.control.close()
         self._seg.release()
         self._shm.close()
+
