@@ -11,6 +11,7 @@ cache-manager already chose the offsets) and COMMIT around a write. Blocks that 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -77,15 +78,14 @@ class ShmTransport(Transport):
             for i, view in zip(lower, await self.control.read([keys[i] for i in lower], caps=lower_caps,
                                                               missing_ok=True)):
                 sources[i] = view
-        out = destination(into, sum(src.nbytes for src in sources if src is not None))
-        views: list[memoryview | None] = []
-        pos = 0
-        for src in sources:
-            views.append(None if src is None else out[pos : pos + src.nbytes])
-            pos += 0 if src is None else src.nbytes
-        # NOTE: checked on the private copy: every same-host client can write the segment
-        copies = {i: src for i, src in enumerate(sources) if src is not None}
-        await move_checked(check, views, lambda i, view: copy_into(view, copies[i]))
+        sizes = [0 if src is None else src.nbytes for src in sources]  # NOTE: blocks are never empty
+        out = destination(into, sum(sizes))
+        starts = list(accumulate(sizes, initial=0))
+        views = [out[start : start + size] if size else None for start, size in zip(starts, sizes)]
+        try:  # NOTE: checked on the private copy: every same-host client can write the segment
+            await move_checked(check, views, lambda i, view: copy_into(view, sources[i]))  # type: ignore[arg-type]
+        finally:  # NOTE: a raised hook's traceback keeps this frame: no segment view may outlive the call
+            sources.clear()
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views
