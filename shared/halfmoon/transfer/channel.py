@@ -16,7 +16,7 @@ import msgspec
 from halfmoon.storage.base import Buffer
 from halfmoon.telemetry import inject_headers
 from halfmoon.transfer.framing import LEN, MAX_HEADER, FramingError, Request, Response, encode
-from halfmoon.transfer.hooks import move_prepared
+from halfmoon.transfer.transport import move_prepared
 
 
 class ChannelClosed(ConnectionError):

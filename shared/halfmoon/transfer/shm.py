@@ -19,7 +19,6 @@ from halfmoon.storage.base import Buffer
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
-from halfmoon.transfer.hooks import copy_into, move_checked, move_prepared
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import (
     BlockHook,
@@ -28,6 +27,8 @@ from halfmoon.transfer.transport import (
     check_batch,
     destination,
     missing_error,
+    move_checked,
+    move_prepared,
 )
 
 _READ = METRICS.transfer_bytes.labels("shm", "read")
@@ -83,7 +84,7 @@ class ShmTransport(Transport):
         starts = list(accumulate(sizes, initial=0))
         views = [out[start : start + size] if size else None for start, size in zip(starts, sizes)]
         try:  # NOTE: checked on the private copy: every same-host client can write the segment
-            await move_checked(check, views, lambda i, view: copy_into(view, sources[i]))  # type: ignore[arg-type]
+            await move_checked(check, views, lambda i, view: _copy(view, sources[i]))
         finally:  # NOTE: a raised hook's traceback keeps this frame: no segment view may outlive the call
             sources.clear()
         if not missing_ok and None in views:
@@ -115,7 +116,7 @@ class ShmTransport(Transport):
         if any(o < 0 or o + s > self._shm.size for o, s in zip(targets, sizes)):
             raise ValueError("offsets fall outside the node's DRAM segment")
         await move_prepared(prepare, [memoryview(p).cast("B") for p in payloads],
-                            lambda i, src: copy_into(self._seg[targets[i] : targets[i] + sizes[i]], src))
+                            lambda i, src: _copy(self._seg[targets[i] : targets[i] + sizes[i]], src))
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
         claim = offsets is not None
         commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
@@ -133,3 +134,8 @@ class ShmTransport(Transport):
         self._seg.release()
         self._shm.close()
 
+
+
+async def _copy(dst: memoryview, src: memoryview | None) -> None:
+    """A ``Move`` within this host's memory."""
+    dst[:] = src  # type: ignore[index]  # NOTE: called only for blocks that are there

@@ -14,7 +14,6 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.auth import authenticate_to_node
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from halfmoon.transfer.hooks import move_checked
 from halfmoon.transfer.transport import (
     BlockHook,
     TransferError,
@@ -22,6 +21,7 @@ from halfmoon.transfer.transport import (
     check_batch,
     destination,
     missing_error,
+    move_checked,
 )
 
 _READ = METRICS.transfer_bytes.labels("tcp", "read")

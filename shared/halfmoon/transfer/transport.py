@@ -8,7 +8,7 @@ move bytes with one-sided reads/writes at the offsets the control messages repor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -41,10 +41,11 @@ class Transport(ABC):
     ``prepare(i, payload)`` runs on each payload just before its bytes leave and may rewrite them
     in place (the writer seals each block there); ``check(i, view)`` runs on each block read as
     soon as its bytes have landed in the caller's buffer, while later blocks are still in flight
-    (the reader verifies each block there). Why per block: the MAC then reads bytes that are hot
-    in cache, instead of one more pass over the whole batch from memory. Transports that move a
-    batch at once call them all before (``prepare``) or after (``check``) it; either may run
-    again for a block on a retry."""
+    (the reader verifies each block there). Why per block: over TCP the node keeps moving the
+    neighbouring block through the socket meanwhile (the MAC overlaps the transfer across the two
+    processes), and the MAC reads bytes the move just touched. Transports that move a batch at
+    once call them all before (``prepare``) or after (``check``) it; either may run again for a
+    block on a retry. A hook that raises fails the call."""
 
     @abstractmethod
     async def read(
@@ -102,6 +103,29 @@ def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequ
     if any(s == 0 for s in sizes):
         raise ValueError("empty blocks cannot be stored")
     return sizes
+
+
+
+Move = Callable[[int, memoryview], Awaitable[object]]
+
+
+async def move_prepared(prepare: BlockHook | None, views: Sequence[memoryview], move: Move) -> None:
+    """``move(i, views[i])`` in order, each right after ``prepare(i, views[i])`` (while its bytes
+    are in cache for the move; over TCP the node takes in block i while block i+1 is prepared)."""
+    for i, view in enumerate(views):
+        if prepare is not None:
+            prepare(i, view)
+        await move(i, view)
+
+
+async def move_checked(check: BlockHook | None, views: Sequence[memoryview | None], move: Move) -> None:
+    """``move(i, views[i])`` in order for each view (``None``: skipped), each followed by
+    ``check(i, views[i])`` (over TCP the node keeps sending block i+1 meanwhile)."""
+    for i, view in enumerate(views):
+        if view is not None:
+            await move(i, view)
+            if check is not None:
+                check(i, view)
 
 
 def prepare_all(prepare: BlockHook | None, payloads: Sequence[Buffer]) -> None:
