@@ -13,14 +13,11 @@ import torch
 from halfmoon.core.block_format import FIXED, BlockLayout, Sealer, Verifier, encode_block, verify_block
 from halfmoon.core.cluster_keys import DEV_KEYS
 from halfmoon.core.tiers import Tier
-from halfmoon.storage.dram import ShmTier
-from halfmoon.storage.node import NodeStore
-from halfmoon.storage.nvme import DirTier
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.server import BlockServer
-from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import Transport
 from tests.fixtures.dataplane import Granted
+from tests.transfer.test_transfer import server  # noqa: F401  (fixture)
 
 LAYOUT = BlockLayout(hashlib.sha256(b"hooks").digest(), torch.float16, 4, 2, 64, DEV_KEYS.kv_mac)
 
@@ -33,16 +30,6 @@ def unsealed(n: int) -> tuple[list[bytes], list[bytearray]]:
     gen = torch.Generator().manual_seed(n)
     return [key(i) for i in range(n)], [encode_block(LAYOUT, torch.randn(4, 2, 16, 2, 64, generator=gen))
                                         for _ in range(n)]
-
-
-@pytest.fixture
-async def server(tmp_path) -> AsyncIterator[BlockServer]:
-    store = NodeStore(ShmTier(8 << 20), DirTier(tmp_path / "nvme", 8 << 20))
-    srv = BlockServer(store)
-    await srv.start()
-    yield srv
-    await srv.stop()
-    await store.close()
 
 
 @pytest.fixture(params=["tcp", "shm"])

@@ -20,16 +20,8 @@ from halfmoon.storage.segment import AttachedSegment
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import (
-    BlockHook,
-    TransferError,
-    Transport,
-    check_batch,
-    destination,
-    missing_error,
-    move_checked,
-    move_prepared,
-)
+from halfmoon.transfer.transport import (BlockHook, TransferError, Transport, check_batch,
+    destination, missing_error, move_checked, move_prepared)
 
 _READ = METRICS.transfer_bytes.labels("shm", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("shm", "write")

@@ -14,15 +14,8 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.auth import authenticate_to_node
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from halfmoon.transfer.transport import (
-    BlockHook,
-    TransferError,
-    Transport,
-    check_batch,
-    destination,
-    missing_error,
-    move_checked,
-)
+from halfmoon.transfer.transport import (BlockHook, TransferError, Transport, check_batch,
+    destination, missing_error, move_checked)
 
 _READ = METRICS.transfer_bytes.labels("tcp", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")
