@@ -2,10 +2,11 @@
 
 One round puts a batch (prefill: seal each block under its key as it is written) and gets it back
 (decode: read into one buffer, verify each block under its key as it lands), as the pool client
-does. Two baselines do the same moves: with layout v1's integrity check instead (a CRC-32 of each body on both sides, what the hand-off did
-before), and with no check at all. All carry the node's capabilities over an authenticated
-connection (the handshake is once per pooled connection, so it is not in the rounds; checking a
-capability is one HMAC of ~100 bytes per block), so the difference is what the MAC costs.
+does. Two baselines do the same moves: with layout v1's integrity check instead (a CRC-32 of each
+body on both sides, what the hand-off did before), and with no check at all. All carry the node's
+capabilities over an authenticated connection (the handshake is once per pooled connection, so it
+is not in the rounds; checking a capability is one keyed hash of ~100 bytes per block), so the
+difference is what the MAC costs.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import msgspec
 from halfmoon.storage.base import Buffer
 from halfmoon.telemetry import inject_headers
 from halfmoon.transfer.framing import LEN, MAX_HEADER, FramingError, Request, Response, encode
-from halfmoon.transfer.transport import move_prepared
 
 
 class ChannelClosed(ConnectionError):
@@ -50,8 +49,11 @@ class Channel:
             if traceparent:
                 header = msgspec.structs.replace(header, traceparent=traceparent)
         await self._loop.sock_sendall(self.sock, encode(header))
-        await move_prepared(prepare, [memoryview(p).cast("B") for p in payloads],
-                            lambda _, view: self._loop.sock_sendall(self.sock, view))
+        for i, payload in enumerate(payloads):
+            if prepare is not None:  # right before it goes: the node takes in the previous one meanwhile
+                payload = memoryview(payload).cast("B")
+                prepare(i, payload)
+            await self._loop.sock_sendall(self.sock, payload)
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` completely from the socket."""

@@ -20,8 +20,7 @@ from halfmoon.storage.segment import AttachedSegment
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import (BlockHook, TransferError, Transport, check_batch,
-    destination, missing_error, move_checked, move_prepared)
+from halfmoon.transfer.transport import BlockHook, TransferError, Transport, check_batch, destination, missing_error
 
 _READ = METRICS.transfer_bytes.labels("shm", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("shm", "write")
@@ -75,8 +74,12 @@ class ShmTransport(Transport):
         out = destination(into, sum(sizes))
         starts = list(accumulate(sizes, initial=0))
         views = [out[start : start + size] if size else None for start, size in zip(starts, sizes)]
-        try:  # NOTE: checked on the private copy: every same-host client can write the segment
-            await move_checked(check, views, lambda i, view: _copy(view, sources[i]))
+        try:
+            for i, view in enumerate(views):
+                if view is not None:
+                    view[:] = sources[i]  # type: ignore[index]
+                    if check is not None:  # NOTE: on the private copy: any same-host client can write the segment
+                        check(i, view)
         finally:  # NOTE: a raised hook's traceback keeps this frame: no segment view may outlive the call
             sources.clear()
         if not missing_ok and None in views:
@@ -107,8 +110,11 @@ class ShmTransport(Transport):
             targets = list(offsets)
         if any(o < 0 or o + s > self._shm.size for o, s in zip(targets, sizes)):
             raise ValueError("offsets fall outside the node's DRAM segment")
-        await move_prepared(prepare, [memoryview(p).cast("B") for p in payloads],
-                            lambda i, src: _copy(self._seg[targets[i] : targets[i] + sizes[i]], src))
+        for i, (offset, size, payload) in enumerate(zip(targets, sizes, payloads)):
+            src = memoryview(payload).cast("B")
+            if prepare is not None:  # right before its copy, which then reads it from cache
+                prepare(i, src)
+            self._seg[offset : offset + size] = src
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
         claim = offsets is not None
         commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
@@ -127,7 +133,3 @@ class ShmTransport(Transport):
         self._shm.close()
 
 
-
-async def _copy(dst: memoryview, src: memoryview | None) -> None:
-    """A ``Move`` within this host's memory."""
-    dst[:] = src  # type: ignore[index]  # NOTE: called only for blocks that are there

@@ -14,8 +14,7 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.auth import authenticate_to_node
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from halfmoon.transfer.transport import (BlockHook, TransferError, Transport, check_batch,
-    destination, missing_error, move_checked)
+from halfmoon.transfer.transport import BlockHook, TransferError, Transport, check_batch, destination, missing_error
 
 _READ = METRICS.transfer_bytes.labels("tcp", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")
@@ -99,7 +98,10 @@ class TcpTransport(Transport):
             if check is None:
                 await ch.recv_into(buf)
             else:  # block by block: each is checked while the next one arrives
-                await move_checked(check, views, lambda _, view: ch.recv_into(view))
+                for i, view in enumerate(views):
+                    if view is not None:
+                        await ch.recv_into(view)
+                        check(i, view)
         _READ.inc(buf.nbytes)
         if not missing_ok and None in views:
             raise missing_error(keys, views)

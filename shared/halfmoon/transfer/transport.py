@@ -8,7 +8,7 @@ move bytes with one-sided reads/writes at the offsets the control messages repor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -104,28 +104,6 @@ def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequ
         raise ValueError("empty blocks cannot be stored")
     return sizes
 
-
-
-Move = Callable[[int, memoryview], Awaitable[object]]
-
-
-async def move_prepared(prepare: BlockHook | None, views: Sequence[memoryview], move: Move) -> None:
-    """``move(i, views[i])`` in order, each right after ``prepare(i, views[i])`` (while its bytes
-    are in cache for the move; over TCP the node takes in block i while block i+1 is prepared)."""
-    for i, view in enumerate(views):
-        if prepare is not None:
-            prepare(i, view)
-        await move(i, view)
-
-
-async def move_checked(check: BlockHook | None, views: Sequence[memoryview | None], move: Move) -> None:
-    """``move(i, views[i])`` in order for each view (``None``: skipped), each followed by
-    ``check(i, views[i])`` (over TCP the node keeps sending block i+1 meanwhile)."""
-    for i, view in enumerate(views):
-        if view is not None:
-            await move(i, view)
-            if check is not None:
-                check(i, view)
 
 
 def prepare_all(prepare: BlockHook | None, payloads: Sequence[Buffer]) -> None:
