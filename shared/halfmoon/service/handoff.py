@@ -14,7 +14,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
-from halfmoon.core.block_format import BlockLayout, seal_block, verify_block
+from halfmoon.core.block_format import BlockLayout, Sealer
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.work import BlockLocation, KVLocation
@@ -78,12 +78,14 @@ class KVHandOff:
         """Write blocks ``indexes`` outside the pool, under their one-off keys, to the first live
         transfer node that takes them; where each one is."""
         keys = [handoff_key(request_id, i) for i in indexes]
-        blocks = [seal_block(self.layout, payloads[i], key) for i, key in zip(indexes, keys)]
+        blocks = [payloads[i] for i in indexes]
+        seal = Sealer(self.layout).hook(keys)  # as each is sent, once whichever node takes it
         await self.nodes.choose(TRANSFER_WAIT_S)  # waits until at least one is known
         for node in self.nodes.ordered():
             caps = [sign_park(self.park_key, node.instance_id, request_id, i, PARK_TTL_S) for i in indexes]
             try:
-                await (await self.transfer.transport(node.address)).write(keys, blocks, caps=caps, tier=Tier.NVME)
+                await (await self.transfer.transport(node.address)).write(keys, blocks, caps=caps, tier=Tier.NVME,
+                                                                          prepare=seal)
             except (TransferError, OSError) as exc:
                 self.log.warning("transfer node refused hand-off blocks",
                                  extra={"node": node.instance_id, "error": str(exc)})
@@ -94,15 +96,14 @@ class KVHandOff:
         raise TransferError("no transfer node took the hand-off blocks")
 
     # ------------------------------------------------------------------- decode side
-    async def receive(self, request_id: str, kv: KVLocation) -> list[bytes]:
-        """The longest intact prefix of the request's KV; whatever is lost is recomputed by the caller."""
+    async def receive(self, request_id: str, kv: KVLocation) -> list[memoryview]:
+        """The longest intact prefix of the request's KV (verified as it arrived, handed on without a
+        copy); whatever is lost is recomputed by the caller."""
         locations = list(kv.blocks) + ([kv.partial] if kv.partial else [])
         scratch = {handoff_key(request_id, i) for i in range(len(locations))}
         with self.tracer.start_as_current_span("decode.kv_read") as span:
-            views = await self.pool.read(locations)
-            payloads = [bytes(v) if v is not None and loc.key is not None and verify_block(self.layout, v, loc.key)
-                        else None for v, loc in zip(views, locations)]
-            if any(v is None for v in views):
+            payloads = await self.pool.read(locations)
+            if any(p is None for p in payloads):
                 METRICS.errors.labels("kv_read").inc()
             await self._drop_scratch([loc for loc in locations if loc.key in scratch])
             usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))

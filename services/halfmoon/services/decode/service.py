@@ -37,7 +37,7 @@ class DecodeService(EngineWorker):
         except EngineError as exc:
             await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
 
-    async def _generate(self, req: DecodeRequest, payloads: list[bytes]) -> None:
+    async def _generate(self, req: DecodeRequest, payloads: list[memoryview]) -> None:
         assert self.engine is not None
         with self.tracer.start_as_current_span("decode.generate") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
