@@ -1,7 +1,9 @@
 """docker-compose.yml's Halfmoon services, run here as plain processes: each with its compose command
 through infra/entrypoint.py and its compose environment, only the container addresses mapped to
 loopback ones (there is no Docker engine). Two transfer replicas share one NVMe root, as
-`--scale transfer=2` makes them. They must all pass their compose health checks and serve a completion."""
+`--scale transfer=2` makes them. As compose does, the `secrets` job's command writes the credentials
+first and NATS runs with its config (a user per role). They must all pass their compose health checks
+and serve a completion with the generated API key."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from typing import Any
 import boto3
 import httpx
 import pytest
+from halfmoon.deploy.local import nats_server_binary, wait_for_port
 from halfmoon.deploy.topology import SERVICES
 
-from tests.conftest import REPO_ROOT, NatsServer, free_port, service_env
+from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import env_of
 from tests.fixtures.s3 import S3Server, s3_server  # noqa: F401  (fixture)
 
@@ -42,7 +45,8 @@ class Instance:
 
 
 def local_env(
-    compose_env: dict[str, str], nats_url: str, s3_url: str, namespace: str, model_dir: Path, nvme_root: Path
+    compose_env: dict[str, str], nats_url: str, s3_url: str, namespace: str, model_dir: Path, nvme_root: Path,
+    secrets: Path,
 ) -> dict[str, str]:
     """The service's compose environment with container names and ports replaced by loopback ones."""
     env = dict(compose_env)
@@ -51,6 +55,8 @@ def local_env(
     assert env["HALFMOON_METRICS_HOST"] == "0.0.0.0"
     env.update(HALFMOON_NATS_URL=nats_url, HALFMOON_NAMESPACE=namespace, HALFMOON_METRICS_PORT=str(free_port()),
                HALFMOON_METRICS_HOST="127.0.0.1")  # loopback only on this machine
+    assert env["HALFMOON_SECRETS_DIR"] == "/secrets"
+    env["HALFMOON_SECRETS_DIR"] = str(secrets)
     if "HALFMOON_MODEL_DIR" in env:
         env["HALFMOON_MODEL_DIR"] = str(model_dir)
     if "HALFMOON_S3_ENDPOINT" in env:
@@ -65,30 +71,48 @@ def local_env(
 
 
 @pytest.fixture
+def secured_nats(compose: dict[str, Any], namespace: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """(NATS URL, secrets directory): the `secrets` job's command, then NATS on the config it wrote."""
+    job, port, secrets = compose["services"]["secrets"]["command"], free_port(), tmp_path / "secrets"
+    assert job[:2] == ["halfmoon", "secrets"]
+    subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "secrets", str(secrets), *job[3:], "--namespace",
+                    namespace, "--nats-host", "127.0.0.1", "--nats-port", str(port), "--store-dir",
+                    str(tmp_path / "jetstream"), "--monitor-port", "0"], check=True, env=service_env(), timeout=60)
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(secrets / "nats-server.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, 15, proc)
+        yield f"nats://127.0.0.1:{port}", secrets
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
 def compose_system(
     compose: dict[str, Any],
-    nats_server: NatsServer,
+    secured_nats: tuple[str, Path],
     s3_server: S3Server,  # noqa: F811
     namespace: str,
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> Iterator[dict[str, list[Instance]]]:
-    transfer_env = env_of(compose["services"]["transfer"])
+    nats_url, secrets = secured_nats
+    keys = dict(line.split("=", 1) for line in (secrets / "s3.env").read_text().split())
     boto3.client(
         "s3",
         endpoint_url=s3_server.endpoint_url,
         region_name="us-east-1",
-        aws_access_key_id=transfer_env["HALFMOON_S3_ACCESS_KEY"],
-        aws_secret_access_key=transfer_env["HALFMOON_S3_SECRET_KEY"],
-    ).create_bucket(Bucket=transfer_env["HALFMOON_S3_BUCKET"])  # what the s3-bucket job does
+        aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
+    ).create_bucket(Bucket=env_of(compose["services"]["transfer"])["HALFMOON_S3_BUCKET"])  # the s3-bucket job
     system: dict[str, list[Instance]] = {}
     try:
         for spec in SERVICES:
             svc = compose["services"][spec.name]
             for replica in range(REPLICAS.get(spec.name, 1)):
-                env = local_env(
-                    env_of(svc), nats_server.url, s3_server.endpoint_url, namespace, tiny_model_dir, tmp_path / "nvme"
-                )
+                env = local_env(env_of(svc), nats_url, s3_server.endpoint_url, namespace, tiny_model_dir,
+                                tmp_path / "nvme", secrets)
                 health = [sys.executable if a == "python" else a for a in svc["healthcheck"]["test"][1:]]
                 if spec.name == "gateway":
                     health = [a.replace("127.0.0.1:8000/", f"127.0.0.1:{env['HALFMOON_PORT']}/") for a in health]
@@ -133,9 +157,14 @@ class TestComposeServicesRunAsConfigured:
         assert sorted(p.name for p in nvme_root.iterdir() if p.is_dir()) == ["slot-0", "slot-1"]
 
         gateway = f"http://127.0.0.1:{compose_system['gateway'][0].env['HALFMOON_PORT']}"
-        model = httpx.get(f"{gateway}/v1/models", timeout=10).json()["data"][0]["id"]
+        keys = Path(compose_system["gateway"][0].env["HALFMOON_SECRETS_DIR"]) / "api-keys"
+        key = next(line.split()[0] for line in keys.read_text().splitlines() if not line.startswith("#"))
+        assert httpx.get(f"{gateway}/v1/models", timeout=10).status_code == 401, "compose's gateway needs a key"
+        auth = {"authorization": f"Bearer {key}"}
+        model = httpx.get(f"{gateway}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
         reply = httpx.post(
             f"{gateway}/v1/completions",
+            headers=auth,
             timeout=120,
             json={"model": model, "prompt": "the cache block", "max_tokens": 8, "temperature": 0},
         )
