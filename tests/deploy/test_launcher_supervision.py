@@ -147,7 +147,7 @@ class TestCrashLoop:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             up = Up(processes, tiny_model_dir, tmp_path / "run", "--port", str(taken.getsockname()[1]),
-                    "--prefill", "0", "--decode", "0", "--transfer", "0",
+                    "--prefill", "1", "--decode", "1", "--transfer", "0",
                     "--crash-loop-window", "900")  # a gateway start takes over 10 s on a loaded machine
             assert up.proc.wait(timeout=900) == 1, up.text()
         text = up.text()

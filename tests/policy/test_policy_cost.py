@@ -42,10 +42,28 @@ class TestOnlineFitter:
         assert fitter.predict(4, 4000) == pytest.approx(0.014)
         assert len(fitter) == 8
 
-    def test_rejects_bad_sample_and_fits_a_degenerate_window(self):
-        fitter = OnlineFitter(PrefillCostModel.fit, PrefillCostModel((0.0, 1e-3, 0.0, 0.0)), min_samples=4, refit_every=1)
+    def test_rejects_bad_sample_and_keeps_the_prior_for_a_degenerate_window(self):
+        prior = PrefillCostModel((0.0, 1e-3, 0.0, 0.0))
+        fitter = OnlineFitter(PrefillCostModel.fit, prior, min_samples=4, refit_every=1)
         with pytest.raises(CostModelError):
             fitter.record(float("nan"), 0, 1.0)
-        for _ in range(5):  # identical samples: rank-deficient but lstsq still returns a least-norm fit
-            fitter.record(100, 0, 0.1)
-        assert fitter.predict(100, 0) == pytest.approx(0.1)
+        for _ in range(5):  # identical samples say nothing about how time grows with the prompt
+            fitter.record(100, 0, 0.5)
+        assert fitter.model is prior and fitter.predict(200, 0) == pytest.approx(0.2)
+
+    def test_a_narrow_window_never_extrapolates_a_wild_curve(self):
+        # as measured live: one prompt length (23-25 tokens) with scheduling noise; a quadratic through
+        # these has any curvature, and at 85 tokens it predicted 64 s
+        prior = PrefillCostModel((0.0, 1e-3, 0.0, 0.0))
+        fitter = OnlineFitter(PrefillCostModel.fit, prior, min_samples=8, refit_every=1)
+        for i in range(40):
+            fitter.record(23 + i % 3, 0, (0.009, 0.059, 0.022)[i % 3])
+        assert fitter.model is prior and fitter.predict(85, 0) == pytest.approx(0.085)
+
+    def test_a_wide_window_is_fitted_and_used_within_twice_its_range(self):
+        prior = PrefillCostModel((1.0, 0.0, 0.0, 0.0))
+        fitter = OnlineFitter(PrefillCostModel.fit, prior, min_samples=8, refit_every=1)
+        for x in (16, 32, 64, 128, 256, 16, 32, 64, 128, 256):
+            fitter.record(x, 0, 0.001 + 1e-4 * x)
+        assert fitter.predict(500, 0) == pytest.approx(0.001 + 0.05)  # fitted: within 2 x 256
+        assert fitter.predict(600, 0) == 1.0  # the prior: beyond what was measured
