@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import nats
 import psutil
+from halfmoon.deploy.drills import operator_nats
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
@@ -101,7 +102,7 @@ async def soak(cluster: LocalCluster, args: argparse.Namespace, console: Console
     vocab = AutoConfig.from_pretrained(cluster.model_dir).vocab_size
     load = Load(cluster.url, card["id"], vocab, args.disconnect_every, args.prompt_tokens, args.max_tokens)
     clients = [asyncio.create_task(load.client(i)) for i in range(args.clients)]
-    nc = await nats.connect(cluster.nats_url)
+    nc = await operator_nats(cluster)
     samples, started = Samples(), time.monotonic()
     try:
         for i in range(int(args.minutes * 60 / args.sample_s) + 1):
