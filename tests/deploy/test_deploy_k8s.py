@@ -139,3 +139,9 @@ class TestSecrets:
             volumes = workloads(k8s_base)[name]["spec"]["template"]["spec"]["volumes"]
             assert any(v.get("secret", {}).get("secretName") == "halfmoon-secrets"
                        and [i["key"] for i in v["secret"]["items"]] == [key] for v in volumes), name
+
+
+class TestNoSinglePointOfFailure:
+    def test_two_conductors_share_the_work(self, k8s_base: list[dict[str, Any]]) -> None:
+        conductor = workloads(k8s_base)["conductor"]["spec"]
+        assert conductor["replicas"] >= 2 and conductor.get("strategy", {}).get("type") != "Recreate"
