@@ -142,6 +142,7 @@ class TestSecrets:
 
 
 class TestNoSinglePointOfFailure:
-    def test_two_conductors_share_the_work(self, k8s_base: list[dict[str, Any]]) -> None:
-        conductor = workloads(k8s_base)["conductor"]["spec"]
-        assert conductor["replicas"] >= 2 and conductor.get("strategy", {}).get("type") != "Recreate"
+    @pytest.mark.parametrize("name", ["conductor", "cache-manager"])
+    def test_two_of_each_control_service(self, k8s_base: list[dict[str, Any]], name: str) -> None:
+        spec = workloads(k8s_base)[name]["spec"]
+        assert spec["replicas"] >= 2 and spec.get("strategy", {}).get("type") != "Recreate"

@@ -59,7 +59,7 @@ def _up(args: argparse.Namespace) -> int:
     env, api_line = gateway_security(args, run_dir)
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = engine_counts(args.prefill, args.decode, args.aggregated)
-    counts.update(transfer=args.transfer, conductor=args.conductors)
+    counts.update(transfer=args.transfer, conductor=args.conductors, **{"cache-manager": args.cache_managers})
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
                            gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
@@ -128,6 +128,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="aggregated instances: each prefills and decodes its requests itself (no hand-off)")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
     up.add_argument("--conductors", type=int, default=1, help="conductors (2: a hot standby shares the placements)")
+    up.add_argument("--cache-managers", type=int, default=1,
+                    help="cache-managers (2: one active, a hot standby takes over when it is gone)")
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0: any free one)")
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address (beyond loopback needs API keys)")
     up.add_argument("--api-keys-file", help="require these API keys (env HALFMOON_API_KEYS_FILE; format in "

@@ -19,7 +19,7 @@ class ServiceSpec(NamedTuple):
 
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("conductor", "halfmoon.services.conductor", scalable=True),
-    ServiceSpec("cache-manager", "halfmoon.services.cache_manager", scalable=False),
+    ServiceSpec("cache-manager", "halfmoon.services.cache_manager", scalable=True),  # one active, the rest standbys
     ServiceSpec("transfer", "halfmoon.services.transfer", scalable=True),
     ServiceSpec("prefill", "halfmoon.services.prefill", scalable=True),
     ServiceSpec("decode", "halfmoon.services.decode", scalable=True),

@@ -34,6 +34,11 @@ def rate_limit_bucket(subjects: Subjects) -> str:
     return "halfmoon_ratelimit_" + subjects.namespace.replace(".", "_")
 
 
+def leadership_bucket(subjects: Subjects) -> str:
+    """The JetStream key-value bucket holding which instance of a role is the active one (cache-manager)."""
+    return "halfmoon_leaders_" + subjects.namespace.replace(".", "_")
+
+
 def _jetstream_kv(bucket: str) -> tuple[str, ...]:
     stream = f"KV_{bucket}"
     return (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
@@ -69,7 +74,7 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, *pool),
                            subscribe=(s.decode_submit_any, *engine_listens, *inbox), responds=True)
     if role is Role.CACHE_MANAGER:
-        return Permissions(publish=(*own, s.transfer_orders_any),
+        return Permissions(publish=(*own, s.transfer_orders_any, *_jetstream_kv(leadership_bucket(s))),
                            subscribe=(*(s.cache(op) for op in sorted(CACHE_OPERATIONS)), s.heartbeat, s.down, *inbox),
                            responds=True)
     return Permissions(publish=own, subscribe=(s.transfer_orders_any, *inbox), responds=True)  # transfer

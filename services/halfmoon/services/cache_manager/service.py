@@ -4,36 +4,68 @@ It knows every transfer node from its heartbeats and rebuilds the block index fr
 inventories (so a restarted manager loses nothing), answers put_start / put_end / lookup /
 release / remove / stats over NATS, and runs housekeeping: revoking puts that never ended,
 expiring leases, and sending tiering orders (demote, promote, replicate, free) to the nodes.
+
+Several may run: one is active (it holds the ``cache-manager`` lease, service/leadership.py),
+the others are hot standbys that know the nodes and serve nothing. When the active one is gone,
+its lease lapses within ``leadership_ttl_s`` and a standby takes over: it rebuilds the index from
+the nodes' inventories, then answers and sends orders. One writer at a time, because two would
+place blocks on the same free extents.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import nats.errors
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_index import PoolIndex
-from halfmoon.kv.pool_types import InventoryItem, NodeSpec, Order, OrderKind, PoolConfig, Replica
+from halfmoon.kv.pool_types import (
+    InventoryItem,
+    NodeSpec,
+    Order,
+    OrderKind,
+    PoolConfig,
+    Replica,
+)
 from halfmoon.kv.pool_wire import executing_node, stats_reply
 from halfmoon.policy.eviction import Watermarks
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, RemoteError
-from halfmoon.protocol.cache import BlockReplicas, CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
-from halfmoon.protocol.pool import OrderBatch, PoolStatsReply, RemoveRequest, StatsRequest
+from halfmoon.protocol.cache import (
+    BlockReplicas,
+    CacheAck,
+    Lookup,
+    LookupResult,
+    PutEnd,
+    PutPlan,
+    PutStart,
+    Release,
+)
+from halfmoon.protocol.permissions import leadership_bucket
+from halfmoon.protocol.pool import (
+    OrderBatch,
+    PoolStatsReply,
+    RemoveRequest,
+    StatsRequest,
+)
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
 from halfmoon.service.config import ServiceConfig
+from halfmoon.service.leadership import Leadership
 from halfmoon.services.cache_manager.grants import READ, WRITE, Grants
 from halfmoon.telemetry.metrics import METRICS, Metrics
 from halfmoon.transfer.capability import Right
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
+from nats.aio.subscription import Subscription
 from opentelemetry.trace import TracerProvider
 
 ORDER_TIMEOUT_S = 30.0
@@ -55,12 +87,16 @@ class CacheManagerConfig(ServiceConfig):
     tenant_quota_bytes: int = field(default=0, metadata={
         "help": "pool bytes each tenant may hold (0: no quota; requests without a tenant are never limited)"})
     tenant_quotas: str = field(default="", metadata={"help": "per-tenant quotas overriding it: name=bytes,..."})
+    leadership_ttl_s: float = field(default=3.0, metadata={
+        "help": "lease of the active cache-manager: a standby takes over within about this once it is gone"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.pool_config()  # validates
         if self.capability_ttl_s <= 0:
             raise ValueError(f"capability_ttl_s must be > 0, got {self.capability_ttl_s}")
+        if self.leadership_ttl_s <= 0:
+            raise ValueError(f"leadership_ttl_s must be > 0, got {self.leadership_ttl_s}")
 
     def quotas(self) -> dict[str, int]:
         out = {}
@@ -96,6 +132,9 @@ class CacheManagerService(Service[CacheManagerConfig]):
         self._joining: set[str] = set()
         self._orders: list[Order] = []
         self._housekeeping: asyncio.Task[None] | None = None
+        self._leading: asyncio.Task[None] | None = None
+        self._served: list[Subscription] = []  # the pool's subjects, while this instance is the active one
+        self.leadership: Leadership | None = None
         self._unscrape: Callable[[], None] = lambda: None
 
     def load(self) -> Load:
@@ -105,15 +144,61 @@ class CacheManagerService(Service[CacheManagerConfig]):
     async def start(self) -> None:
         await self.listen_heartbeats(self._on_heartbeat)
         await self.listen_downs(self._on_down)
-        cache = self.subjects.cache
-        await self.serve(cache("put_start"), codecs.CACHE_PUT_START, self._put_start, span_name="cache.put_start")
-        await self.serve(cache("put_end"), codecs.CACHE_PUT_END, self._put_end, span_name="cache.put_end")
-        await self.serve(cache("lookup"), codecs.CACHE_LOOKUP, self._lookup, span_name="cache.lookup")
-        await self.serve(cache("release"), codecs.CACHE_RELEASE, self._release, span_name="cache.release")
-        await self.serve(cache("remove"), codecs.CACHE_REMOVE, self._remove, span_name="cache.remove")
-        await self.serve(cache("stats"), codecs.CACHE_STATS_REQUEST, self._stats, span_name="cache.stats")
-        self._housekeeping = asyncio.create_task(self._housekeep_forever())
+        self.leadership = Leadership(self.nc.jetstream(), leadership_bucket(self.subjects), self.role.value,
+                                     self.instance_id, self.config.leadership_ttl_s)
+        if await self.leadership.try_acquire():
+            await self._take_over()
+        else:
+            self.log.info("standby: another cache-manager is active")
+        self._leading = asyncio.create_task(self._lead_forever())
         self._unscrape = METRICS.on_scrape(self._record_pool)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._served)
+
+    async def _lead_forever(self) -> None:
+        assert self.leadership is not None
+        while True:
+            await asyncio.sleep(self.leadership.period_s)
+            try:
+                if self.active:
+                    await self.leadership.renew()
+                elif await self.leadership.try_acquire():
+                    await self._take_over()
+            except (nats.errors.Error, TimeoutError) as exc:  # NATS away: a lease not renewed lapses by itself
+                self.log.warning("leadership not renewed", extra={"error": repr(exc)})
+            if self.active and not self.leadership.held:
+                await self._step_down()
+
+    async def _take_over(self) -> None:
+        """Become the active cache-manager: an index from the nodes' inventories, then the pool's subjects."""
+        if self.nodes:  # a standby's index is as old as its joins: every node joins again on its next heartbeat
+            self.index, self.nodes = PoolIndex(self.config.pool_config()), {}
+        cache, queue = self.subjects.cache, self.role.value  # NOTE: a queue group: never two answers to one request
+        self._served = [
+            await self.serve(cache("put_start"), codecs.CACHE_PUT_START, self._put_start, span_name="cache.put_start",
+                             queue=queue),
+            await self.serve(cache("put_end"), codecs.CACHE_PUT_END, self._put_end, span_name="cache.put_end",
+                             queue=queue),
+            await self.serve(cache("lookup"), codecs.CACHE_LOOKUP, self._lookup, span_name="cache.lookup", queue=queue),
+            await self.serve(cache("release"), codecs.CACHE_RELEASE, self._release, span_name="cache.release",
+                             queue=queue),
+            await self.serve(cache("remove"), codecs.CACHE_REMOVE, self._remove, span_name="cache.remove", queue=queue),
+            await self.serve(cache("stats"), codecs.CACHE_STATS_REQUEST, self._stats, span_name="cache.stats",
+                             queue=queue),
+        ]
+        self._housekeeping = asyncio.create_task(self._housekeep_forever())
+        self.log.info("active: serving the pool")
+
+    async def _step_down(self) -> None:
+        for sub in self._served:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._served = []
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        self.log.warning("lease lost: standby now")
 
     def _record_pool(self, metrics: Metrics) -> None:
         metrics.pool_bytes.clear()  # nodes that left
@@ -122,8 +207,12 @@ class CacheManagerService(Service[CacheManagerConfig]):
 
     async def close(self) -> None:
         self._unscrape()
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
+        for task in (self._housekeeping, self._leading):
+            if task is not None:
+                task.cancel()
+        if self.leadership is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self.leadership.release()  # a standby takes over now, not after the lease lapses
 
     # ------------------------------------------------------------------ membership
     async def _on_heartbeat(self, beat: Heartbeat, _headers: Mapping[str, str]) -> None:
@@ -163,6 +252,8 @@ class CacheManagerService(Service[CacheManagerConfig]):
 
     # -------------------------------------------------------------------- protocol
     async def _put_start(self, req: PutStart) -> PutPlan:
+        if self.leadership is None or not self.leadership.held:  # a lapsed lease: another may be placing now
+            raise RemoteError(ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{self.instance_id} is not active"))
         try:
             placements = self.index.put_start(req.keys, req.sizes, time.time(), req.first_position, req.tenant)
         except ValueError as exc:
