@@ -256,6 +256,7 @@ class LLMEngine:
             if reason != PREFILL_DONE:
                 text += request.detokenizer.flush()
             seq.finish_reason = reason
+            self.layer_export.forget(seq.request_id)  # every layer went out in this step
             self.scheduler.finish(seq)
             if not seq.hold_kv:
                 del self._requests[seq.request_id]
@@ -281,7 +282,6 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             raise UnknownRequestError(request_id)
-        self.layer_export.forget(request_id)
         self.blocks.free(request.seq)
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams) -> list[list[int]]:

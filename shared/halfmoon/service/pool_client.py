@@ -11,18 +11,18 @@ granted for that block (its answers' ``BlockLocation.capability``).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from halfmoon.core.block_format import BlockLayout, seal_block, verify_block
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
-from halfmoon.protocol.cache import Lookup, PutEnd, PutStart, Release
+from halfmoon.protocol.cache import Lookup, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
-from halfmoon.storage.base import StorageError
+from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
 
@@ -119,42 +119,60 @@ class PoolClient:
         """put_start, seal and write the bytes to the chosen nodes, put_end; returns where each key can
         be read (the ones just stored, and those the pool already held). Payloads are sealed in place.
         Keys over ``tenant``'s quota are not stored (absent from the answer)."""
-        if not keys:
-            return {}
-        svc = self.service
-        try:
-            plan = await svc.request(svc.subjects.cache("put_start"),
-                                     PutStart(writer=svc.instance_id, keys=tuple(keys), tenant=tenant,
-                                              sizes=tuple(len(p) for p in payloads), first_position=first_position),
-                                     codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
-        except FAILURES as exc:
-            svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
+        plan = await self.place(keys, [len(p) for p in payloads], first_position, tenant)
+        if plan is None:
             return {}
         payload_of = dict(zip(keys, payloads))
         for key in {p.key for p in plan.placements if p.key is not None}:
             seal_block(self.layout, payload_of[key], key)
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
+        written = await self.write(plan.placements, payload_of)
+        return known | await self.publish(written)
+
+    async def place(self, keys: Sequence[bytes], sizes: Sequence[int], first_position: int,
+                    tenant: str = "") -> PutPlan | None:
+        """put_start: where to write each key (None when the cache-manager did not answer)."""
+        if not keys:
+            return None
+        svc = self.service
+        try:
+            return await svc.request(svc.subjects.cache("put_start"),
+                                     PutStart(writer=svc.instance_id, keys=tuple(keys), tenant=tenant,
+                                              sizes=tuple(sizes), first_position=first_position),
+                                     codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
+        except FAILURES as exc:
+            svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
+            return None
+
+    async def write(self, placements: Sequence[BlockLocation],
+                    payload_of: Mapping[bytes, Buffer]) -> dict[bytes, BlockLocation]:
+        """Write sealed payloads at their placements, one batch per node; the ones written."""
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
-        for placement in plan.placements:
+        for placement in placements:
             by_node[(placement.address, placement.tier)].append(placement)
         written: dict[bytes, BlockLocation] = {}
-        for (node, tier), placements in by_node.items():
+        for (node, tier), batch in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
-                await transport.write([p.key for p in placements], [payload_of[p.key] for p in placements],
-                                      caps=[p.capability for p in placements],
-                                      offsets=[p.offset for p in placements] if tier is Tier.DRAM else None,
-                                      tier=tier)
+                await transport.write([p.key for p in batch], [payload_of[p.key] for p in batch],
+                                      caps=[p.capability for p in batch],
+                                      offsets=[p.offset for p in batch] if tier is Tier.DRAM else None, tier=tier)
             except FAILURES as exc:
-                svc.log.warning("pool write failed; those blocks stay uncached", extra={"node": node, "error": str(exc)})
+                self.service.log.warning("pool write failed; those blocks stay uncached",
+                                         extra={"node": node, "error": str(exc)})
                 continue
-            written.update((p.key, p) for p in placements if p.key is not None)
+            written.update((p.key, p) for p in batch if p.key is not None)
+        return written
+
+    async def publish(self, written: dict[bytes, BlockLocation]) -> dict[bytes, BlockLocation]:
+        """put_end: the written blocks become visible; those it made visible (none if it failed)."""
         if not written:
-            return known
+            return {}
+        svc = self.service
         try:
             await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
                               codecs.CACHE_ACK, CACHE_TIMEOUT_S)
         except FAILURES as exc:
             svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
-            return known
-        return known | written
+            return {}
+        return written

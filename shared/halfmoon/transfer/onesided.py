@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -24,19 +23,13 @@ from halfmoon.transfer.local_memory import LocalMemory, address_of, stage_out
 from halfmoon.transfer.rdma_plan import Copy
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import (
+    SegmentRange,
     TransferError,
     Transport,
     check_batch,
     destination,
     missing_error,
 )
-
-
-class SegmentRange(NamedTuple):
-    """``length`` bytes at ``offset`` of the node's DRAM segment (a block, or a layer of one)."""
-
-    offset: int
-    length: int
 
 
 def _nbytes(view: memoryview | None) -> int:
@@ -62,6 +55,8 @@ class OneSidedPath(ABC):
 
 
 class OneSidedTransport(Transport):
+    ranged = True
+
     def __init__(self, control: TcpTransport, path: OneSidedPath) -> None:
         self.control = control
         self.path = path

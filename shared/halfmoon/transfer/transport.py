@@ -9,16 +9,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound, Buffer
 
-__all__ = ["BlockNotFound", "Transport", "TransferError"]
+__all__ = ["BlockNotFound", "SegmentRange", "Transport", "TransferError"]
 
 
 class TransferError(Exception):
     """The node could not be reached or refused the request; nothing is assumed stored."""
+
+
+class SegmentRange(NamedTuple):
+    """``length`` bytes at ``offset`` of the node's DRAM segment (a block, or a layer of one)."""
+
+    offset: int
+    length: int
 
 
 class Transport(ABC):
@@ -56,6 +64,22 @@ class Transport(ABC):
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
     ) -> None: ...
+
+    ranged = False
+    """Whether ``write_ranges``/``read_ranges``/``commit`` work: the transport addresses the node's DRAM
+    segment directly (shared memory, one-sided RDMA), so a writer can fill a block the cache-manager
+    placed piece by piece (layer by layer), a reader can read those pieces before the block is
+    committed, and ``commit`` makes it visible. Others move whole blocks only."""
+
+    async def write_ranges(self, ranges: Sequence[SegmentRange], payloads: Sequence[Buffer]) -> None:
+        raise TransferError("this transport moves whole blocks only")
+
+    async def read_ranges(self, ranges: Sequence[SegmentRange], *, into: memoryview | None = None) -> list[memoryview]:
+        raise TransferError("this transport moves whole blocks only")
+
+    async def commit(self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None,
+                     caps: Sequence[bytes] = ()) -> None:
+        raise TransferError("this transport moves whole blocks only")
 
     @abstractmethod
     async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
