@@ -88,6 +88,11 @@ class LayerReader:
                 if not all(verify_layer(self.layout, payload, layer, key) for layer in layers):
                     incoming.bad.add(index)
 
+    def layers_in(self, request_id: str) -> int:
+        """How many leading layers of every announced block of the request arrived intact (0 after a loss)."""
+        incoming = self._incoming.get(request_id)
+        return 0 if incoming is None or incoming.bad else incoming.layers_done
+
     async def take(self, request_id: str) -> dict[bytes, bytearray]:
         """The request's blocks that arrived whole and intact, by key; forgets the request."""
         self._taken.append(request_id)

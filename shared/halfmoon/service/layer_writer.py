@@ -21,6 +21,7 @@ from halfmoon.protocol.work import BlockLocation, KVProgress
 from halfmoon.service.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
+from nats.errors import Error as NatsError
 from opentelemetry.trace import Tracer
 
 Progress = Callable[[KVProgress], Awaitable[None]]
@@ -130,10 +131,16 @@ class LayerWriter:
                     self.streamed = [i for i in self.streamed if i not in indexes]  # written whole at the end
             span.set_attribute("halfmoon.blocks", len(self.streamed))
             if self.streamed:
-                await self.progress(KVProgress(request_id=self.request_id, block_size=self.block_size,
-                                               num_tokens=self.num_tokens, indexes=tuple(self.streamed),
-                                               blocks=tuple(self.placed[i] for i in self.streamed),
-                                               layers_done=layers.stop))
+                await self._announce(layers)
+
+    async def _announce(self, layers: range) -> None:
+        try:
+            await self.progress(KVProgress(request_id=self.request_id, block_size=self.block_size,
+                                           num_tokens=self.num_tokens, indexes=tuple(self.streamed),
+                                           blocks=tuple(self.placed[i] for i in self.streamed),
+                                           layers_done=layers.stop))
+        except NatsError:
+            pass  # an optimisation only: decode reads whole whatever it was not told about
 
     async def finish(self) -> list[BlockLocation | None]:
         """Commit the streamed blocks, write the others whole, put_end; where each block is."""
