@@ -117,7 +117,8 @@ class TestLayerwiseHandOff:
         expected = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32")).generate([PROMPT], GREEDY)[0]
         assert tokens == expected
         if layerwise:
-            assert events[:2] == ["decode verified layers 0..0", "prefill computes its last layer"]
+            # layers between the first and the last may land before or after the gate opens
+            assert events[0] == "decode verified layers 0..0" and "prefill computes its last layer" in events
             assert events[-1] == f"decode verified layers 0..{last}"
         else:
             assert events == ["prefill computes its last layer", f"decode verified layers 0..{last}"]
