@@ -101,8 +101,8 @@ class TestLayerwiseHandOff:
         reader = cluster.decode.layers
         heard = reader.on_progress
 
-        async def spy(msg: KVProgress) -> None:
-            await heard(msg)
+        async def spy(msg: KVProgress, context: Any = None) -> None:
+            await heard(msg, context)
             events.append(f"decode verified layers 0..{reader.layers_in(msg.request_id) - 1}")
             released.set()
 

@@ -17,6 +17,7 @@ from halfmoon.protocol.work import KVProgress
 from halfmoon.service.pool_client import FAILURES
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
+from opentelemetry.context import Context
 from opentelemetry.trace import Tracer
 
 CAPACITY = 256  # requests announced but not yet handed off; the oldest is dropped past this
@@ -36,7 +37,8 @@ class LayerReader:
         self._incoming: OrderedDict[str, _Incoming] = OrderedDict()
         self._taken: deque[str] = deque(maxlen=CAPACITY)  # a late announcement of these is ignored
 
-    async def on_progress(self, msg: KVProgress) -> None:
+    async def on_progress(self, msg: KVProgress, context: Context | None = None) -> None:
+        """Read the newly announced layers (``context``: the sender's trace, which the read joins)."""
         if msg.request_id in self._taken:
             return
         incoming = self._incoming.get(msg.request_id)
@@ -48,7 +50,7 @@ class LayerReader:
             layers = range(incoming.layers_done, min(msg.layers_done, self.layout.num_layers))
             if not layers:
                 return
-            with self.tracer.start_as_current_span("decode.kv_layers") as span:
+            with self.tracer.start_as_current_span("decode.kv_layers", context=context) as span:
                 span.set_attribute("halfmoon.request_id", msg.request_id)
                 span.set_attribute("halfmoon.layers_done", layers.stop)
                 await self._read(msg, layers, incoming)

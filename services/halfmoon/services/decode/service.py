@@ -18,6 +18,7 @@ from halfmoon.protocol.work import DecodeRequest, KVProgress
 from halfmoon.service.generated_kv import GeneratedKV
 from halfmoon.service.layer_reader import LayerReader
 from halfmoon.service.streaming import token_event
+from halfmoon.telemetry import extract_context
 from halfmoon.service.worker import EngineWorker
 
 
@@ -37,8 +38,8 @@ class DecodeService(EngineWorker):
         self.layers = LayerReader(self.transfer, self.pool.layout, self.tracer, self.log)
         await self.listen(self.subjects.decode_kv(self.instance_id), codecs.KV_PROGRESS, self._on_progress)
 
-    async def _on_progress(self, msg: KVProgress, _headers: Mapping[str, str]) -> None:
-        await self.layers.on_progress(msg)
+    async def _on_progress(self, msg: KVProgress, headers: Mapping[str, str]) -> None:
+        await self.layers.on_progress(msg, extract_context(headers))
 
     async def _serve(self, req: DecodeRequest) -> None:
         streamed = await self.layers.take(req.request_id)
