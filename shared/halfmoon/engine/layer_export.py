@@ -58,9 +58,10 @@ class LayerExport(LayerHook):
     def _copy(self, layer: int, chunk: ScheduledChunk, stream: _Stream, cache: PagedKVCache) -> None:
         seq, size, layout = chunk.seq, self.block_size, self.layout
         tokens = chunk.start + chunk.num_tokens
-        first = min(stream.first_block, -(-tokens // size))
+        count = -(-tokens // size)
+        first = min(stream.first_block, count)
         if layer == 0:
-            stream.payloads = [blank_block(layout, min(size, tokens - i * size)) for i in range(first, -(-tokens // size))]
+            stream.payloads = [blank_block(layout, min(size, tokens - i * size)) for i in range(first, count)]
         if not stream.payloads:
             return
         kv = cache.layer_blocks(layer, seq.block_table[first:first + len(stream.payloads)], tokens - first * size)

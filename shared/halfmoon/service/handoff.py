@@ -9,7 +9,6 @@ blocks, which nobody else will read.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
