@@ -1,11 +1,12 @@
 """The hand-off path with and without the KV block MAC, for ``benchmarks.pool_throughput``.
 
-One round puts a batch (prefill: seal each block under its key, write) and gets it back (decode:
-read into one buffer, verify each block under its key). Two baselines do the same moves: with
-layout v1's integrity check instead (a CRC-32 of each body on both sides, what the hand-off did
-before), and with no check at all. All carry the node's capabilities over an authenticated
-connection (the handshake is once per pooled connection, so it is not in the rounds; checking a
-capability is one HMAC of ~100 bytes per block), so the difference is what the MAC costs.
+One round puts a batch (prefill: seal each block under its key as it is written) and gets it back
+(decode: read into one buffer, verify each block under its key as it lands), as the pool client
+does. Two baselines do the same moves: with layout v1's integrity check instead (a CRC-32 of each
+body on both sides, what the hand-off did before), and with no check at all. All carry the node's
+capabilities over an authenticated connection (the handshake is once per pooled connection, so it
+is not in the rounds; checking a capability is one keyed hash of ~100 bytes per block), so the
+difference is what the MAC costs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from halfmoon.core.block_format import BlockLayout, encode_block, seal_block, verify_block
+from halfmoon.core.block_format import BlockLayout, Sealer, Verifier, encode_block
 from halfmoon.core.cluster_keys import DEV_KEYS
 from halfmoon.transfer.capability import Capability, Right, sign
 from halfmoon.transfer.transport import Transport
@@ -51,12 +52,11 @@ def handoff_cases(transport: Transport, block: int, batch: int, seed: int) -> tu
     dest = memoryview(bytearray(nbytes))
     body = layout.header_nbytes
 
-    async def with_mac() -> None:
-        for key, payload in zip(keys, payloads):
-            seal_block(layout, payload, key)
-        await transport.write(keys, payloads, caps=caps)
-        views = await transport.read(keys, caps=caps, into=dest)
-        assert all(verify_block(layout, v, k) for v, k in zip(views, keys))
+    async def with_mac() -> None:  # as the pool client does: seal each block as it is sent, verify as it lands
+        await transport.write(keys, payloads, caps=caps, prepare=Sealer(layout).hook(keys))
+        verifier = Verifier(layout, keys)
+        await transport.read(keys, caps=caps, into=dest, check=verifier)
+        assert all(verifier.intact)
 
     async def with_crc() -> None:
         sums = [zlib.crc32(memoryview(p)[body:]) for p in payloads]

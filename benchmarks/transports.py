@@ -24,6 +24,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.pool_security import grants
 from benchmarks.pool_throughput import (
     Raw,
     Result,
@@ -73,24 +74,25 @@ async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engin
     dest_array = np.frombuffer(dest, dtype=np.uint8)
     shm = await client.transport(address)
     tcp = TcpTransport(address)
-    await tcp.write(keys, payloads)
-    assert [bytes(v) for v in await shm.read(keys)] == payloads  # correctness before speed
+    caps = grants(keys)  # as a put_start / lookup answer grants them
+    await tcp.write(keys, payloads, caps=caps)
+    assert [bytes(v) for v in await shm.read(keys, caps=caps)] == payloads  # correctness before speed
 
     def memcpy() -> None:
         np.copyto(dest_array, src)
 
     cases: dict[str, Case] = {
-        "tcp get": (lambda: tcp.read(keys, into=dest), lambda: raw.get(dest), "raw socket"),
-        "tcp put": (lambda: tcp.write(keys, payloads), lambda: raw.put(payloads), "raw socket"),
-        "shm get": (lambda: shm.read(keys, into=dest), memcpy, "memcpy"),
-        "shm put": (lambda: shm.write(keys, payloads), memcpy, "memcpy"),
+        "tcp get": (lambda: tcp.read(keys, caps=caps, into=dest), lambda: raw.get(dest), "raw socket"),
+        "tcp put": (lambda: tcp.write(keys, payloads, caps=caps), lambda: raw.put(payloads), "raw socket"),
+        "shm get": (lambda: shm.read(keys, caps=caps, into=dest), memcpy, "memcpy"),
+        "shm put": (lambda: shm.write(keys, payloads, caps=caps), memcpy, "memcpy"),
     }
     closers: list[object] = [tcp]
     if offer is not None and engine is not None:
         mc = OneSidedTransport(TcpTransport(address), MooncakePath(engine, offer))
         mc.pin(dest)
-        assert [bytes(v) for v in await mc.read(keys, into=dest)] == payloads
-        extents = await mc.locate(keys)
+        assert [bytes(v) for v in await mc.read(keys, caps=caps, into=dest)] == payloads
+        extents = await mc.locate(keys, caps=caps)
         local = [address_of(dest[i * block:(i + 1) * block]) for i in range(batch)]
         remote = [offer.segment_addr + e.offset for e in extents]
 
@@ -103,9 +105,9 @@ async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engin
         pinned = [dest[i * block:(i + 1) * block] for i in range(batch)]  # payloads already in registered memory
         engine_name = "mooncake engine, one batch"
         cases |= {
-            "mooncake get": (lambda: mc.read(keys, into=dest), engine_get, engine_name),
-            "mooncake put (registered payloads)": (lambda: mc.write(keys, pinned), engine_put, engine_name),
-            "mooncake put (staged payloads)": (lambda: mc.write(keys, payloads), engine_put, engine_name),
+            "mooncake get": (lambda: mc.read(keys, caps=caps, into=dest), engine_get, engine_name),
+            "mooncake put (registered payloads)": (lambda: mc.write(keys, pinned, caps=caps), engine_put, engine_name),
+            "mooncake put (staged payloads)": (lambda: mc.write(keys, payloads, caps=caps), engine_put, engine_name),
             "mooncake get (engine) vs raw socket": (engine_get, lambda: raw.get(dest), "raw socket"),
         }
         closers.append(mc)

@@ -18,7 +18,7 @@ from halfmoon.core.tiers import Tier
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.transfer.auth import authenticate_to_node
-from halfmoon.transfer.capability import Right, sign_park
+from halfmoon.transfer.capability import CapabilityChecker, CapabilityError, Right, sign_park
 from halfmoon.transfer.channel import Channel, ChannelClosed
 from halfmoon.transfer.framing import LEN, Op, Request, decode_response, encode
 from halfmoon.transfer.server import BlockServer
@@ -125,6 +125,37 @@ class TestWithoutACapability:
         listing = await peer.request(Request(Op.INVENTORY, caps=[cap(b"", Right.LIST, NODE, keys=KEYS)]))
         assert listing.ok and listing.keys == [key(1)]
         assert await peer.delete([key(1)], caps=[cap(key(1), Right.DELETE, NODE, keys=KEYS)]) == 1
+
+
+class TestRememberedCapabilities:
+    """The node remembers tokens whose signature it checked; that must never widen what they grant."""
+
+    def test_a_remembered_token_still_expires_and_still_covers_only_its_key_and_right(self) -> None:
+        checker = CapabilityChecker(NODE, KEYS.grant, KEYS.park)
+        token = cap(key(1), Right.READ, node=NODE, keys=KEYS, ttl_s=60.0)
+        checker.check(token, Right.READ, key(1))
+        checker.check(token, Right.READ, key(1))  # remembered: no MAC this time, same answer
+        with pytest.raises(CapabilityError, match="expired"):
+            checker.check(token, Right.READ, key(1), now=time.time() + 120)
+        with pytest.raises(CapabilityError, match="another key"):
+            checker.check(token, Right.READ, key(2))
+        with pytest.raises(CapabilityError, match="does not grant"):
+            checker.check(token, Right.WRITE, key(1))
+
+    def test_a_forgery_of_a_remembered_token_is_refused(self) -> None:
+        checker = CapabilityChecker(NODE, KEYS.grant, KEYS.park)
+        token = cap(key(1), node=NODE, keys=KEYS)
+        checker.check(token, Right.READ, key(1))
+        for forged in (token[:-1] + bytes([token[-1] ^ 1]), token.replace(key(1), key(2))):
+            with pytest.raises(CapabilityError):
+                checker.check(forged, Right.READ, None)
+
+    def test_what_it_remembers_is_bounded(self) -> None:
+        checker = CapabilityChecker(NODE, KEYS.grant, KEYS.park, remembered=2)
+        tokens = [cap(key(i), node=NODE, keys=KEYS) for i in range(5)]
+        for i, token in enumerate(tokens):
+            checker.check(token, Right.READ, key(i))
+        assert list(checker._verified) == tokens[-2:]  # the oldest are forgotten, never more than asked
 
 
 class TestParkCapabilities:

@@ -74,3 +74,44 @@ class TestClaimAndErrors:
             a.free(64)
         with pytest.raises(ValueError):
             ExtentAllocator(1024, alignment=48)
+
+
+class TestBatches:
+    def test_a_run_is_placed_back_to_back_and_each_block_freed_alone(self) -> None:
+        a = ExtentAllocator(4096, alignment=64)
+        a.allocate(64)
+        run = a.allocate_run([100, 64, 1])
+        assert run == [Extent(64, 100), Extent(192, 64), Extent(256, 1)]
+        assert a.used == 64 + 128 + 64 + 64 and a.fragments == 1
+        a.free(run[1].offset)
+        assert a.allocate(64).offset == 192  # the hole of one block of the run
+        a.free_many([run[0].offset, 192, run[2].offset])
+        a.free(0)
+        assert a.used == 0 and a.fragments == 1 and a.largest_free == a.capacity
+
+    def test_without_room_for_the_whole_run_blocks_go_where_each_fits(self) -> None:
+        a = ExtentAllocator(1024, alignment=64)
+        offs = [a.allocate(128).offset for _ in range(8)]
+        a.free(offs[1])
+        a.free(offs[5])
+        assert [e.offset for e in a.allocate_run([128, 128])] == [offs[1], offs[5]]
+        with pytest.raises(OutOfSpace):
+            a.allocate_run([64, 64])  # full: all or nothing
+        assert a.used == 1024
+
+    def test_a_run_that_cannot_be_placed_takes_nothing(self) -> None:
+        a = ExtentAllocator(1024, alignment=64)
+        a.allocate(512)
+        with pytest.raises(OutOfSpace):
+            a.allocate_run([256, 256, 64])
+        assert a.used == 512 and a.fragments == 1
+
+    def test_free_many_refuses_unknown_or_repeated_offsets_and_frees_none(self) -> None:
+        a = ExtentAllocator(1024, alignment=64)
+        run = a.allocate_run([64, 64])
+        for bad in ([run[0].offset, 999], [run[0].offset, run[0].offset]):
+            with pytest.raises(KeyError):
+                a.free_many(bad)
+            assert a.used == 128
+        a.free_many([e.offset for e in run])
+        assert a.used == 0 and a.fragments == 1

@@ -141,3 +141,31 @@ class TestS3:
         for op in (t.put(key(1), b"x"), t.get(key(1)), t.contains(key(1)), t.list(), t.usage()):
             with pytest.raises(TierUnavailable):
                 await op
+
+
+class TestDramBatches:
+    async def test_a_batch_is_invisible_until_committed_and_replaces_older_values(self) -> None:
+        t = ShmTier(capacity=1 << 20)
+        try:
+            await t.put(key(1), b"old")
+            keys = [key(1), key(2), key(3)]
+            exts = t.reserve_batch(keys, [5, 5, 5])
+            for ext, data in zip(exts, (b"one..", b"two..", b"three")):
+                t.writable(ext)[:] = data
+            assert await t.get(key(1)) == b"old" and not await t.contains(key(2))
+            assert t.commit_batch(keys + [key(9)]) == [key(9)]  # not reserved: named back, nothing done
+            assert [await t.get(k) for k in keys] == [b"one..", b"two..", b"three"]
+            assert (await t.usage()).used == 3 * 64  # the old value's room is free again
+        finally:
+            await t.close()
+
+    async def test_a_batch_that_does_not_fit_reserves_nothing(self) -> None:
+        t = ShmTier(capacity=4096, alignment=64)
+        try:
+            with pytest.raises(TierFull):
+                t.reserve_batch([key(1), key(2)], [2048, 4096])
+            assert not t.is_reserved(key(1)) and (await t.usage()).used == 0
+            exts = t.reserve_batch([key(1), key(2)], [64, 64], offsets=[128, 0])  # the cache-manager's offsets
+            assert [e.offset for e in exts] == [128, 0]
+        finally:
+            await t.close()

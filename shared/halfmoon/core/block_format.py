@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -231,3 +232,32 @@ def decode_layer(layout: BlockLayout, payload: Payload, layer: int, key: bytes) 
     start = layout.header_nbytes + layer * size
     body = memoryview(payload)[start : start + size]
     return _as_tensor(layout, body, (2, header.num_tokens, layout.num_kv_heads, layout.head_dim))
+
+
+class Sealer:
+    """Seals payloads in place under their keys, each key once however many writes (replicas)
+    carry it. ``hook(keys)`` is a transport's ``prepare`` for one batch: each block is sealed just
+    before its bytes leave, while they are in cache for the send or copy that follows."""
+
+    def __init__(self, layout: BlockLayout) -> None:
+        self.layout = layout
+        self._sealed: set[bytes] = set()
+
+    def hook(self, keys: Sequence[bytes]) -> Callable[[int, memoryview], None]:
+        def seal(index: int, payload: memoryview) -> None:
+            if keys[index] not in self._sealed:
+                seal_block(self.layout, payload, keys[index])
+                self._sealed.add(keys[index])
+        return seal
+
+
+class Verifier:
+    """A transport's ``check`` for one batch read under ``keys``: verifies each block as it lands
+    (in cache, while the next ones are in flight); ``intact[i]`` is block ``i``'s verdict."""
+
+    def __init__(self, layout: BlockLayout, keys: Sequence[bytes]) -> None:
+        self.layout, self.keys = layout, keys
+        self.intact = [False] * len(keys)
+
+    def __call__(self, index: int, view: memoryview) -> None:
+        self.intact[index] = verify_block(self.layout, view, self.keys[index])

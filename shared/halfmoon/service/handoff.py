@@ -13,7 +13,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
-from halfmoon.core.block_format import BlockLayout, seal_block, verify_block
+from halfmoon.core.block_format import BlockLayout, Sealer
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.work import BlockLocation, KVLocation
@@ -75,12 +75,14 @@ class KVHandOff:
         """Write blocks ``indexes`` outside the pool, under their one-off keys, to the first live
         transfer node that takes them; where each one is."""
         keys = [handoff_key(request_id, i) for i in indexes]
-        blocks = [seal_block(self.layout, payload(i), key) for i, key in zip(indexes, keys)]
+        blocks = [payload(i) for i in indexes]
+        seal = Sealer(self.layout).hook(keys)  # as each is sent, once whichever node takes it
         await self.nodes.choose(TRANSFER_WAIT_S)  # waits until at least one is known
         for node in self.nodes.ordered():
             caps = [sign_park(self.park_key, node.instance_id, request_id, i, PARK_TTL_S) for i in indexes]
             try:
-                await (await self.transfer.transport(node.address)).write(keys, blocks, caps=caps, tier=Tier.NVME)
+                await (await self.transfer.transport(node.address)).write(keys, blocks, caps=caps, tier=Tier.NVME,
+                                                                          prepare=seal)
             except (TransferError, OSError) as exc:
                 self.log.warning("transfer node refused hand-off blocks",
                                  extra={"node": node.instance_id, "error": str(exc)})
@@ -92,8 +94,9 @@ class KVHandOff:
 
     # ------------------------------------------------------------------- decode side
     async def receive(self, request_id: str, kv: KVLocation,
-                      streamed: Mapping[bytes, bytearray] | None = None) -> list[bytes]:
-        """The longest intact prefix of the request's KV; whatever is lost is recomputed by the caller.
+                      streamed: Mapping[bytes, bytearray] | None = None) -> list[memoryview]:
+        """The longest intact prefix of the request's KV (verified as it arrived, handed on without a
+        copy); whatever is lost is recomputed by the caller.
 
         ``streamed`` are blocks that already arrived layer by layer, every layer verified (by key):
         only the others are read now."""
@@ -103,12 +106,9 @@ class KVHandOff:
         with self.tracer.start_as_current_span("decode.kv_read") as span:
             pending = [loc for loc in locations if loc.key not in streamed]
             read = dict(zip(map(id, pending), await self.pool.read(pending)))
-            views = [streamed[loc.key] if loc.key in streamed else read[id(loc)] for loc in locations]
-            payloads = [bytes(v) if v is not None and loc.key is not None
-                        and (loc.key in streamed or verify_block(self.layout, v, loc.key))
-                        else None for v, loc in zip(views, locations)]
+            payloads = [memoryview(streamed[loc.key]) if loc.key in streamed else read[id(loc)] for loc in locations]
             span.set_attribute("halfmoon.blocks_streamed", len(locations) - len(pending))
-            if any(v is None for v in views):
+            if any(p is None for p in payloads):
                 METRICS.errors.labels("kv_read").inc()
             await self._drop_scratch([loc for loc in locations if loc.key in scratch])
             usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))

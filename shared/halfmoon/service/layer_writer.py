@@ -12,7 +12,7 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 
-from halfmoon.core.block_format import BlockLayout, salt_block, seal_block, seal_layers
+from halfmoon.core.block_format import BlockLayout, Sealer, salt_block, seal_layers
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.layer_plan import LayerBatches, layer_ranges
 from halfmoon.core.tiers import Tier
@@ -158,10 +158,8 @@ class LayerWriter:
                 continue
             written.update((loc.key, loc) for loc in locs if loc.key is not None)
         whole = [i for i in self.placed if i not in self.streamed]
-        for index in whole:
-            seal_block(self.layout, self.payload(index), self.keys[index])
-        written |= await self.pool.write([self.placed[i] for i in whole],
-                                         {self.keys[i]: self.payload(i) for i in whole})
+        payload_of = {self.keys[i]: self.payload(i) for i in whole}
+        written |= await self.pool.write([self.placed[i] for i in whole], payload_of, Sealer(self.layout).hook)
         visible = await self.pool.publish(written)
         out: list[BlockLocation | None] = []
         for index, key in enumerate(self.keys):

@@ -3,18 +3,18 @@
 Blocks move straight between this process and the transfer nodes; only keys, locations and
 leases go through the cache-manager. Everything here degrades to a miss: an unreachable
 cache-manager or node, a missing or corrupt block all mean "recompute", never an error.
-Every block is sealed under its key before it is written and verified under its key after it
-is read (core/block_format.py); every node operation carries the capability the cache-manager
+Every block is sealed under its key as it is written and verified under its key as it is
+read (core/block_format.py); every node operation carries the capability the cache-manager
 granted for that block (its answers' ``BlockLocation.capability``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from halfmoon.core.block_format import BlockLayout, seal_block, verify_block
+from halfmoon.core.block_format import BlockLayout, Sealer, Verifier
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
@@ -24,7 +24,7 @@ from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
 from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.transport import TransferError
+from halfmoon.transfer.transport import BlockHook, TransferError
 
 CACHE_TIMEOUT_S = 2.0
 FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
@@ -59,10 +59,9 @@ class PoolClient:
         payloads: list[memoryview] = []
         locations: list[BlockLocation] = []
         for hit, data in zip(found.hits, first):
-            candidates = [(hit.replicas[0], data)] + [(r, None) for r in hit.replicas[1:]]
-            for replica, payload in candidates:
-                payload = payload if payload is not None else (await self.read([replica]))[0]
-                if payload is not None and verify_block(self.layout, payload, hit.key):
+            for n, replica in enumerate(hit.replicas):
+                payload = data if n == 0 else (await self.read([replica]))[0]
+                if payload is not None and replica.key == hit.key:
                     payloads.append(payload)
                     locations.append(replica)
                     break
@@ -73,24 +72,26 @@ class PoolClient:
         return Fetched(payloads, locations, found.lease_id)
 
     async def read(self, replicas: Sequence[BlockLocation]) -> list[memoryview | None]:
-        """One batched read per node into fresh buffers; None where a block is missing, its node
-        unreachable or its capability refused.
-
-        Unverified: the caller checks each payload against its layout and key."""
+        """One batched read per node into fresh buffers, each block verified under the key it is
+        stored as while the rest of the batch arrives; None where a block is missing, corrupt,
+        sealed under another key, its node unreachable or its capability refused."""
         out: list[memoryview | None] = [None] * len(replicas)
         by_node: dict[str, list[int]] = defaultdict(list)
         for index, replica in enumerate(replicas):
-            by_node[replica.address].append(index)
+            if replica.key is not None:
+                by_node[replica.address].append(index)
         for node, indexes in by_node.items():
+            keys = [replicas[i].key or b"" for i in indexes]
+            verifier = Verifier(self.layout, keys)
             try:
                 transport = await self.transfer.transport(node)
-                views = await transport.read([replicas[i].key or b"" for i in indexes],
-                                             caps=[replicas[i].capability for i in indexes], missing_ok=True)
+                views = await transport.read(keys, caps=[replicas[i].capability for i in indexes], missing_ok=True,
+                                             check=verifier)
             except FAILURES as exc:
                 self.service.log.warning("KV source unreachable", extra={"node": node, "error": str(exc)})
                 continue
-            for index, view in zip(indexes, views):
-                out[index] = view
+            for index, view, intact in zip(indexes, views, verifier.intact):
+                out[index] = view if intact else None
         return out
 
     async def release(self, lease_id: str | None) -> None:
@@ -123,10 +124,9 @@ class PoolClient:
         if plan is None:
             return {}
         payload_of = dict(zip(keys, payloads))
-        for key in {p.key for p in plan.placements if p.key is not None}:
-            seal_block(self.layout, payload_of[key], key)
+        sealer = Sealer(self.layout)  # each block sealed as it is sent, once for all its replicas
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
-        written = await self.write(plan.placements, payload_of)
+        written = await self.write(plan.placements, payload_of, sealer.hook)
         return known | await self.publish(written)
 
     async def place(self, keys: Sequence[bytes], sizes: Sequence[int], first_position: int,
@@ -144,9 +144,10 @@ class PoolClient:
             svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
             return None
 
-    async def write(self, placements: Sequence[BlockLocation],
-                    payload_of: Mapping[bytes, Buffer]) -> dict[bytes, BlockLocation]:
-        """Write sealed payloads at their placements, one batch per node; the ones written."""
+    async def write(self, placements: Sequence[BlockLocation], payload_of: Mapping[bytes, Buffer],
+                    prepare: Callable[[Sequence[bytes]], BlockHook] | None = None) -> dict[bytes, BlockLocation]:
+        """Write payloads at their placements, one batch per node (``prepare(keys)``: the batch's
+        transport hook, a ``Sealer``'s to seal each block as it is sent); the ones written."""
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
         for placement in placements:
             by_node[(placement.address, placement.tier)].append(placement)
@@ -154,9 +155,10 @@ class PoolClient:
         for (node, tier), batch in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
-                await transport.write([p.key for p in batch], [payload_of[p.key] for p in batch],
-                                      caps=[p.capability for p in batch],
-                                      offsets=[p.offset for p in batch] if tier is Tier.DRAM else None, tier=tier)
+                keys = [p.key for p in batch]
+                await transport.write(keys, [payload_of[k] for k in keys], caps=[p.capability for p in batch],
+                                      offsets=[p.offset for p in batch] if tier is Tier.DRAM else None,
+                                      tier=tier, prepare=prepare(keys) if prepare else None)
             except FAILURES as exc:
                 self.service.log.warning("pool write failed; those blocks stay uncached",
                                          extra={"node": node, "error": str(exc)})

@@ -15,6 +15,7 @@ the authority on offsets, and the node's DRAM tier runs one that mirrors it via 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -62,6 +63,33 @@ class ExtentAllocator:
                 return Extent(offset, size)
         raise OutOfSpace(f"no free extent of {need} bytes (free {self.free_bytes} of {self.capacity})")
 
+    def allocate_run(self, sizes: Sequence[int]) -> list[Extent]:
+        """Extents for a batch, back to back in the first free extent that holds them all (one
+        scan and one split for the batch, not one per block), else each placed by ``allocate``;
+        either way each is freed on its own. All or nothing: ``OutOfSpace`` leaves nothing taken."""
+        needs = [self._round(s) for s in sizes]
+        total = sum(needs)
+        i = next((i for i, free in enumerate(self._sizes) if free >= total), None)
+        if i is None:
+            taken: list[Extent] = []
+            try:
+                for size in sizes:
+                    taken.append(self.allocate(size))
+            except OutOfSpace:
+                for ext in taken:
+                    self.free(ext.offset)
+                raise
+            return taken
+        offset = self._starts[i]
+        self._take(i, offset, total)
+        del self._live[offset]
+        out = []
+        for size, need in zip(sizes, needs):
+            self._live[offset] = need
+            out.append(Extent(offset, size))
+            offset += need
+        return out
+
     def _free_extent_at(self, offset: int, size: int) -> int | None:
         """Index of the free extent wholly containing ``[offset, offset + size)``, if any."""
         i = bisect.bisect_right(self._starts, offset) - 1
@@ -92,12 +120,30 @@ class ExtentAllocator:
         self.used += need
 
     def free(self, offset: int) -> None:
-        size = self._live.pop(offset, None)
-        if size is None:
-            raise KeyError(f"no live extent at offset {offset}")
-        self.used -= size
-        i = bisect.bisect_left(self._starts, offset)
-        start, end = offset, offset + size
+        self.free_many([offset])
+
+    def free_many(self, offsets: Sequence[int]) -> None:
+        """``free`` each; live extents that touch are returned as one span (a batch placed by
+        ``allocate_run`` costs one merge, not one per block). All or nothing: ``KeyError``
+        (naming an offset that is not a live extent, or one named twice) frees none."""
+        unique = sorted(set(offsets))
+        if len(unique) != len(offsets) or any(o not in self._live for o in unique):
+            bad = next((o for o in offsets if o not in self._live), None)
+            raise KeyError(f"no live extent at offset {bad}" if bad is not None else "an offset named twice")
+        spans: list[list[int]] = []
+        for offset in unique:
+            size = self._live.pop(offset)
+            self.used -= size
+            if spans and spans[-1][1] == offset:
+                spans[-1][1] = offset + size
+            else:
+                spans.append([offset, offset + size])
+        for start, end in spans:
+            self._release(start, end)
+
+    def _release(self, start: int, end: int) -> None:
+        """Put ``[start, end)`` back on the free list, merged with free neighbours."""
+        i = bisect.bisect_left(self._starts, start)
         merge_prev = i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start
         merge_next = i < len(self._starts) and self._starts[i] == end
         if merge_prev:

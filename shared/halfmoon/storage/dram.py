@@ -8,6 +8,8 @@ write at an offset that overlaps stale blocks (whose FREE order has not arrived 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from halfmoon.storage.allocator import Extent, ExtentAllocator, OutOfSpace
 from halfmoon.storage.base import BlockNotFound, Buffer, StorageTier, TierFull, TierUsage, check_key
 from halfmoon.storage.segment import create_segment
@@ -46,6 +48,30 @@ class ShmTier(StorageTier):
         self._pending[key] = ext
         return ext
 
+    def reserve_batch(self, keys: Sequence[bytes], sizes: Sequence[int],
+                      offsets: Sequence[int] | None = None) -> list[Extent]:
+        """``reserve`` for a batch, all or nothing; without ``offsets`` the blocks are placed back
+        to back where they fit together (``ExtentAllocator.allocate_run``)."""
+        if offsets is None and len(set(keys)) == len(keys):
+            for key in keys:
+                check_key(key)
+                self.abort(key)
+            try:
+                exts = self._alloc.allocate_run(sizes)
+            except OutOfSpace as exc:
+                raise TierFull(str(exc)) from None
+            self._pending.update(zip(keys, exts))
+            return exts
+        exts = []
+        try:
+            for i, (key, size) in enumerate(zip(keys, sizes)):
+                exts.append(self.reserve(key, size, None if offsets is None else offsets[i]))
+        except BaseException:
+            for key in keys:
+                self.abort(key)
+            raise
+        return exts
+
     def commit(self, key: bytes) -> Extent:
         """Make a reserved block visible, replacing any older value of the key."""
         try:
@@ -55,6 +81,21 @@ class ShmTier(StorageTier):
         self._discard(self._blocks, key)
         self._blocks[key] = ext
         return ext
+
+    def commit_batch(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``commit`` each reserved key; returns the keys that were not reserved (nothing done for them)."""
+        missing, stale = [], []
+        for key in dict.fromkeys(keys):  # a key named twice is committed once
+            ext = self._pending.pop(key, None)
+            if ext is None:
+                missing.append(key)
+                continue
+            old = self._blocks.get(key)
+            if old is not None:
+                stale.append(old.offset)
+            self._blocks[key] = ext
+        self._alloc.free_many(stale)  # the older values, in one pass
+        return missing
 
     def abort(self, key: bytes) -> None:
         self._discard(self._pending, key)

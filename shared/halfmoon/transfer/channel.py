@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 from halfmoon.storage.base import Buffer
@@ -41,13 +41,18 @@ class Channel:
             raise
         return cls(sock)
 
-    async def send(self, header: Request | Response, payloads: Iterable[Buffer] = ()) -> None:
+    async def send(self, header: Request | Response, payloads: Iterable[Buffer] = (),
+                   prepare: Callable[[int, memoryview], object] | None = None) -> None:
+        """The header, then each payload (after ``prepare(index, payload)``, if given)."""
         if isinstance(header, Request) and not header.traceparent:
             traceparent = inject_headers().get("traceparent", "")
             if traceparent:
                 header = msgspec.structs.replace(header, traceparent=traceparent)
         await self._loop.sock_sendall(self.sock, encode(header))
-        for payload in payloads:
+        for i, payload in enumerate(payloads):
+            if prepare is not None:  # right before it goes: the node takes in the previous one meanwhile
+                payload = memoryview(payload).cast("B")
+                prepare(i, payload)
             await self._loop.sock_sendall(self.sock, payload)
 
     async def recv_into(self, view: memoryview) -> None:

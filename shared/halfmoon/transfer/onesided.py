@@ -23,12 +23,15 @@ from halfmoon.transfer.local_memory import LocalMemory, address_of, stage_out
 from halfmoon.transfer.rdma_plan import Copy
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import (
+    BlockHook,
     SegmentRange,
     TransferError,
     Transport,
+    check_all,
     check_batch,
     destination,
     missing_error,
+    prepare_all,
 )
 
 
@@ -142,6 +145,7 @@ class OneSidedTransport(Transport):
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
+        check: BlockHook | None = None,
     ) -> list[memoryview | None]:
         if extents is None:
             extents = await self.locate(keys, caps)
@@ -171,6 +175,7 @@ class OneSidedTransport(Transport):
             self._check(ranges)
             await asyncio.to_thread(self._move, False, ranges, targets)
             self._read_bytes.inc(sum(r.length for r in ranges))
+        check_all(check, views)
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views
@@ -183,11 +188,13 @@ class OneSidedTransport(Transport):
         caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
+        prepare: BlockHook | None = None,
     ) -> None:
         if tier is not Tier.DRAM:
-            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier)
+            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier, prepare=prepare)
             return
         sizes = check_batch(keys, payloads, offsets)
+        prepare_all(prepare, payloads)
         targets = list(offsets) if offsets is not None else await self.reserve(keys, sizes, caps)
         await self.write_ranges([SegmentRange(o, s) for o, s in zip(targets, sizes)], payloads)
         await self.commit(keys, sizes, offsets, caps)

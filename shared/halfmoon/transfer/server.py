@@ -219,14 +219,9 @@ class BlockServer:
                 sizes=[e.size if e else MISSING for e in exts],
             )
         if req.op is Op.RESERVE:
-            try:
-                exts = [
-                    dram.reserve(k, s, req.offsets[i] if req.offsets else None)
-                    for i, (k, s) in enumerate(zip(req.keys, req.sizes))
-                ]
+            try:  # one allocation for the batch: per-block bookkeeping is what small blocks cost
+                exts = dram.reserve_batch(req.keys, req.sizes, req.offsets or None)
             except (StorageError, ValueError) as exc:
-                for k in req.keys:
-                    dram.abort(k)
                 return Response(False, error=f"{type(exc).__name__}: {exc}")
             reserved.update(req.keys)
             return Response(True, offsets=[e.offset for e in exts], sizes=[e.size for e in exts])
@@ -235,10 +230,7 @@ class BlockServer:
                 claimed = await self._control(Request(Op.RESERVE, req.keys, req.sizes, req.offsets), reserved)
                 if not claimed.ok:
                     return claimed
-            missing = [k for k in req.keys if not dram.is_reserved(k)]
-            for k in req.keys:
-                if k not in missing:
-                    dram.commit(k)
+            missing = dram.commit_batch(req.keys)
             reserved.difference_update(req.keys)
             return Response(not missing, error=f"{len(missing)} key(s) were not reserved", keys=missing,
                             count=len(req.keys) - len(missing))  # fmt: skip

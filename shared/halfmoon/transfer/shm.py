@@ -11,6 +11,7 @@ cache-manager already chose the offsets) and COMMIT around a write. Blocks that 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -20,6 +21,7 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import (
+    BlockHook,
     SegmentRange,
     TransferError,
     Transport,
@@ -55,6 +57,7 @@ class ShmTransport(Transport):
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
+        check: BlockHook | None = None,
     ) -> list[memoryview | None]:
         self._check_segment()
         if extents is None:
@@ -75,16 +78,18 @@ class ShmTransport(Transport):
             for i, view in zip(lower, await self.control.read([keys[i] for i in lower], caps=lower_caps,
                                                               missing_ok=True)):
                 sources[i] = view
-        out = destination(into, sum(src.nbytes for src in sources if src is not None))
-        views: list[memoryview | None] = []
-        pos = 0
-        for src in sources:
-            if src is None:
-                views.append(None)
-                continue
-            out[pos : pos + src.nbytes] = src
-            views.append(out[pos : pos + src.nbytes])
-            pos += src.nbytes
+        sizes = [0 if src is None else src.nbytes for src in sources]  # NOTE: blocks are never empty
+        out = destination(into, sum(sizes))
+        starts = list(accumulate(sizes, initial=0))
+        views = [out[start : start + size] if size else None for start, size in zip(starts, sizes)]
+        try:
+            for i, view in enumerate(views):
+                if view is not None:
+                    view[:] = sources[i]  # type: ignore[index]
+                    if check is not None:  # NOTE: on the private copy: any same-host client can write the segment
+                        check(i, view)
+        finally:  # NOTE: a raised hook's traceback keeps this frame: no segment view may outlive the call
+            sources.clear()
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views
@@ -97,9 +102,10 @@ class ShmTransport(Transport):
         caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
+        prepare: BlockHook | None = None,
     ) -> None:
         if tier is not Tier.DRAM:
-            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier)
+            await self.control.write(keys, payloads, caps=caps, offsets=offsets, tier=tier, prepare=prepare)
             return
         sizes = check_batch(keys, payloads, offsets)
         self._check_segment()
@@ -112,8 +118,11 @@ class ShmTransport(Transport):
             targets = list(offsets)
         if any(o < 0 or o + s > self._shm.size for o, s in zip(targets, sizes)):
             raise ValueError("offsets fall outside the node's DRAM segment")
-        for offset, size, payload in zip(targets, sizes, payloads):
-            self._seg[offset : offset + size] = memoryview(payload).cast("B")
+        for i, (offset, size, payload) in enumerate(zip(targets, sizes, payloads)):
+            src = memoryview(payload).cast("B")
+            if prepare is not None:  # right before its copy, which then reads it from cache
+                prepare(i, src)
+            self._seg[offset : offset + size] = src
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
         claim = offsets is not None
         commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
@@ -165,3 +174,5 @@ class ShmTransport(Transport):
         await self.control.close()
         self._seg.release()
         self._shm.close()
+
+

@@ -14,7 +14,7 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.auth import authenticate_to_node
 from halfmoon.transfer.channel import Channel
 from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from halfmoon.transfer.transport import TransferError, Transport, check_batch, destination, missing_error
+from halfmoon.transfer.transport import BlockHook, TransferError, Transport, check_batch, destination, missing_error
 
 _READ = METRICS.transfer_bytes.labels("tcp", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")
@@ -67,10 +67,11 @@ class TcpTransport(Transport):
             raise
         return ch
 
-    async def request(self, req: Request, payloads: Sequence[Buffer] = ()) -> Response:
+    async def request(self, req: Request, payloads: Sequence[Buffer] = (),
+                      prepare: BlockHook | None = None) -> Response:
         """One control round trip (no payloads expected back)."""
         async with self._channel() as ch:
-            await ch.send(req, payloads)
+            await ch.send(req, payloads, prepare)
             return decode_response(await ch.recv_header())
 
     async def read(
@@ -81,6 +82,7 @@ class TcpTransport(Transport):
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
+        check: BlockHook | None = None,
     ) -> list[memoryview | None]:
         async with self._channel() as ch:
             await ch.send(Request(Op.READ, list(keys), caps=list(caps)))
@@ -88,16 +90,19 @@ class TcpTransport(Transport):
             if not resp.ok or len(resp.sizes) != len(keys):
                 raise TransferError(f"{self.address}: read refused: {resp.error}")
             buf = destination(into, sum(s for s in resp.sizes if s != MISSING))
-            await ch.recv_into(buf)
+            views: list[memoryview | None] = []
+            pos = 0
+            for size in resp.sizes:
+                views.append(None if size == MISSING else buf[pos : pos + size])
+                pos += max(size, 0)
+            if check is None:
+                await ch.recv_into(buf)
+            else:  # block by block: each is checked while the next one arrives
+                for i, view in enumerate(views):
+                    if view is not None:
+                        await ch.recv_into(view)
+                        check(i, view)
         _READ.inc(buf.nbytes)
-        views: list[memoryview | None] = []
-        pos = 0
-        for size in resp.sizes:
-            if size == MISSING:
-                views.append(None)
-                continue
-            views.append(buf[pos : pos + size])
-            pos += size
         if not missing_ok and None in views:
             raise missing_error(keys, views)
         return views
@@ -110,10 +115,11 @@ class TcpTransport(Transport):
         caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
+        prepare: BlockHook | None = None,
     ) -> None:
         sizes = check_batch(keys, payloads, offsets)
         req = Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier), caps=list(caps))
-        resp = await self.request(req, payloads)
+        resp = await self.request(req, payloads, prepare)
         if not resp.ok:
             raise TransferError(f"{self.address}: {len(resp.keys)} block(s) not stored: {resp.error}")
         _WRITTEN.inc(sum(sizes))

@@ -8,14 +8,17 @@ move bytes with one-sided reads/writes at the offsets the control messages repor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound, Buffer
 
-__all__ = ["BlockNotFound", "SegmentRange", "Transport", "TransferError"]
+__all__ = ["BlockHook", "BlockNotFound", "SegmentRange", "Transport", "TransferError"]
+
+# ``hook(index, bytes)`` for one block of a batch: see ``Transport``'s ``prepare`` and ``check``.
+BlockHook = Callable[[int, memoryview], object]
 
 
 class TransferError(Exception):
@@ -41,7 +44,16 @@ class Transport(ABC):
     each key from a lookup's replicas (the lease keeps them valid); transports that address the
     segment directly (shared memory, RDMA) then skip asking the node, others ignore them.
     ``caps`` are one capability per key (transfer/capability.py), from the cache-manager's
-    answers or a park capability; the node refuses keys they do not cover."""
+    answers or a park capability; the node refuses keys they do not cover.
+
+    ``prepare(i, payload)`` runs on each payload just before its bytes leave and may rewrite them
+    in place (the writer seals each block there); ``check(i, view)`` runs on each block read as
+    soon as its bytes have landed in the caller's buffer, while later blocks are still in flight
+    (the reader verifies each block there). Why per block: over TCP the node keeps moving the
+    neighbouring block through the socket meanwhile (the MAC overlaps the transfer across the two
+    processes), and the MAC reads bytes the move just touched. Transports that move a batch at
+    once call them all before (``prepare``) or after (``check``) it; either may run again for a
+    block on a retry. A hook that raises fails the call."""
 
     @abstractmethod
     async def read(
@@ -52,6 +64,7 @@ class Transport(ABC):
         missing_ok: bool = False,
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
+        check: BlockHook | None = None,
     ) -> list[memoryview | None]: ...
 
     @abstractmethod
@@ -63,6 +76,7 @@ class Transport(ABC):
         caps: Sequence[bytes] = (),
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
+        prepare: BlockHook | None = None,
     ) -> None: ...
 
     ranged = False
@@ -113,3 +127,19 @@ def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequ
     if any(s == 0 for s in sizes):
         raise ValueError("empty blocks cannot be stored")
     return sizes
+
+
+
+def prepare_all(prepare: BlockHook | None, payloads: Sequence[Buffer]) -> None:
+    """``prepare`` on every payload, for transports that send a batch at once."""
+    if prepare is not None:
+        for i, payload in enumerate(payloads):
+            prepare(i, memoryview(payload).cast("B"))
+
+
+def check_all(check: BlockHook | None, views: Sequence[memoryview | None]) -> None:
+    """``check`` on every block that arrived, for transports that receive a batch at once."""
+    if check is not None:
+        for i, view in enumerate(views):
+            if view is not None:
+                check(i, view)

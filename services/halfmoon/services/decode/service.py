@@ -18,8 +18,8 @@ from halfmoon.protocol.work import DecodeRequest, KVProgress
 from halfmoon.service.generated_kv import GeneratedKV
 from halfmoon.service.layer_reader import LayerReader
 from halfmoon.service.streaming import token_event
-from halfmoon.telemetry import extract_context
 from halfmoon.service.worker import EngineWorker
+from halfmoon.telemetry import extract_context
 
 
 class DecodeService(EngineWorker):
@@ -49,7 +49,7 @@ class DecodeService(EngineWorker):
         except EngineError as exc:
             await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
 
-    async def _generate(self, req: DecodeRequest, payloads: list[bytes]) -> None:
+    async def _generate(self, req: DecodeRequest, payloads: list[memoryview]) -> None:
         assert self.engine is not None
         with self.tracer.start_as_current_span("decode.generate") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
