@@ -1,10 +1,11 @@
 """The prefill -> decode hand-off of a request's KV, both sides in one place: store, park, fetch, drop.
 
-Prefill stores the request's full blocks in the pool under their content keys (the pool answers
-with where blocks it already held live), writes the partial last block under a one-off key, and
-parks on a transfer node's NVMe whatever the pool had no room or answer for. Decode fetches every
-block, verifies it, keeps the longest intact prefix (the rest is recomputed) and drops the one-off
-blocks, which nobody else will read.
+Prefill's ``LayerWriter`` (layer_writer.py) places the request's new blocks in the pool before
+computing them (full blocks under their content keys, the partial last one under a one-off key)
+and ships them layer by layer; ``send`` finishes that and parks on a transfer node's NVMe whatever
+the pool had no room or answer for. Decode takes the blocks that arrived layer by layer
+(layer_reader.py), fetches the rest, verifies every block, keeps the longest intact prefix (the
+rest is recomputed) and drops the one-off blocks, which nobody else will read.
 """
 
 from __future__ import annotations
