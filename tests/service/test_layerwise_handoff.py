@@ -107,6 +107,13 @@ class TestLayerwiseHandOff:
             released.set()
 
         reader.on_progress = spy  # type: ignore[method-assign]
+        receive, streamed_counts = cluster.decode.handoff.receive, []
+
+        async def counting_receive(rid: str, kv: Any, streamed: Any = None) -> Any:
+            streamed_counts.append(len(streamed or {}))
+            return await receive(rid, kv, streamed)
+
+        cluster.decode.handoff.receive = counting_receive  # type: ignore[method-assign]
         assert cluster.prefill.engine is not None
         last = cluster.prefill.engine.layout.num_layers - 1
         # whole-block has nothing to send before the last layer: the gate gives up after a second
@@ -116,6 +123,7 @@ class TestLayerwiseHandOff:
         tokens = await serve(nc, namespace, cluster, "r-layers")
         expected = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32")).generate([PROMPT], GREEDY)[0]
         assert tokens == expected
+        assert streamed_counts == [3]  # every block arrived before the hand-off: none read again
         if layerwise:
             # layers between the first and the last may land before or after the gate opens
             assert events[0] == "decode verified layers 0..0" and "prefill computes its last layer" in events

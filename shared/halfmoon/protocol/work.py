@@ -132,7 +132,9 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     has already streamed it as index ``len(output_token_ids)``, so decode numbers its
     TokenEvents from the index after it. ``kv`` covers the prompt and ``output_token_ids``;
     ``None`` when prefill could not place it anywhere (no live transfer node): decode
-    recomputes it.
+    recomputes it. ``layers_announced``: the layers prefill told decode about in KVProgress
+    messages before this request; decode waits a moment for those reads to finish before it
+    reads whole what it still lacks.
     """
 
     request_id: str
@@ -148,9 +150,12 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     output_token_ids: tuple[int, ...] = ()
     attempt: int = 0
     tenant_salt: str | None = None
+    layers_announced: int = 0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
+        if self.layers_announced < 0:
+            raise ValueError(f"layers_announced must be >= 0, got {self.layers_announced}")
         context = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.kv is not None and self.kv.num_tokens != context:
             raise ValueError(f"kv covers {self.kv.num_tokens} tokens, prompt and output have {context}")

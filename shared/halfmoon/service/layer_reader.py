@@ -21,6 +21,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Tracer
 
 CAPACITY = 256  # requests announced but not yet handed off; the oldest is dropped past this
+ANNOUNCED_WAIT_S = 1.0  # how long the hand-off waits for announced layers still being read
 
 
 class _Incoming:
@@ -29,6 +30,7 @@ class _Incoming:
         self.layers_done = 0
         self.buffers: dict[int, tuple[bytes, bytearray]] = {}  # block index -> (key, payload so far)
         self.bad: set[int] = set()
+        self.progressed = asyncio.Event()  # set after each batch of layers is read
 
 
 class LayerReader:
@@ -41,11 +43,7 @@ class LayerReader:
         """Read the newly announced layers (``context``: the sender's trace, which the read joins)."""
         if msg.request_id in self._taken:
             return
-        incoming = self._incoming.get(msg.request_id)
-        if incoming is None:
-            incoming = self._incoming[msg.request_id] = _Incoming()
-            while len(self._incoming) > CAPACITY:
-                self._incoming.popitem(last=False)
+        incoming = self._get(msg.request_id)
         async with incoming.lock:
             layers = range(incoming.layers_done, min(msg.layers_done, self.layout.num_layers))
             if not layers:
@@ -56,6 +54,15 @@ class LayerReader:
                 await self._read(msg, layers, incoming)
                 span.set_attribute("halfmoon.blocks_lost", len(incoming.bad))
             incoming.layers_done = layers.stop
+            incoming.progressed.set()
+
+    def _get(self, request_id: str) -> _Incoming:
+        incoming = self._incoming.get(request_id)
+        if incoming is None:
+            incoming = self._incoming[request_id] = _Incoming()
+            while len(self._incoming) > CAPACITY:
+                self._incoming.popitem(last=False)
+        return incoming
 
     async def _read(self, msg: KVProgress, layers: range, incoming: _Incoming) -> None:
         by_node: dict[str, list[int]] = defaultdict(list)
@@ -95,8 +102,18 @@ class LayerReader:
         incoming = self._incoming.get(request_id)
         return 0 if incoming is None or incoming.bad else incoming.layers_done
 
-    async def take(self, request_id: str) -> dict[bytes, bytearray]:
-        """The request's blocks that arrived whole and intact, by key; forgets the request."""
+    async def take(self, request_id: str, announced: int = 0) -> dict[bytes, bytearray]:
+        """The request's blocks that arrived whole and intact, by key; forgets the request. Waits up to
+        ``ANNOUNCED_WAIT_S`` for the ``announced`` layers (a KVProgress may still be on its way)."""
+        incoming = self._get(request_id) if announced else self._incoming.get(request_id)
+        if incoming is not None:
+            try:
+                async with asyncio.timeout(ANNOUNCED_WAIT_S):
+                    while incoming.layers_done < min(announced, self.layout.num_layers):
+                        incoming.progressed.clear()
+                        await incoming.progressed.wait()
+            except TimeoutError:
+                pass  # read whole what did not arrive
         self._taken.append(request_id)
         incoming = self._incoming.pop(request_id, None)
         if incoming is None:

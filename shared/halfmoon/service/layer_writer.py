@@ -46,6 +46,7 @@ class LayerWriter:
         self.streamed: list[int] = []  # placed in DRAM on a node whose transport writes ranges
         self.batches = LayerBatches.whole(layout.num_layers)
         self.payloads: list[bytearray] = []
+        self.announced = 0  # layers decode was told about (KVProgress sent)
         self._layers: asyncio.Queue[int] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -139,6 +140,7 @@ class LayerWriter:
                                            num_tokens=self.num_tokens, indexes=tuple(self.streamed),
                                            blocks=tuple(self.placed[i] for i in self.streamed),
                                            layers_done=layers.stop))
+            self.announced = layers.stop
         except NatsError:
             pass  # an optimisation only: decode reads whole whatever it was not told about
 

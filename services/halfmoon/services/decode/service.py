@@ -42,7 +42,7 @@ class DecodeService(EngineWorker):
         await self.layers.on_progress(msg, extract_context(headers))
 
     async def _serve(self, req: DecodeRequest) -> None:
-        streamed = await self.layers.take(req.request_id)
+        streamed = await self.layers.take(req.request_id, req.layers_announced)
         payloads = await self.handoff.receive(req.request_id, req.kv, streamed) if req.kv is not None else []
         try:
             await self._generate(req, payloads)

@@ -175,6 +175,7 @@ class PrefillService(EngineWorker):
             stream_subject=req.stream_subject, prefill_instance=self.instance_id, deadline=req.deadline,
             cached_tokens=min(first.num_cached_tokens, len(req.prompt_token_ids)),
             output_token_ids=req.output_token_ids, attempt=req.attempt, tenant_salt=req.tenant_salt,
+            layers_announced=writer.announced if kv is not None else 0,
         )
         try:
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
