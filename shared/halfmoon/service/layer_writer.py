@@ -78,7 +78,7 @@ class LayerWriter:
         return await self.pool.place([self.keys[i] for i in indexes], sizes, first_position=indexes[0], tenant=tenant)
 
     def _take(self, indexes: list[int], plan: PutPlan) -> None:
-        where = {k: i for i in indexes for k in [self.keys[i]]}
+        where = {self.keys[i]: i for i in indexes}
         self.placed.update((where[p.key], p) for p in plan.placements if p.key in where)
         self.known.update((where[r.key], r) for r in plan.existing_replicas if r.key in where)
 

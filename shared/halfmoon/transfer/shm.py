@@ -124,12 +124,7 @@ class ShmTransport(Transport):
                 prepare(i, src)
             self._seg[offset : offset + size] = src
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
-        claim = offsets is not None
-        commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
-                         caps=list(caps))
-        resp = await self.control.request(commit)
-        if not resp.ok:
-            raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
+        await self.commit(keys, sizes, list(targets) if offsets is not None else None, caps)
         _WRITTEN.inc(sum(sizes))
 
     ranged = True
@@ -161,6 +156,7 @@ class ShmTransport(Transport):
 
     async def commit(self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None,
                      caps: Sequence[bytes] = ()) -> None:
+        """Make written blocks visible; with the cache-manager's ``offsets`` this also claims them."""
         claim = offsets is not None
         req = Request(Op.COMMIT, list(keys), list(sizes) if claim else [], list(offsets or ()), caps=list(caps))
         resp = await self.control.request(req)
