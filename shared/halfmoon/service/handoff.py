@@ -42,7 +42,7 @@ class KVHandOff:
     # ------------------------------------------------------------------ prefill side
     def writer(self, request_id: str, num_tokens: int, block_size: int, keys: Sequence[bytes], local: int,
                fetched: Fetched, progress: Progress, layerwise: bool) -> LayerWriter:
-        """The request's writer (``open`` it before computing, give its ``sink`` to the engine).
+        """The request's writer (``run`` it with the compute, give its ``sink`` to the engine).
 
         ``keys`` are the request's full-block keys; the first ``local`` blocks came from the local
         prefix cache and the next ones ``fetched`` from the pool (already there, not written)."""

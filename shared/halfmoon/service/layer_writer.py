@@ -28,8 +28,10 @@ Progress = Callable[[KVProgress], Awaitable[None]]
 
 
 class LayerWriter:
-    """One request. ``open`` before computing, ``sink`` is the engine's layer sink, ``finish`` after
-    the last layer returns where every block is (None where nothing took it: the caller parks it)."""
+    """One request, built on the event loop. ``run`` places the blocks and ships the layers (start it
+    with the compute: the engine's first layers wait in a queue while put_start is answered), ``sink``
+    is the engine's layer sink, ``finish`` after the last layer returns where every block is (None
+    where nothing took it: the caller parks it)."""
 
     def __init__(self, pool: PoolClient, transfer: TransferClient, layout: BlockLayout, tracer: Tracer,
                  request_id: str, block_size: int, num_tokens: int, keys: Sequence[bytes], local: int,
@@ -48,7 +50,7 @@ class LayerWriter:
         self.payloads: list[bytearray] = []
         self.announced = 0  # layers decode was told about (KVProgress sent)
         self._layers: asyncio.Queue[int] = asyncio.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = asyncio.get_running_loop()
 
     def tokens(self, index: int) -> int:
         return min(self.block_size, self.num_tokens - index * self.block_size)
@@ -60,7 +62,6 @@ class LayerWriter:
 
     async def open(self, tenant: str = "") -> None:
         """Place the new blocks (put_start) and choose the batches."""
-        self._loop = asyncio.get_running_loop()
         head = [i for i in self.new_blocks if i < self.fetched_range.start]
         tail = [i for i in self.new_blocks if i >= self.fetched_range.stop]
         plans = await asyncio.gather(*(self._place(part, tenant) for part in (head, tail) if part))
@@ -91,15 +92,16 @@ class LayerWriter:
 
     def sink(self, layer: int, payloads: list[bytearray]) -> None:
         """The engine's layer sink (engine thread): hand the layer to the loop."""
-        assert self._loop is not None
         self.payloads = payloads
         self._loop.call_soon_threadsafe(self._layers.put_nowait, layer)
 
     def payload(self, index: int) -> bytearray:
         return self.payloads[index - self.first_block]
 
-    async def run(self) -> None:
-        """Ship each batch of layers as its last layer is computed; returns after the last batch."""
+    async def run(self, tenant: str = "") -> None:
+        """Place the blocks, then ship each batch of layers as its last layer is computed; returns
+        after the last batch."""
+        await self.open(tenant)
         while True:
             layer = await self._layers.get()
             batch = self.batches.completed_by(layer)

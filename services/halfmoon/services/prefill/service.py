@@ -74,22 +74,20 @@ class PrefillService(EngineWorker):
         self.meter.ttft_ms.append(seconds * 1000)
         METRICS.ttft.labels(self.instance_id).observe(seconds)
 
-    async def open_writer(self, req: PrefillRequest, keys: list[bytes], local: int, fetched: Fetched) -> LayerWriter:
-        """Place the request's new blocks before computing them; the writer ships each layer to the pool
-        as the engine finishes it and tells the decode instance (KVProgress)."""
+    def writer(self, req: PrefillRequest, keys: list[bytes], local: int, fetched: Fetched) -> LayerWriter:
+        """Ships each layer of the request's new blocks to the pool as the engine finishes it, and tells
+        the decode instance (KVProgress)."""
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
         subject = self.subjects.decode_kv(req.decode_instance)
-        writer = self.handoff.writer(req.request_id, context, self.config.block_size, keys, local, fetched,
-                                     lambda msg: self.publish(subject, msg), self.config.layerwise_handoff)
-        await writer.open(req.tenant)
-        return writer
+        return self.handoff.writer(req.request_id, context, self.config.block_size, keys, local, fetched,
+                                   lambda msg: self.publish(subject, msg), self.config.layerwise_handoff)
 
     async def _serve(self, req: PrefillRequest) -> None:
         started = time.perf_counter()
         keys, local, fetched = await self.fetch_prefix(req)
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
-        writer = await self.open_writer(req, keys, local, fetched)
-        shipping = asyncio.create_task(writer.run())
+        writer = self.writer(req, keys, local, fetched)
+        shipping = asyncio.create_task(writer.run(req.tenant))  # its put_start overlaps the compute
         try:
             try:
                 computing = time.perf_counter()
