@@ -45,8 +45,10 @@ class TestGreedyThroughServices:
         texts = await complete_all(cluster_2p2d, batch)
         assert texts == [reference_text(tiny_model_dir, p, MAX_TOKENS) for p in batch]
 
-    def test_one_prefill_one_decode(self, tiny_model_dir: Path, tmp_path: Path) -> None:
-        cluster = start_cluster(tiny_model_dir, tmp_path, prefill=1, decode=1)
+    def test_one_prefill_one_decode_whole_block(self, tiny_model_dir: Path, tmp_path: Path) -> None:
+        """The hand-off with one batch of every layer (the 2p2d cluster hands off layer by layer)."""
+        cluster = start_cluster(tiny_model_dir, tmp_path, env={"HALFMOON_LAYERWISE_HANDOFF": "false"},
+                                prefill=1, decode=1)
         try:
             batch = prompts(tiny_model_dir)
             texts = asyncio.run(complete_all(cluster, batch))

@@ -47,3 +47,28 @@ class TestOneTracePerRequest:
         assert {"prefill.compute", "prefill.kv_write", "decode.kv_read", "decode.generate"} <= names
         transfer = [s for s in spans if s["service"] == "transfer"]
         assert {by_id[s["parent_id"]]["service"] for s in transfer} >= {"prefill", "decode"}
+
+
+class TestLayerwiseHandOffSpans:
+    def test_decode_reads_each_layer_as_prefill_ships_it(self, cluster_2p2d: LocalCluster) -> None:
+        reply = httpx.post(f"{cluster_2p2d.url}/v1/completions", headers=AUTH, timeout=60,
+                           json={"model": model_name(cluster_2p2d), "prompt": "layer by layer " * 12,
+                                 "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200
+        end = time.monotonic() + 30
+        while True:  # decode's layer reads are exported after the trace's request-path spans
+            spans = spans_of_request(cluster_2p2d, reply.headers["x-request-id"])
+            shipped = sorted(s["attributes"]["halfmoon.layers_done"] for s in spans if s["name"] == "prefill.kv_layers")
+            read = sorted(s["attributes"]["halfmoon.layers_done"] for s in spans if s["name"] == "decode.kv_layers")
+            if (shipped and read == shipped) or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        layers = len(shipped)
+        assert layers > 1 and shipped == list(range(1, layers + 1))  # one batch per layer, in order
+        assert read == shipped  # decode read every layer as its own batch, before the hand-off
+        by_id = {s["span_id"]: s for s in spans}
+        first_read = next(s for s in spans if s["name"] == "decode.kv_layers"
+                          and s["attributes"]["halfmoon.layers_done"] == 1)
+        assert by_id[first_read["parent_id"]]["name"] == "prefill.kv_layers"  # caused by layer 0's announcement
+        hand_off = next(s for s in spans if s["name"] == "decode.kv_read")
+        assert hand_off["attributes"]["halfmoon.blocks_streamed"] >= 1

@@ -17,6 +17,7 @@ from halfmoon.protocol import (
     Heartbeat,
     InstanceDown,
     KVLocation,
+    KVProgress,
     Load,
     Placed,
     PrefillRequest,
@@ -111,6 +112,8 @@ CASES = [
             cached_tokens=4,
         ),
     ),
+    (codecs.KV_PROGRESS, KVProgress(request_id="r-1", block_size=4, num_tokens=6, indexes=(0,), blocks=(LOC,),
+                                    layers_done=2)),
     (codecs.SUBMIT_REPLY, Ack(request_id="r-1", instance_id="p0")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="client gone")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="migrated", attempt=0)),
@@ -263,6 +266,14 @@ class TestTypedDecodeErrors:
 
 
 class TestInvariants:
+    def test_kv_progress_names_keyed_blocks_inside_the_request(self):
+        progress = KVProgress(request_id="r", block_size=4, num_tokens=6, indexes=(1,), blocks=(LOC,), layers_done=1)
+        assert (progress.tokens(0), progress.tokens(1)) == (4, 2)
+        for bad in ({"indexes": (2,)}, {"blocks": (TAIL,)}, {"layers_done": 0}, {"indexes": (0, 1)}):
+            fields = dict(request_id="r", block_size=4, num_tokens=6, indexes=(1,), blocks=(LOC,), layers_done=1)
+            with pytest.raises(ValueError):
+                KVProgress(**{**fields, **bad})
+
     def test_kv_location_needs_partial_block_iff_tail(self):
         with pytest.raises(ValueError, match="partial"):
             KVLocation(block_size=4, num_tokens=6, blocks=(LOC,))

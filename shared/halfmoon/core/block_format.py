@@ -103,12 +103,18 @@ def encode_block(layout: BlockLayout, kv: torch.Tensor, key: bytes | None = None
     if kv.dim() != 5 or kv.shape[0] != layout.num_layers or kv.shape[1] != 2:
         raise KVFormatError(f"kv must be [layers, 2, tokens, heads, dim], got {tuple(kv.shape)}")
     body = kv.detach().to("cpu", layout.dtype).contiguous()
-    out = bytearray(layout.header_nbytes + body.numel() * body.element_size())
-    FIXED.pack_into(out, 0, MAGIC, VERSION, _DTYPE_CODES[layout.dtype], layout.num_layers, layout.num_kv_heads,
-                    layout.head_dim, int(kv.shape[2]), layout.fingerprint, bytes(16))
+    out = blank_block(layout, int(kv.shape[2]))
     if body.numel():
         memoryview(out)[layout.header_nbytes:] = body.view(torch.uint8).reshape(-1).numpy().data
     return seal_block(layout, out, key) if key is not None else out
+
+
+def blank_block(layout: BlockLayout, num_tokens: int) -> bytearray:
+    """An unsealed block of ``num_tokens`` tokens with zero KV: a layer-wise writer fills it layer by layer."""
+    out = bytearray(layout.payload_nbytes(num_tokens))
+    FIXED.pack_into(out, 0, MAGIC, VERSION, _DTYPE_CODES[layout.dtype], layout.num_layers, layout.num_kv_heads,
+                    layout.head_dim, num_tokens, layout.fingerprint, bytes(16))
+    return out
 
 
 def read_header(payload: Payload) -> BlockHeader:
@@ -153,12 +159,23 @@ def _tags(layout: BlockLayout, payload: Payload, key: bytes, num_tokens: int, la
 
 def seal_block(layout: BlockLayout, payload: bytearray | memoryview, key: bytes) -> bytearray | memoryview:
     """Give ``payload`` (writable) a fresh salt and the MAC of every layer under ``key``, in place."""
-    header = _checked(layout, payload)
-    view = memoryview(payload)
-    view[FIXED.size - 16 : FIXED.size] = os.urandom(16)
-    view[FIXED.size : layout.header_nbytes] = b"".join(_tags(layout, payload, key, header.num_tokens,
-                                                             range(layout.num_layers)))
+    _checked(layout, payload)
+    salt_block(payload)
+    seal_layers(layout, payload, key, range(layout.num_layers))
     return payload
+
+
+def salt_block(payload: bytearray | memoryview) -> None:
+    """A fresh salt in ``payload``'s header: first step of sealing, before any layer's MAC."""
+    memoryview(payload)[FIXED.size - 16 : FIXED.size] = os.urandom(16)
+
+
+def seal_layers(layout: BlockLayout, payload: bytearray | memoryview, key: bytes, layers: range) -> None:
+    """The MACs of ``layers`` under ``key``, in place, after ``salt_block`` (a layer-wise writer seals
+    each layer as it is computed; ``payload`` may end after ``layers``)."""
+    header = _checked(layout, payload, layers.stop if layers.stop < layout.num_layers else None)
+    memoryview(payload)[FIXED.size + layers.start * TAG_BYTES : FIXED.size + layers.stop * TAG_BYTES] = b"".join(
+        _tags(layout, payload, key, header.num_tokens, layers))
 
 
 def _layers_intact(layout: BlockLayout, payload: Payload, key: bytes, layers: range) -> bool:

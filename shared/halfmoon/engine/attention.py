@@ -42,6 +42,10 @@ class PagedKVCache:
         """KV of ``num_tokens`` tokens stored in ``block_ids``: ``[layers, 2, tokens, heads, dim]``."""
         return self.data.index_select(3, self._slots(block_ids, num_tokens)).transpose(2, 3)
 
+    def layer_blocks(self, layer: int, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """One layer of :meth:`blocks`: ``[2, tokens, heads, dim]``."""
+        return self.data[layer].index_select(2, self._slots(block_ids, num_tokens)).transpose(1, 2)
+
     def load_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Inverse of :meth:`blocks` for ``kv`` shaped ``[layers, 2, tokens, heads, dim]``."""
         slots = self._slots(block_ids, kv.shape[2])

@@ -23,6 +23,7 @@ from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.context import context_limit
+from halfmoon.engine.layer_export import LayerExport, LayerSink
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
@@ -87,6 +88,8 @@ class LLMEngine:
         self.cache = PagedKVCache(hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads,
                                   head_dim, config.torch_dtype, config.torch_device)
         self.runner = ModelRunner(self.model, self.cache, self.blocks)
+        self.layer_export = LayerExport(self.layout, config.block_size)
+        self.runner.layer_hook = self.layer_export
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
         self.sampler = Sampler()
@@ -129,7 +132,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
-                    kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False) -> None:
+                    kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False,
+                    layer_sink: LayerSink | None = None, stream_from_block: int = 0) -> None:
         """Queue a request.
 
         ``output_token_ids`` continues a request whose first tokens were produced elsewhere
@@ -139,11 +143,15 @@ class LLMEngine:
         ``block_keys`` are the content keys of the prompt's full blocks: matching ones are
         reused from the local prefix cache, and computed ones are cached there.
         ``prefill_only`` stops after the first sampled token and keeps the KV for
-        ``export_kv`` until ``release``.
+        ``export_kv`` until ``release``. ``layer_sink`` (prefill-only requests) receives blocks
+        ``stream_from_block`` onwards layer by layer as the last prompt chunk computes them
+        (engine/layer_export.py).
         """
         tokens = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
         self._validate(request_id, tokens, outputs, params)
+        if layer_sink is not None and not prefill_only:
+            raise InvalidRequestError("layer-wise export is for prefill-only requests")
         size = self.config.block_size
         if len(block_keys) > len(tokens) // size:
             raise InvalidRequestError("more block keys than full prompt blocks")
@@ -158,6 +166,8 @@ class LLMEngine:
         seq.hold_kv = prefill_only
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
         self._requests[request_id] = _Request(seq, detok, prefill_only)
+        if layer_sink is not None:
+            self.layer_export.watch(request_id, stream_from_block, layer_sink)
         self.scheduler.add(seq)
 
     def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
@@ -180,6 +190,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             raise UnknownRequestError(request_id)
+        self.layer_export.forget(request_id)
         request.seq.hold_kv = False
         if request.seq.status is SequenceStatus.FINISHED:
             self.blocks.free(request.seq)
@@ -245,6 +256,7 @@ class LLMEngine:
             if reason != PREFILL_DONE:
                 text += request.detokenizer.flush()
             seq.finish_reason = reason
+            self.layer_export.forget(seq.request_id)  # every layer went out in this step
             self.scheduler.finish(seq)
             if not seq.hold_kv:
                 del self._requests[seq.request_id]

@@ -16,7 +16,7 @@ from halfmoon.protocol.pool import (
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.protocol.scheduling import Placed, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
-from halfmoon.protocol.work import CancelRequest, DecodeRequest, PrefillRequest, WorkDone
+from halfmoon.protocol.work import CancelRequest, DecodeRequest, KVProgress, PrefillRequest, WorkDone
 
 SCHEDULE_REQUEST: Codec[ScheduleRequest] = Codec(ScheduleRequest)
 SCHEDULE_REPLY: Codec[ScheduleAccepted | ScheduleRejected | ErrorReply] = Codec(
@@ -25,6 +25,7 @@ SCHEDULE_REPLY: Codec[ScheduleAccepted | ScheduleRejected | ErrorReply] = Codec(
 PREFILL_REQUEST: Codec[PrefillRequest] = Codec(PrefillRequest)
 DECODE_REQUEST: Codec[DecodeRequest] = Codec(DecodeRequest)
 SUBMIT_REPLY: Codec[Ack | ErrorReply] = Codec(Ack | ErrorReply)
+KV_PROGRESS: Codec[KVProgress] = Codec(KVProgress)
 CANCEL: Codec[CancelRequest] = Codec(CancelRequest)
 WORK_DONE: Codec[WorkDone] = Codec(WorkDone)
 RESUME: Codec[ResumeRequest] = Codec(ResumeRequest)

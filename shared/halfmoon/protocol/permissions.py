@@ -65,14 +65,15 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
                                       *inbox), responds=True)
     if role is Role.PREFILL:
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, s.decode_submit_any,
-                                    *pool),
+                                    s.decode_kv_any, *pool),
                            subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
     if role is Role.AGGREGATED:  # a prefill instance that decodes itself: it hands nothing to decode
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, *pool),
                            subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
     if role is Role.DECODE:
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, *pool),
-                           subscribe=(s.decode_submit_any, *engine_listens, *inbox), responds=True)
+                           subscribe=(s.decode_submit_any, s.decode_kv_any, *engine_listens, *inbox),
+                           responds=True)
     if role is Role.CACHE_MANAGER:
         return Permissions(publish=(*own, s.transfer_orders_any, *_jetstream_kv(leadership_bucket(s))),
                            subscribe=(*(s.cache(op) for op in sorted(CACHE_OPERATIONS)), s.heartbeat, s.down, *inbox),

@@ -52,6 +52,17 @@ class Subjects:
         """Request/reply: DecodeRequest -> Ack | ErrorReply."""
         return self._decode_submit(check_token(instance_id, "instance id"))
 
+    def decode_kv(self, instance_id: str) -> str:
+        """Event: KVProgress, prefill -> the decode instance it will hand the request to (layer-wise hand-off)."""
+        return self._decode_kv(check_token(instance_id, "instance id"))
+
+    def _decode_kv(self, instance: str) -> str:
+        return f"{self.root}.decode.{instance}.kv"
+
+    @property
+    def decode_kv_any(self) -> str:
+        return self._decode_kv(ANY)
+
     def _prefill_submit(self, instance: str) -> str:
         return f"{self.root}.prefill.{instance}.submit"
 

@@ -94,6 +94,36 @@ class KVLocation(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_tokens % self.block_size
 
 
+class KVProgress(Message, frozen=True, kw_only=True, tag="kv_progress"):
+    """Prefill -> the decode instance it will hand ``request_id`` to, while prefill still computes:
+    layers ``[0, layers_done)`` of the request's blocks ``indexes`` (of ``num_tokens`` tokens in
+    ``block_size`` blocks; the last may be partial) are written at ``blocks``' DRAM extents, sealed
+    layer by layer, not yet committed. Sent once per batch of layers, in order; decode reads each
+    batch as it comes (transports that address the segment directly) and verifies every layer's
+    MAC. The DecodeRequest that follows says where every block is; what decode has not read by then
+    it reads whole.
+    """
+
+    request_id: str
+    block_size: int
+    num_tokens: int
+    indexes: tuple[int, ...]
+    blocks: tuple[BlockLocation, ...]
+    layers_done: int
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
+        count = -(-self.num_tokens // self.block_size) if self.block_size > 0 else 0
+        if self.layers_done < 1 or len(self.indexes) != len(self.blocks) or count < 1:
+            raise ValueError("need layers_done >= 1, block_size and num_tokens >= 1, one location per index")
+        if any(not 0 <= i < count for i in self.indexes) or any(b.key is None for b in self.blocks):
+            raise ValueError(f"indexes must be inside 0..{count - 1} and every block keyed")
+
+    def tokens(self, index: int) -> int:
+        """Tokens in block ``index``."""
+        return min(self.block_size, self.num_tokens - index * self.block_size)
+
+
 class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     """Continue a prefilled request: pull its KV from ``kv``, then generate from the first token.
 
@@ -102,7 +132,9 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     has already streamed it as index ``len(output_token_ids)``, so decode numbers its
     TokenEvents from the index after it. ``kv`` covers the prompt and ``output_token_ids``;
     ``None`` when prefill could not place it anywhere (no live transfer node): decode
-    recomputes it.
+    recomputes it. ``layers_announced``: the layers prefill told decode about in KVProgress
+    messages before this request; decode waits a moment for those reads to finish before it
+    reads whole what it still lacks.
     """
 
     request_id: str
@@ -118,9 +150,12 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     output_token_ids: tuple[int, ...] = ()
     attempt: int = 0
     tenant_salt: str | None = None
+    layers_announced: int = 0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
+        if self.layers_announced < 0:
+            raise ValueError(f"layers_announced must be >= 0, got {self.layers_announced}")
         context = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.kv is not None and self.kv.num_tokens != context:
             raise ValueError(f"kv covers {self.kv.num_tokens} tokens, prompt and output have {context}")

@@ -1,23 +1,24 @@
 """The prefill -> decode hand-off of a request's KV, both sides in one place: store, park, fetch, drop.
 
-Prefill stores the request's full blocks in the pool under their content keys (the pool answers
-with where blocks it already held live), writes the partial last block under a one-off key, and
-parks on a transfer node's NVMe whatever the pool had no room or answer for. Decode fetches every
-block, verifies it, keeps the longest intact prefix (the rest is recomputed) and drops the one-off
-blocks, which nobody else will read.
+Prefill's ``LayerWriter`` (layer_writer.py) places the request's new blocks in the pool before
+computing them (full blocks under their content keys, the partial last one under a one-off key)
+and ships them layer by layer; ``send`` finishes that and parks on a transfer node's NVMe whatever
+the pool had no room or answer for. Decode takes the blocks that arrived layer by layer
+(layer_reader.py), fetches the rest, verifies every block, keeps the longest intact prefix (the
+rest is recomputed) and drops the one-off blocks, which nobody else will read.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from halfmoon.core.block_format import BlockLayout, Sealer
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.work import BlockLocation, KVLocation
+from halfmoon.service.layer_writer import LayerWriter, Progress
 from halfmoon.service.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.service.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
@@ -39,46 +40,43 @@ class KVHandOff:
         self.tracer, self.log, self.park_key = tracer, log, park_key
 
     # ------------------------------------------------------------------ prefill side
-    async def send(self, request_id: str, num_tokens: int, block_size: int, keys: Sequence[bytes],
-                   payloads: Sequence[bytearray], local: int, fetched: Fetched, tenant: str = "") -> KVLocation:
-        """Make every block of the request readable by decode; where each one is.
+    def writer(self, request_id: str, num_tokens: int, block_size: int, keys: Sequence[bytes], local: int,
+               fetched: Fetched, progress: Progress, layerwise: bool) -> LayerWriter:
+        """The request's writer (``run`` it with the compute, give its ``sink`` to the engine).
 
-        ``keys`` are the prompt's full-block keys, ``payloads`` every block (the partial last one
-        too; sealed in place under the key each is stored as), the first ``local`` from the local
-        prefix cache and the next ones ``fetched`` from the pool (already there). Blocks over
-        ``tenant``'s pool quota are parked like those the pool had no room for.
-        """
-        fetched_end, full = local + len(fetched.payloads), len(keys)
-        # The cache-manager places them all, so one allocator owns every DRAM segment.
-        head = list(keys[:local])
-        tail = list(keys[fetched_end:full]) + [handoff_key(request_id, i) for i in range(full, len(payloads))]
+        ``keys`` are the request's full-block keys; the first ``local`` blocks came from the local
+        prefix cache and the next ones ``fetched`` from the pool (already there, not written)."""
+        return LayerWriter(self.pool, self.transfer, self.layout, self.tracer, request_id, block_size, num_tokens,
+                           keys, local, fetched, progress, layerwise)
+
+    async def send(self, writer: LayerWriter) -> KVLocation:
+        """After the last layer: make every block of the request readable by decode; where each one is.
+
+        Blocks the pool had no room, quota or answer for are parked on a transfer node's NVMe."""
         with self.tracer.start_as_current_span("prefill.kv_write") as span:
-            stored_head, stored_tail = await asyncio.gather(
-                self.pool.store(head, payloads[:local], first_position=0, tenant=tenant),
-                self.pool.store(tail, payloads[fetched_end:], first_position=fetched_end, tenant=tenant))
-            stored = stored_head | stored_tail
-            locations: list[BlockLocation | None] = [stored.get(k) for k in head] + list(fetched.locations)
-            locations += [stored.get(k) for k in tail]
+            locations = await writer.finish()
             fallback = [i for i, loc in enumerate(locations) if loc is None]
-            if fallback:  # the pool had no room or no answer: park those blocks on a node's NVMe
-                for index, parked in zip(fallback, await self._park(request_id, fallback, payloads)):
+            if fallback:
+                for index, parked in zip(fallback, await self._park(writer.request_id, fallback, writer.payload)):
                     locations[index] = parked
-            span.set_attribute("halfmoon.blocks_stored", len(stored))
+            span.set_attribute("halfmoon.blocks_streamed", len(writer.streamed))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
-            span.set_attribute("halfmoon.bytes", sum(len(payloads[i]) for i in range(local, len(payloads))))
+            span.set_attribute("halfmoon.layer_batches", len(writer.batches.batches))
         placed = [loc for loc in locations if loc is not None]  # all of them, after parking
-        return KVLocation(block_size=block_size, num_tokens=num_tokens, blocks=tuple(placed[:full]),
+        full = writer.num_tokens // writer.block_size
+        return KVLocation(block_size=writer.block_size, num_tokens=writer.num_tokens, blocks=tuple(placed[:full]),
                           partial=placed[full] if len(placed) > full else None)
 
     async def discard(self, request_id: str, num_blocks: int) -> None:
         """Decode refused the request: nobody will read its one-off blocks now."""
         await self.pool.remove([handoff_key(request_id, i) for i in range(num_blocks)])
 
-    async def _park(self, request_id: str, indexes: list[int], payloads: Sequence[bytearray]) -> list[BlockLocation]:
+    async def _park(self, request_id: str, indexes: list[int],
+                    payload: Callable[[int], bytearray]) -> list[BlockLocation]:
         """Write blocks ``indexes`` outside the pool, under their one-off keys, to the first live
         transfer node that takes them; where each one is."""
         keys = [handoff_key(request_id, i) for i in indexes]
-        blocks = [payloads[i] for i in indexes]
+        blocks = [payload(i) for i in indexes]
         seal = Sealer(self.layout).hook(keys)  # as each is sent, once whichever node takes it
         await self.nodes.choose(TRANSFER_WAIT_S)  # waits until at least one is known
         for node in self.nodes.ordered():
@@ -96,13 +94,21 @@ class KVHandOff:
         raise TransferError("no transfer node took the hand-off blocks")
 
     # ------------------------------------------------------------------- decode side
-    async def receive(self, request_id: str, kv: KVLocation) -> list[memoryview]:
+    async def receive(self, request_id: str, kv: KVLocation,
+                      streamed: Mapping[bytes, bytearray] | None = None) -> list[memoryview]:
         """The longest intact prefix of the request's KV (verified as it arrived, handed on without a
-        copy); whatever is lost is recomputed by the caller."""
+        copy); whatever is lost is recomputed by the caller.
+
+        ``streamed`` are blocks that already arrived layer by layer, every layer verified (by key):
+        only the others are read now."""
+        streamed = streamed or {}
         locations = list(kv.blocks) + ([kv.partial] if kv.partial else [])
         scratch = {handoff_key(request_id, i) for i in range(len(locations))}
         with self.tracer.start_as_current_span("decode.kv_read") as span:
-            payloads = await self.pool.read(locations)
+            pending = [loc for loc in locations if loc.key not in streamed]
+            read = dict(zip(map(id, pending), await self.pool.read(pending)))
+            payloads = [memoryview(streamed[loc.key]) if loc.key in streamed else read[id(loc)] for loc in locations]
+            span.set_attribute("halfmoon.blocks_streamed", len(locations) - len(pending))
             if any(p is None for p in payloads):
                 METRICS.errors.labels("kv_read").inc()
             await self._drop_scratch([loc for loc in locations if loc.key in scratch])

@@ -11,20 +11,20 @@ granted for that block (its answers' ``BlockLocation.capability``).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from halfmoon.core.block_format import BlockLayout, Sealer, Verifier
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
-from halfmoon.protocol.cache import Lookup, PutEnd, PutStart, Release
+from halfmoon.protocol.cache import Lookup, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
-from halfmoon.storage.base import StorageError
+from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.transport import TransferError
+from halfmoon.transfer.transport import BlockHook, TransferError
 
 CACHE_TIMEOUT_S = 2.0
 FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
@@ -120,41 +120,61 @@ class PoolClient:
         """put_start, seal and write the bytes to the chosen nodes, put_end; returns where each key can
         be read (the ones just stored, and those the pool already held). Payloads are sealed in place.
         Keys over ``tenant``'s quota are not stored (absent from the answer)."""
-        if not keys:
-            return {}
-        svc = self.service
-        try:
-            plan = await svc.request(svc.subjects.cache("put_start"),
-                                     PutStart(writer=svc.instance_id, keys=tuple(keys), tenant=tenant,
-                                              sizes=tuple(len(p) for p in payloads), first_position=first_position),
-                                     codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
-        except FAILURES as exc:
-            svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
+        plan = await self.place(keys, [len(p) for p in payloads], first_position, tenant)
+        if plan is None:
             return {}
         payload_of = dict(zip(keys, payloads))
         sealer = Sealer(self.layout)  # each block sealed as it is sent, once for all its replicas
         known = {loc.key: loc for loc in plan.existing_replicas if loc.key is not None}
+        written = await self.write(plan.placements, payload_of, sealer.hook)
+        return known | await self.publish(written)
+
+    async def place(self, keys: Sequence[bytes], sizes: Sequence[int], first_position: int,
+                    tenant: str = "") -> PutPlan | None:
+        """put_start: where to write each key (None when the cache-manager did not answer)."""
+        if not keys:
+            return None
+        svc = self.service
+        try:
+            return await svc.request(svc.subjects.cache("put_start"),
+                                     PutStart(writer=svc.instance_id, keys=tuple(keys), tenant=tenant,
+                                              sizes=tuple(sizes), first_position=first_position),
+                                     codecs.CACHE_PUT_PLAN, CACHE_TIMEOUT_S)
+        except FAILURES as exc:
+            svc.log.warning("pool put_start failed; blocks not cached", extra={"error": str(exc)})
+            return None
+
+    async def write(self, placements: Sequence[BlockLocation], payload_of: Mapping[bytes, Buffer],
+                    prepare: Callable[[Sequence[bytes]], BlockHook] | None = None) -> dict[bytes, BlockLocation]:
+        """Write payloads at their placements, one batch per node (``prepare(keys)``: the batch's
+        transport hook, a ``Sealer``'s to seal each block as it is sent); the ones written."""
         by_node: dict[tuple[str, Tier], list[BlockLocation]] = defaultdict(list)
-        for placement in plan.placements:
+        for placement in placements:
             by_node[(placement.address, placement.tier)].append(placement)
         written: dict[bytes, BlockLocation] = {}
-        for (node, tier), placements in by_node.items():
+        for (node, tier), batch in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
-                batch = [p.key for p in placements]
-                await transport.write(batch, [payload_of[k] for k in batch], caps=[p.capability for p in placements],
-                                      offsets=[p.offset for p in placements] if tier is Tier.DRAM else None,
-                                      tier=tier, prepare=sealer.hook(batch))
+                keys = [p.key for p in batch]
+                await transport.write(keys, [payload_of[k] for k in keys], caps=[p.capability for p in batch],
+                                      offsets=[p.offset for p in batch] if tier is Tier.DRAM else None,
+                                      tier=tier, prepare=prepare(keys) if prepare else None)
             except FAILURES as exc:
-                svc.log.warning("pool write failed; those blocks stay uncached", extra={"node": node, "error": str(exc)})
+                self.service.log.warning("pool write failed; those blocks stay uncached",
+                                         extra={"node": node, "error": str(exc)})
                 continue
-            written.update((p.key, p) for p in placements if p.key is not None)
+            written.update((p.key, p) for p in batch if p.key is not None)
+        return written
+
+    async def publish(self, written: dict[bytes, BlockLocation]) -> dict[bytes, BlockLocation]:
+        """put_end: the written blocks become visible; those it made visible (none if it failed)."""
         if not written:
-            return known
+            return {}
+        svc = self.service
         try:
             await svc.request(svc.subjects.cache("put_end"), PutEnd(writer=svc.instance_id, keys=tuple(written)),
                               codecs.CACHE_ACK, CACHE_TIMEOUT_S)
         except FAILURES as exc:
             svc.log.warning("pool put_end failed; the put will be revoked", extra={"error": str(exc)})
-            return known
-        return known | written
+            return {}
+        return written

@@ -48,6 +48,8 @@ class WorkerConfig(ServiceConfig):
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's own)"})
     transfer_instance: str = field(default="", metadata={"help": "prefer this transfer node (default: any live one)"})
     local_prefix_cache: bool = field(default=True, metadata={"help": "keep computed blocks in the engine for reuse"})
+    layerwise_handoff: bool = field(default=True, metadata={
+        "help": "prefill ships each layer's KV as it is computed (else all layers after the last one)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

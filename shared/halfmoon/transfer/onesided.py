@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -25,6 +24,7 @@ from halfmoon.transfer.rdma_plan import Copy
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import (
     BlockHook,
+    SegmentRange,
     TransferError,
     Transport,
     check_all,
@@ -33,13 +33,6 @@ from halfmoon.transfer.transport import (
     missing_error,
     prepare_all,
 )
-
-
-class SegmentRange(NamedTuple):
-    """``length`` bytes at ``offset`` of the node's DRAM segment (a block, or a layer of one)."""
-
-    offset: int
-    length: int
 
 
 def _nbytes(view: memoryview | None) -> int:
@@ -65,6 +58,8 @@ class OneSidedPath(ABC):
 
 
 class OneSidedTransport(Transport):
+    ranged = True
+
     def __init__(self, control: TcpTransport, path: OneSidedPath) -> None:
         self.control = control
         self.path = path

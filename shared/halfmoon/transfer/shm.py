@@ -20,7 +20,15 @@ from halfmoon.storage.segment import AttachedSegment
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.framing import MISSING, Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-from halfmoon.transfer.transport import BlockHook, TransferError, Transport, check_batch, destination, missing_error
+from halfmoon.transfer.transport import (
+    BlockHook,
+    SegmentRange,
+    TransferError,
+    Transport,
+    check_batch,
+    destination,
+    missing_error,
+)
 
 _READ = METRICS.transfer_bytes.labels("shm", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("shm", "write")
@@ -116,13 +124,44 @@ class ShmTransport(Transport):
                 prepare(i, src)
             self._seg[offset : offset + size] = src
         # with the cache-manager's offsets, COMMIT carries the extents and claims them in one step
+        await self.commit(keys, sizes, list(targets) if offsets is not None else None, caps)
+        _WRITTEN.inc(sum(sizes))
+
+    ranged = True
+
+    def _ranges(self, ranges: Sequence[SegmentRange]) -> None:
+        self._check_segment()
+        if any(r.offset < 0 or r.length <= 0 or r.offset + r.length > self._shm.size for r in ranges):
+            raise ValueError("ranges must be non-empty and inside the node's DRAM segment")
+
+    async def write_ranges(self, ranges: Sequence[SegmentRange], payloads: Sequence[Buffer]) -> None:
+        """Bytes into extents the cache-manager placed (not yet committed: ``commit`` claims them)."""
+        self._ranges(ranges)
+        local = [memoryview(p).cast("B") for p in payloads]
+        if len(local) != len(ranges) or any(v.nbytes != r.length for v, r in zip(local, ranges)):
+            raise ValueError("one payload per range, of the range's length")
+        for r, view in zip(ranges, local):
+            self._seg[r.offset : r.offset + r.length] = view
+        _WRITTEN.inc(sum(r.length for r in ranges))
+
+    async def read_ranges(self, ranges: Sequence[SegmentRange], *, into: memoryview | None = None) -> list[memoryview]:
+        self._ranges(ranges)
+        out, views, pos = destination(into, sum(r.length for r in ranges)), [], 0
+        for r in ranges:
+            views.append(out[pos : pos + r.length])
+            views[-1][:] = self._seg[r.offset : r.offset + r.length]
+            pos += r.length
+        _READ.inc(pos)
+        return views
+
+    async def commit(self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None,
+                     caps: Sequence[bytes] = ()) -> None:
+        """Make written blocks visible; with the cache-manager's ``offsets`` this also claims them."""
         claim = offsets is not None
-        commit = Request(Op.COMMIT, list(keys), sizes if claim else [], list(targets) if claim else [],
-                         caps=list(caps))
-        resp = await self.control.request(commit)
+        req = Request(Op.COMMIT, list(keys), list(sizes) if claim else [], list(offsets or ()), caps=list(caps))
+        resp = await self.control.request(req)
         if not resp.ok:
             raise TransferError(f"{self.control.address}: commit refused: {resp.error}")
-        _WRITTEN.inc(sum(sizes))
 
     async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
         return await self.control.delete(keys, caps=caps)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound, Buffer
 
-__all__ = ["BlockHook", "BlockNotFound", "Transport", "TransferError"]
+__all__ = ["BlockHook", "BlockNotFound", "SegmentRange", "Transport", "TransferError"]
 
 # ``hook(index, bytes)`` for one block of a batch: see ``Transport``'s ``prepare`` and ``check``.
 BlockHook = Callable[[int, memoryview], object]
@@ -22,6 +23,13 @@ BlockHook = Callable[[int, memoryview], object]
 
 class TransferError(Exception):
     """The node could not be reached or refused the request; nothing is assumed stored."""
+
+
+class SegmentRange(NamedTuple):
+    """``length`` bytes at ``offset`` of the node's DRAM segment (a block, or a layer of one)."""
+
+    offset: int
+    length: int
 
 
 class Transport(ABC):
@@ -70,6 +78,22 @@ class Transport(ABC):
         tier: Tier = Tier.DRAM,
         prepare: BlockHook | None = None,
     ) -> None: ...
+
+    ranged = False
+    """Whether ``write_ranges``/``read_ranges``/``commit`` work: the transport addresses the node's DRAM
+    segment directly (shared memory, one-sided RDMA), so a writer can fill a block the cache-manager
+    placed piece by piece (layer by layer), a reader can read those pieces before the block is
+    committed, and ``commit`` makes it visible. Others move whole blocks only."""
+
+    async def write_ranges(self, ranges: Sequence[SegmentRange], payloads: Sequence[Buffer]) -> None:
+        raise TransferError("this transport moves whole blocks only")
+
+    async def read_ranges(self, ranges: Sequence[SegmentRange], *, into: memoryview | None = None) -> list[memoryview]:
+        raise TransferError("this transport moves whole blocks only")
+
+    async def commit(self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None,
+                     caps: Sequence[bytes] = ()) -> None:
+        raise TransferError("this transport moves whole blocks only")
 
     @abstractmethod
     async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:

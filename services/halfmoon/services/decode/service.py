@@ -8,15 +8,18 @@ As it goes it stores the full blocks of generated tokens in the pool, so a migra
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 from halfmoon.core.errors import EngineError
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
-from halfmoon.protocol.work import DecodeRequest
+from halfmoon.protocol.work import DecodeRequest, KVProgress
 from halfmoon.service.generated_kv import GeneratedKV
+from halfmoon.service.layer_reader import LayerReader
 from halfmoon.service.streaming import token_event
 from halfmoon.service.worker import EngineWorker
+from halfmoon.telemetry import extract_context
 
 
 class DecodeService(EngineWorker):
@@ -30,8 +33,17 @@ class DecodeService(EngineWorker):
     def accept(self, request: DecodeRequest):  # type: ignore[no-untyped-def, override]
         return self._serve(request)
 
+    async def start(self) -> None:
+        await super().start()
+        self.layers = LayerReader(self.transfer, self.pool.layout, self.tracer, self.log)
+        await self.listen(self.subjects.decode_kv(self.instance_id), codecs.KV_PROGRESS, self._on_progress)
+
+    async def _on_progress(self, msg: KVProgress, headers: Mapping[str, str]) -> None:
+        await self.layers.on_progress(msg, extract_context(headers))
+
     async def _serve(self, req: DecodeRequest) -> None:
-        payloads = await self.handoff.receive(req.request_id, req.kv) if req.kv is not None else []
+        streamed = await self.layers.take(req.request_id, req.layers_announced)
+        payloads = await self.handoff.receive(req.request_id, req.kv, streamed) if req.kv is not None else []
         try:
             await self._generate(req, payloads)
         except EngineError as exc:

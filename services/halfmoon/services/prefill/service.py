@@ -15,6 +15,7 @@ from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
+from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.pool_client import Fetched
 from halfmoon.service.streaming import token_event
 from halfmoon.service.worker import EngineWorker
@@ -73,14 +74,24 @@ class PrefillService(EngineWorker):
         self.meter.ttft_ms.append(seconds * 1000)
         METRICS.ttft.labels(self.instance_id).observe(seconds)
 
+    def writer(self, req: PrefillRequest, keys: list[bytes], local: int, fetched: Fetched) -> LayerWriter:
+        """Ships each layer of the request's new blocks to the pool as the engine finishes it, and tells
+        the decode instance (KVProgress)."""
+        context = len(req.prompt_token_ids) + len(req.output_token_ids)
+        subject = self.subjects.decode_kv(req.decode_instance)
+        return self.handoff.writer(req.request_id, context, self.config.block_size, keys, local, fetched,
+                                   lambda msg: self.publish(subject, msg), self.config.layerwise_handoff)
+
     async def _serve(self, req: PrefillRequest) -> None:
         started = time.perf_counter()
         keys, local, fetched = await self.fetch_prefix(req)
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
+        writer = self.writer(req, keys, local, fetched)
+        shipping = asyncio.create_task(writer.run(req.tenant))  # its put_start overlaps the compute
         try:
             try:
                 computing = time.perf_counter()
-                first = await self._compute(req, keys, local, fetched.payloads)
+                first = await self._compute(req, keys, local, fetched.payloads, writer)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
                                       req.attempt)
@@ -93,7 +104,7 @@ class PrefillService(EngineWorker):
             cached = first.num_cached_tokens
             await self.publish_cache_events((context - cached, cached, finished - computing))
             if first.finish_reason == PREFILL_DONE:
-                await self._hand_off(req, first, keys, local, fetched)
+                await self._hand_off(req, first, writer, shipping)
         except (RemoteError, TransferError, OSError, EngineError) as exc:
             # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
             bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
@@ -101,10 +112,11 @@ class PrefillService(EngineWorker):
             await self.send_error(req.stream_subject, req.request_id, code, f"hand-off to decode failed: {exc}",
                                   req.attempt)
         finally:
+            shipping.cancel()
             await self.pool.release(fetched.lease_id)
 
     async def _compute(self, req: PrefillRequest, keys: list[bytes], local: int,
-                       pooled: list[memoryview]) -> RequestOutput:
+                       pooled: list[memoryview], writer: LayerWriter) -> RequestOutput:
         assert self.engine is not None
         with self.tracer.start_as_current_span("prefill.compute") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
@@ -116,7 +128,8 @@ class PrefillService(EngineWorker):
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
                                                       kv_blocks=pooled, kv_start_block=local,
-                                                      block_keys=self.prompt_keys(req, keys), prefill_only=True):
+                                                      block_keys=self.prompt_keys(req, keys), prefill_only=True,
+                                                      layer_sink=writer.sink, stream_from_block=writer.first_block):
                     outputs.append(out)
             except asyncio.CancelledError:
                 await self.engine.abort(req.request_id)
@@ -145,41 +158,39 @@ class PrefillService(EngineWorker):
         await self.listen(self.subjects.kv_snapshot, codecs.KV_SNAPSHOT_REQUEST, self._on_snapshot_request)
         await self._on_snapshot_request(SnapshotRequest(), {})
 
-    async def _hand_off(self, req: PrefillRequest, first: RequestOutput, keys: list[bytes], local: int,
-                        fetched: Fetched) -> None:
+    async def _hand_off(self, req: PrefillRequest, first: RequestOutput, writer: LayerWriter,
+                        shipping: asyncio.Task[None]) -> None:
         assert self.engine is not None
         rid = req.request_id
-        context = len(req.prompt_token_ids) + len(req.output_token_ids)
         try:
-            payloads = await self.engine.call(lambda e: e.export_kv(rid))
+            await shipping  # every layer is out of the engine and shipped
         finally:
             await self.engine.call(lambda e: e.release(rid))
-        kv = await self._place_kv(rid, context, keys, payloads, local, fetched, req.tenant)
+        kv = await self._place_kv(writer)
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
             stream_subject=req.stream_subject, prefill_instance=self.instance_id, deadline=req.deadline,
             cached_tokens=min(first.num_cached_tokens, len(req.prompt_token_ids)),
             output_token_ids=req.output_token_ids, attempt=req.attempt, tenant_salt=req.tenant_salt,
+            layers_announced=writer.announced if kv is not None else 0,
         )
         try:
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
                                HANDOFF_TIMEOUT_S)
         except RemoteError:
             if kv is not None:
-                await self.handoff.discard(rid, len(payloads))
+                await self.handoff.discard(rid, len(writer.keys))
             raise
 
-    async def _place_kv(self, rid: str, context: int, keys: list[bytes], payloads: list[bytes], local: int,
-                        fetched: Fetched, tenant: str) -> KVLocation | None:
+    async def _place_kv(self, writer: LayerWriter) -> KVLocation | None:
         """Where decode finds the KV; None when nothing could take it (no live transfer node): decode then
         recomputes it, slower but served, and the gauge says the pool is out until a hand-off works again."""
         try:
-            kv = await self.handoff.send(rid, context, self.config.block_size, keys, payloads, local, fetched,
-                                         tenant=tenant)
+            kv = await self.handoff.send(writer)
         except (RemoteError, TransferError, OSError) as exc:
-            self.log.warning("KV hand-off without the pool: decode recomputes", extra={"request_id": rid,
-                                                                                      "error": str(exc)})
+            self.log.warning("KV hand-off without the pool: decode recomputes",
+                             extra={"request_id": writer.request_id, "error": str(exc)})
             METRICS.handoffs_without_pool.inc()
             METRICS.pool_available.labels(self.instance_id).set(0)
             return None
