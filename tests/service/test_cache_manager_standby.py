@@ -51,6 +51,13 @@ class TestLeadership:
             await asyncio.sleep(0.1)
         assert second.held and not await first.renew()  # the old holder cannot renew its way back
 
+    async def test_a_holder_restarted_under_its_id_takes_its_lease_back_at_once(self, nc, namespace: str) -> None:
+        js, bucket = nc.jetstream(), f"leaders_{namespace}"
+        assert await Leadership(js, bucket, "role", "cache-manager-0", ttl_s=30).try_acquire()
+        assert not await Leadership(js, bucket, "role", "cache-manager-1", ttl_s=30).try_acquire()
+        restarted = Leadership(js, bucket, "role", "cache-manager-0", ttl_s=30)
+        assert await restarted.try_acquire() and await restarted.renew()
+
     async def test_a_clean_release_frees_the_lease_at_once(self, nc, namespace: str) -> None:
         js, bucket = nc.jetstream(), f"leaders_{namespace}"
         first, second = (Leadership(js, bucket, "role", holder, ttl_s=30) for holder in ("a", "b"))

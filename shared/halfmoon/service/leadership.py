@@ -3,7 +3,8 @@
 The bucket's entries expire ``ttl_s`` after their last write, so a lease its holder stops renewing
 (the process died, stalled or lost NATS) is gone within ``ttl_s`` and the next ``try_acquire`` of a
 standby wins it. Creating the key succeeds for one contender only; renewing needs the revision the
-holder last wrote, so a holder that lost the lease cannot take it back by renewing.
+holder last wrote, so a holder that lost the lease cannot take it back by renewing. Instance ids
+name one live process at a time, so a process restarted under its old id takes its lease back at once.
 """
 
 from __future__ import annotations
@@ -53,8 +54,21 @@ class Leadership:
         started = time.monotonic()
         try:
             self._revision = await kv.create(self.name, self.holder.encode())
-        except (KeyWrongLastSequenceError, NotFoundError):  # held by another (or expiring as we asked: next time)
-            return self.held
+        except (KeyWrongLastSequenceError, NotFoundError):  # held (or expiring as we asked: next time)
+            return self.held or await self._reclaim(kv, started)
+        self._renewed_at = started
+        return True
+
+    async def _reclaim(self, kv: KeyValue, started: float) -> bool:
+        """A lease under this holder's own name that this object does not hold: the holder restarted
+        under the same instance id (a supervisor does that only once the old process is gone)."""
+        try:
+            entry = await kv.get(self.name)
+            if entry.value != self.holder.encode() or entry.revision is None:
+                return False
+            self._revision = await kv.update(self.name, self.holder.encode(), last=entry.revision)
+        except (KeyWrongLastSequenceError, NotFoundError):
+            return False
         self._renewed_at = started
         return True
 
