@@ -176,18 +176,14 @@ class CacheManagerService(Service[CacheManagerConfig]):
         if self.nodes:  # a standby's index is as old as its joins: every node joins again on its next heartbeat
             self.index, self.nodes = PoolIndex(self.config.pool_config()), {}
         cache, queue = self.subjects.cache, self.role.value  # NOTE: a queue group: never two answers to one request
-        self._served = [
-            await self.serve(cache("put_start"), codecs.CACHE_PUT_START, self._put_start, span_name="cache.put_start",
-                             queue=queue),
-            await self.serve(cache("put_end"), codecs.CACHE_PUT_END, self._put_end, span_name="cache.put_end",
-                             queue=queue),
-            await self.serve(cache("lookup"), codecs.CACHE_LOOKUP, self._lookup, span_name="cache.lookup", queue=queue),
-            await self.serve(cache("release"), codecs.CACHE_RELEASE, self._release, span_name="cache.release",
-                             queue=queue),
-            await self.serve(cache("remove"), codecs.CACHE_REMOVE, self._remove, span_name="cache.remove", queue=queue),
-            await self.serve(cache("stats"), codecs.CACHE_STATS_REQUEST, self._stats, span_name="cache.stats",
-                             queue=queue),
-        ]
+        handlers = (("put_start", codecs.CACHE_PUT_START, self._put_start),
+                    ("put_end", codecs.CACHE_PUT_END, self._put_end),
+                    ("lookup", codecs.CACHE_LOOKUP, self._lookup),
+                    ("release", codecs.CACHE_RELEASE, self._release),
+                    ("remove", codecs.CACHE_REMOVE, self._remove),
+                    ("stats", codecs.CACHE_STATS_REQUEST, self._stats))
+        self._served = [await self.serve(cache(op), codec, handler, span_name=f"cache.{op}", queue=queue)
+                        for op, codec, handler in handlers]
         self._housekeeping = asyncio.create_task(self._housekeep_forever())
         self.log.info("active: serving the pool")
 
