@@ -48,6 +48,7 @@ async def conductor(nats_server, namespace):
         heartbeat_interval_s=0.1,
         instance_timeout_s=0.4,
         sweep_interval_s=0.05,
+        warmup_s=0.2,
     )
     svc = ConductorService(config)
     async with ServiceHost(svc):
@@ -97,6 +98,25 @@ class TestChoosesLeastLoaded:
             hosts[1].service.current_load = Load(queue_len=9)
             await wait_until(lambda: conductor.table.get("p-idle").load.queue_len == 9, what="new load seen")
             assert (await schedule(nc, namespace, schedule_request("r2"))).prefill_instance == "p-busy"
+        finally:
+            for host in hosts:
+                await host.stop()
+
+
+class TestStartsAmongLiveInstances:
+    async def test_first_request_after_start_is_placed(self, nats_server, namespace, nc):
+        """A conductor (re)started into a running deployment takes requests only once it has heard
+        every instance beat: the first one it answers is placed, not rejected for want of instances."""
+        hosts = [reporter_host(nats_server.url, namespace, iid, role, interval_s=0.5)
+                 for iid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE))]
+        for host in hosts:
+            await host.start()
+        config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, instance_id="conductor-late",
+                                 heartbeat_interval_s=0.1, warmup_s=0.75)
+        try:
+            async with ServiceHost(ConductorService(config)):
+                reply = await schedule(nc, namespace)
+            assert isinstance(reply, ScheduleAccepted), reply
         finally:
             for host in hosts:
                 await host.stop()

@@ -33,13 +33,16 @@ class ConductorConfig(ServiceConfig, PolicySettings):
         "help": "placed work missing from its instance's heartbeat this long is dropped from the ledger"})
     ledger_ttl_s: float = field(default=60.0, metadata={
         "help": "placed work with no news expires this long after its predicted end"})
+    warmup_s: float = field(default=2.0, metadata={
+        "help": "hear heartbeats this long before taking schedule requests (a conductor just started knows "
+                "no instance, and would reject what its peers can place)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("instance_timeout_s", "sweep_interval_s", "ledger_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("retry_after_s", "ledger_grace_s"):
+        for name in ("retry_after_s", "ledger_grace_s", "warmup_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.check_policy()
@@ -87,6 +90,11 @@ class ConductorService(Service[ConductorConfig]):
         await self.listen(self.subjects.work_done, codecs.WORK_DONE, self._on_work_done)
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
         self._unscrape = METRICS.on_scrape(self._record_ledger)
+        # Rebuild what prefill instances hold in their local caches (after a restart, too).
+        await self.publish(self.subjects.kv_snapshot, SnapshotRequest())
+        # NOTE: joining the schedule queue group before every instance has beaten once would send this
+        # conductor its share of requests with an empty table: each would be rejected (no_decode_instance).
+        await asyncio.sleep(self.config.warmup_s)
         await self.serve(
             self.subjects.schedule,
             codecs.SCHEDULE_REQUEST,
@@ -95,8 +103,6 @@ class ConductorService(Service[ConductorConfig]):
             queue="conductor",
         )
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="conductor-sweeper")
-        # Rebuild what prefill instances hold in their local caches (after a restart, too).
-        await self.publish(self.subjects.kv_snapshot, SnapshotRequest())
 
     async def _on_placed(self, placed: Placed, _headers: Mapping[str, str]) -> None:
         if placed.conductor != self.instance_id:
