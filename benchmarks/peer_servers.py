@@ -92,7 +92,15 @@ class PeerServer:
 
 
 class HalfmoonServer(PeerServer):
-    name = "halfmoon"
+    """`halfmoon up` (1 prefill + 1 decode unless ``up_args`` say otherwise, e.g. ``--aggregated 1``);
+    ``settings`` are HALFMOON_* variables every service reads (e.g. ``{"ADMISSION": "none"}``)."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, name: str = "halfmoon", up_args: Sequence[str] = (),
+                 settings: dict[str, str] | None = None) -> None:
+        super().__init__(model_dir, run_dir)
+        self.name = name
+        self.up_args = list(up_args)
+        self.settings = dict(settings or {})
 
     @property
     def metrics_url(self) -> str:
@@ -100,8 +108,11 @@ class HalfmoonServer(PeerServer):
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "halfmoon.cli.main", "up", "--model", str(self.model_dir), "--port",
-                str(self.port), "--run-dir", str(self.run_dir / "halfmoon-run"), "--namespace", "peers",
-                "--timeout", str(self.start_timeout_s)]
+                str(self.port), "--run-dir", str(self.run_dir / f"{self.name}-run"), "--namespace", "peers",
+                "--timeout", str(self.start_timeout_s), *self.up_args]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **{f"HALFMOON_{k}": v for k, v in self.settings.items()}}
 
 
 class VllmServer(PeerServer):

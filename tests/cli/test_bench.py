@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from halfmoon.cli import main as cli_main
 from halfmoon.cli.bench import parse_prediction_error, prediction_error
+from halfmoon.cli.bench_stats import false_rejections
 from halfmoon.cli.bench_workload import TraceScaling, trace_requests
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.sim.trace import load_trace
@@ -89,6 +90,7 @@ class TestFixedConcurrency:
         assert summary["ttft_ms"]["p50"] >= 50 and summary["itl_ms"]["p50"] >= 20
         assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p90"] <= summary["ttft_ms"]["p99"]
         assert summary["goodput"]["met"] == 8 and summary["goodput"]["share"] == pytest.approx(0.8)
+        assert sorted(summary["outcomes"]) == ["met"] * 8 + ["rejected"] * 2
         out = capsys.readouterr().out
         assert "429: 2" in out and "goodput" in out
 
@@ -136,6 +138,17 @@ class TestTraceReplay:
         code = cli_main.main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--trace", str(tmp_path / "none.jsonl")])
         assert code == 2
         assert "trace not found" in capsys.readouterr().err
+
+
+class TestFalseRejections:
+    def test_rejected_here_but_met_without_admission(self) -> None:
+        admitted = ["met", "rejected", "rejected", "missed", "failed", "rejected"]
+        unguarded = ["met", "met", "missed", "missed", "met", "failed"]
+        assert false_rejections(admitted, unguarded) == {"rejected": 3, "false": 1, "accepted_met": 1, "accepted": 2}
+
+    def test_runs_of_other_requests_cannot_be_paired(self) -> None:
+        with pytest.raises(ValueError, match="differ in length"):
+            false_rejections(["met"], ["met", "met"])
 
 
 class TestPredictionError:

@@ -46,6 +46,27 @@ def meets(result: RequestResult, slo: SLO) -> bool:
         ttft * 1000 <= slo.ttft_ms and tpot * 1000 <= slo.itl_ms)
 
 
+def outcome(result: RequestResult, slo: SLO) -> str:
+    """``met`` or ``missed`` (served, within the SLOs or not), ``rejected`` (429: admission said no)
+    or ``failed`` (anything else)."""
+    if result.ok:
+        return "met" if meets(result, slo) else "missed"
+    return "rejected" if result.status == "429" else "failed"
+
+
+def false_rejections(admitted: Sequence[str], unguarded: Sequence[str]) -> dict[str, int]:
+    """Pair two runs of the same requests, one with admission control and one without (``outcome``
+    per request, in request order): a request rejected in the first that met its SLOs in the second
+    was rejected falsely."""
+    if len(admitted) != len(unguarded):
+        raise ValueError(f"runs differ in length: {len(admitted)} vs {len(unguarded)}")
+    pairs = list(zip(admitted, unguarded))
+    return {"rejected": sum(a == "rejected" for a, _ in pairs),
+            "false": sum(a == "rejected" and u == "met" for a, u in pairs),
+            "accepted_met": sum(a == "met" for a, _ in pairs),
+            "accepted": sum(a in ("met", "missed") for a, _ in pairs)}
+
+
 def summarise(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -69,6 +90,7 @@ def summarise(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> 
         "tpot_ms": _ms([r.tpot_s for r in ok if r.tpot_s is not None and r.output_tokens > 1]),
         "goodput": {"slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms, "met": good,
                     "share": good / len(results) if results else None, "rate": per_second(good)},
+        "outcomes": [outcome(r, slo) for r in results],
     }
 
 
