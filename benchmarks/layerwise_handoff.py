@@ -6,6 +6,10 @@ when the last layer of the prompt's final chunk has written its KV, and stops wh
 every block, verified (``KVHandOff.receive`` returned). Whole-block ships every layer after that
 moment; layer-wise ships all but the last before it. "One layer" is the whole-block figure divided
 by the number of layers: the aim is that layer-wise adds at most that.
+
+It also times each step after the last layer (both sides, every service in this one
+process, one clock): each is wrapped where it is called and shown as the median of its start and end
+in ms after that moment, so what sits on the critical path, and what overlaps it, can be read off.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.engine.hooks import LayerHook
@@ -28,16 +34,68 @@ from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import PrefillRequest
 from halfmoon.service import ServiceHost, request
+from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.worker import WorkerConfig
 from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
+from halfmoon.transfer.shm import ShmTransport
 from rich.console import Console
 from rich.table import Table
 
 SECRET = "layerwise-handoff-benchmark-0123456789"
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+class Timeline:
+    """Steps of the current round: (name, start, end) on ``time.perf_counter``'s clock."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, float, float]] = []
+
+    def wrap(self, owner: Any, attr: str, name: Callable[..., str | None] | str) -> None:
+        """Time every call of ``owner.attr`` (an async method); ``name`` may name a call from its
+        arguments, or skip it (None)."""
+        inner = getattr(owner, attr, None)
+        if inner is None:  # a step this version of the code does not have
+            return
+        bound = not isinstance(owner, type)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await inner(*args, **kwargs)
+            finally:
+                label = name(*(args if bound else args[1:]), **kwargs) if callable(name) else name
+                if label is not None:
+                    self.steps.append((label, start, time.perf_counter()))
+
+        setattr(owner, attr, timed)
+
+    def note(self, name: str) -> None:
+        now = time.perf_counter()
+        self.steps.append((name, now, now))
+
+
+def instrument(prefill: PrefillService, decode: DecodeService, layers: int, timeline: Timeline) -> None:
+    """Wrap each step a hand-off takes after prefill's last layer (names as shown in the breakdown)."""
+    last = f"layers ..{layers - 1}"
+    timeline.wrap(prefill, "_compute", "prefill: engine returns the first token")
+    timeline.wrap(LayerWriter, "_ship", lambda layers_, *a: f"prefill: seal+write+announce {last}"
+                  if layers_.stop == layers else None)
+    timeline.wrap(prefill, "publish_event", "prefill: first token's event")
+    timeline.wrap(prefill, "publish_cache_events", "prefill: cache events (engine call + publish)")
+    timeline.wrap(prefill.handoff, "send", "prefill: kv_write (commit, write whole, put_end, park)")
+    timeline.wrap(prefill.handoff, "commit", "prefill: kv_commit after the signal (commit, put_end)")
+    timeline.wrap(ShmTransport, "commit", "prefill: COMMIT to the node")
+    timeline.wrap(prefill, "request", lambda subject, message, *a, **k: f"prefill: {type(message).__name__} "
+                  "round trip" if type(message).__name__ in ("PutEnd", "DecodeRequest") else None)
+    timeline.wrap(decode, "_serve", "decode: request task")
+    timeline.wrap(decode.layers, "on_progress", lambda msg, *a: f"decode: read+verify {last}"
+                  if msg.layers_done == layers else None)
+    timeline.wrap(decode.layers, "take", "decode: wait for announced layers")
+    timeline.wrap(decode.handoff, "receive", "decode: KVHandOff.receive")
 
 
 class _LastLayerClock(LayerHook):
@@ -56,11 +114,12 @@ class _LastLayerClock(LayerHook):
 
 
 async def one_round(nc: Any, ns: str, prefill: PrefillService, decode: DecodeService, prompt: list[int],
-                    rid: str, last: list[float], ready: list[float]) -> float:
+                    rid: str, last: list[float], ready: list[float], timeline: Timeline) -> float:
     subjects, done = Subjects(ns), asyncio.Event()
 
     async def on_event(msg: Any) -> None:
         if getattr(codecs.STREAM.decode(msg.data), "finish_reason", None) is not None:
+            timeline.note("client: decode's first token arrives")
             done.set()
 
     sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
@@ -75,8 +134,16 @@ async def one_round(nc: Any, ns: str, prefill: PrefillService, decode: DecodeSer
     return ready[-1] - last[-1]
 
 
-async def run(model: str, prompt_tokens: int, rounds: int) -> tuple[int, dict[bool, list[float]]]:
-    """The model's layer count, and the latencies (seconds) by mode (True: layer-wise)."""
+Steps = dict[str, list[tuple[float, float]]]  # step -> (start, end) after the last layer, one per round
+
+
+class Results(NamedTuple):
+    layers: int
+    latency: dict[bool, list[float]]  # seconds, by mode (True: layer-wise)
+    steps: dict[bool, Steps]
+
+
+async def run(model: str, prompt_tokens: int, rounds: int) -> Results:
     import nats
 
     port = free_port()
@@ -108,18 +175,25 @@ async def run(model: str, prompt_tokens: int, rounds: int) -> tuple[int, dict[bo
                 return out
 
             decode.handoff.receive = timed_receive  # type: ignore[method-assign]
+            timeline = Timeline()
+            instrument(prefill, decode, layers, timeline)
             nc = await nats.connect(url)
             rng = random.Random(0)
             results: dict[bool, list[float]] = {True: [], False: []}
+            steps: dict[bool, Steps] = {True: defaultdict(list), False: defaultdict(list)}
             for i in range(2 * rounds + 2):  # the first pair warms up
                 layerwise = i % 2 == 0
                 prefill.config = dataclasses.replace(prefill.config, layerwise_handoff=layerwise)
                 prompt = [rng.randrange(10, 200) for _ in range(prompt_tokens)]  # no prefix reuse
-                latency = await one_round(nc, ns, prefill, decode, prompt, f"bench-{i}", last, ready)
+                timeline.steps.clear()
+                latency = await one_round(nc, ns, prefill, decode, prompt, f"bench-{i}", last, ready, timeline)
                 if i >= 2:
                     results[layerwise].append(latency)
+                    for name, start, end in timeline.steps:
+                        if end >= last[-1]:  # steps that ended before the last layer are off the path
+                            steps[layerwise][name].append((start - last[-1], end - last[-1]))
             await nc.close()
-            return layers, results
+            return Results(layers, results, steps)
     finally:
         server.terminate()
         server.wait(10)
@@ -137,7 +211,7 @@ def main() -> None:
             from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "model", hidden_size=512, layers=16, heads=8, kv_heads=8))
-        layers, results = asyncio.run(run(model, args.prompt_tokens, args.rounds))
+        layers, results, steps = asyncio.run(run(model, args.prompt_tokens, args.rounds))
     whole, layerwise = statistics.median(results[False]), statistics.median(results[True])
     table = Table(title=f"hand-off after the last layer, {args.prompt_tokens}-token prompt, {layers} layers, "
                         f"{args.rounds} rounds each (median ms)")
@@ -150,6 +224,27 @@ def main() -> None:
     Console().print(table)
     Console().print(f"all rounds (ms): whole {[round(x * 1e3, 1) for x in results[False]]}, "
                     f"layer-wise {[round(x * 1e3, 1) for x in results[True]]}")
+    Console().print(breakdown(steps, args.rounds))
+
+
+def breakdown(steps: dict[bool, Steps], rounds: int) -> Table:
+    """Each step's median start and end (ms after the last layer's KV was written), by mode."""
+    table = Table(title="after the last layer: median start -> end, ms (n: rounds with the step)")
+    for column in ("step", "whole-block", "layer-wise"):
+        table.add_column(column, justify="left" if column == "step" else "right")
+
+    def cell(times: list[tuple[float, float]]) -> str:
+        if not times:
+            return "-"
+        start, end = (statistics.median(t[i] for t in times) * 1e3 for i in (0, 1))
+        n = "" if len(times) == rounds else f" (n={len(times)})"
+        return f"{start:+.1f} -> {end:+.1f}{n}" if end - start > 5e-5 else f"{end:+.1f}{n}"
+
+    names = sorted({*steps[False], *steps[True]}, key=lambda name: statistics.median(
+        end for _, end in steps[True].get(name) or steps[False][name]))
+    for name in names:
+        table.add_row(name, cell(steps[False].get(name, [])), cell(steps[True].get(name, [])))
+    return table
 
 
 if __name__ == "__main__":
