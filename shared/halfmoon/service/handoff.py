@@ -3,9 +3,10 @@
 Prefill's ``LayerWriter`` (layer_writer.py) places the request's new blocks in the pool before
 computing them (full blocks under their content keys, the partial last one under a one-off key)
 and ships them layer by layer; ``send`` finishes that and parks on a transfer node's NVMe whatever
-the pool had no room or answer for. Decode takes the blocks that arrived layer by layer
-(layer_reader.py), fetches the rest, verifies every block, keeps the longest intact prefix (the
-rest is recomputed) and drops the one-off blocks, which nobody else will read.
+the pool had no room or answer for, unless decode was told about every layer of every new block:
+then it only says where they are, and ``commit`` makes them the pool's after the hand-off. Decode takes the blocks that arrived layer by layer (layer_reader.py), fetches the
+rest, verifies every block, keeps the longest intact prefix (the rest is recomputed) and, once it
+is generating, drops the one-off blocks, which nobody else will read.
 """
 
 from __future__ import annotations
@@ -49,12 +50,23 @@ class KVHandOff:
         return LayerWriter(self.pool, self.transfer, self.layout, self.tracer, request_id, block_size, num_tokens,
                            keys, local, fetched, progress, layerwise)
 
+    async def commit(self, writer: LayerWriter) -> None:
+        """After the hand-off of a ``complete`` writer: commit and publish the streamed blocks so other requests reuse
+        them; the one-off ones stay uncommitted for decode to drop. A decode that lost a layer and reads
+        a block whole before this lands recomputes from that block."""
+        with self.tracer.start_as_current_span("prefill.kv_commit") as span:
+            span.set_attribute("halfmoon.request_id", writer.request_id)
+            locations = await writer.finish(one_off=False)
+            span.set_attribute("halfmoon.blocks_stored", sum(loc is not None for loc in locations))
+
     async def send(self, writer: LayerWriter) -> KVLocation:
         """After the last layer: make every block of the request readable by decode; where each one is.
 
-        Blocks the pool had no room, quota or answer for are parked on a transfer node's NVMe."""
+        Blocks the pool had no room, quota or answer for are parked on a transfer node's NVMe. When
+        decode was told about every layer of every new block (``writer.complete``) nothing is written
+        now: the blocks' locations return at once, and ``commit`` follows the hand-off."""
         with self.tracer.start_as_current_span("prefill.kv_write") as span:
-            locations = await writer.finish()
+            locations = writer.streamed_locations() if writer.complete else await writer.finish()
             fallback = [i for i, loc in enumerate(locations) if loc is None]
             if fallback:
                 for index, parked in zip(fallback, await self._park(writer.request_id, fallback, writer.payload)):
@@ -62,6 +74,10 @@ class KVHandOff:
             span.set_attribute("halfmoon.blocks_streamed", len(writer.streamed))
             span.set_attribute("halfmoon.blocks_parked", len(fallback))
             span.set_attribute("halfmoon.layer_batches", len(writer.batches.batches))
+        return self._location(writer, locations)
+
+    @staticmethod
+    def _location(writer: LayerWriter, locations: list[BlockLocation | None]) -> KVLocation:
         placed = [loc for loc in locations if loc is not None]  # all of them, after parking
         full = writer.num_tokens // writer.block_size
         return KVLocation(block_size=writer.block_size, num_tokens=writer.num_tokens, blocks=tuple(placed[:full]),
@@ -100,10 +116,9 @@ class KVHandOff:
         copy); whatever is lost is recomputed by the caller.
 
         ``streamed`` are blocks that already arrived layer by layer, every layer verified (by key):
-        only the others are read now."""
+        only the others are read now. The one-off blocks stay where they are for ``drop``."""
         streamed = streamed or {}
         locations = list(kv.blocks) + ([kv.partial] if kv.partial else [])
-        scratch = {handoff_key(request_id, i) for i in range(len(locations))}
         with self.tracer.start_as_current_span("decode.kv_read") as span:
             pending = [loc for loc in locations if loc.key not in streamed]
             read = dict(zip(map(id, pending), await self.pool.read(pending)))
@@ -111,16 +126,18 @@ class KVHandOff:
             span.set_attribute("halfmoon.blocks_streamed", len(locations) - len(pending))
             if any(p is None for p in payloads):
                 METRICS.errors.labels("kv_read").inc()
-            await self._drop_scratch([loc for loc in locations if loc.key in scratch])
             usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
             span.set_attribute("halfmoon.blocks", usable)
             span.set_attribute("halfmoon.blocks_lost", len(payloads) - usable)
             span.set_attribute("halfmoon.bytes", sum(len(p) for p in payloads[:usable] if p is not None))
         return [p for p in payloads[:usable] if p is not None]
 
-    async def _drop_scratch(self, scratch: list[BlockLocation]) -> None:
-        """One-off blocks are read once: out of the pool's index, then off the nodes (those parked
-        outside the pool are only on the nodes)."""
+    async def drop(self, request_id: str, kv: KVLocation) -> None:
+        """After ``receive``: the request's one-off blocks are read once, so out of the pool's index, then
+        off the nodes (those parked outside the pool are only on the nodes)."""
+        locations = list(kv.blocks) + ([kv.partial] if kv.partial else [])
+        one_off = {handoff_key(request_id, i) for i in range(len(locations))}
+        scratch = [loc for loc in locations if loc.key in one_off]
         await self.pool.remove([loc.key for loc in scratch if loc.key is not None])
         by_node: dict[str, list[BlockLocation]] = defaultdict(list)
         for loc in scratch:

@@ -21,7 +21,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Tracer
 
 CAPACITY = 256  # requests announced but not yet handed off; the oldest is dropped past this
-ANNOUNCED_WAIT_S = 1.0  # how long the hand-off waits for announced layers still being read
+ANNOUNCED_WAIT_S = 1.0  # how long the hand-off waits for the next announced batch still being read
 
 
 class _Incoming:
@@ -65,6 +65,8 @@ class LayerReader:
         return incoming
 
     async def _read(self, msg: KVProgress, layers: range, incoming: _Incoming) -> None:
+        if layers.start:  # a block prefill stopped streaming (its write failed) lacks these layers: read it whole
+            incoming.bad.update(set(incoming.buffers) - set(msg.indexes))
         by_node: dict[str, list[int]] = defaultdict(list)
         for index, loc in zip(msg.indexes, msg.blocks):
             key = loc.key or b""
@@ -103,15 +105,16 @@ class LayerReader:
         return 0 if incoming is None or incoming.bad else incoming.layers_done
 
     async def take(self, request_id: str, announced: int = 0) -> dict[bytes, bytearray]:
-        """The request's blocks that arrived whole and intact, by key; forgets the request. Waits up to
-        ``ANNOUNCED_WAIT_S`` for the ``announced`` layers (a KVProgress may still be on its way)."""
+        """The request's blocks that arrived whole and intact, by key; forgets the request. Waits for the
+        ``announced`` layers (a KVProgress may still be on its way, or being read) while each batch
+        lands within ``ANNOUNCED_WAIT_S`` of the last: a slow reader still beats reading whole, and
+        prefill may commit the blocks only after the hand-off."""
         incoming = self._get(request_id) if announced else self._incoming.get(request_id)
         if incoming is not None:
             try:
-                async with asyncio.timeout(ANNOUNCED_WAIT_S):
-                    while incoming.layers_done < min(announced, self.layout.num_layers):
-                        incoming.progressed.clear()
-                        await incoming.progressed.wait()
+                while incoming.layers_done < min(announced, self.layout.num_layers):
+                    incoming.progressed.clear()
+                    await asyncio.wait_for(incoming.progressed.wait(), ANNOUNCED_WAIT_S)
             except TimeoutError:
                 pass  # read whole what did not arrive
         self._taken.append(request_id)

@@ -1,5 +1,6 @@
 """Prefill's side of the hand-off, layer by layer: place the request's new blocks before computing,
-ship each batch of layers as the engine finishes it, tell decode, and commit at the end.
+ship each batch of layers as the engine finishes it, tell decode, and commit at the end (after the
+hand-off when decode holds every block already: ``complete``).
 
 Whole-block hand-off is this with one batch of every layer (``LayerBatches.whole``); blocks whose
 node's transport cannot write byte ranges (TCP) are written whole once the last layer is done.
@@ -40,6 +41,7 @@ class LayerWriter:
         self.request_id, self.block_size, self.num_tokens = request_id, block_size, num_tokens
         count = -(-num_tokens // block_size)
         self.keys = [keys[i] if i < len(keys) else handoff_key(request_id, i) for i in range(count)]
+        self.one_off = range(min(len(keys), count), count)  # under handoff keys: decode reads them once
         self.fetched, self.fetched_range = fetched, range(local, local + len(fetched.payloads))
         self.progress, self.layerwise = progress, layerwise
         self.first_block = 0 if local else self.fetched_range.stop  # the engine streams from here
@@ -146,12 +148,37 @@ class LayerWriter:
         except NatsError:
             pass  # an optimisation only: decode reads whole whatever it was not told about
 
-    async def finish(self) -> list[BlockLocation | None]:
-        """Commit the streamed blocks, write the others whole, put_end; where each block is."""
+    @property
+    def complete(self) -> bool:
+        """Whether decode gets every new block from the layers it was told about (every layer of every
+        block announced, or the block was in the pool already): nothing needs writing, committing or
+        publishing before the hand-off, so those can follow it."""
+        streamed = set(self.streamed) | set(self.known)
+        return self.announced == self.layout.num_layers and all(i in streamed for i in self.new_blocks)
+
+    def streamed_locations(self) -> list[BlockLocation | None]:
+        """Where each block is for a ``complete`` writer, before any commit: the streamed blocks' placed
+        (still uncommitted) extents, which decode read layer by layer."""
+        return self.locations({self.keys[i]: self.placed[i] for i in self.streamed})
+
+    def locations(self, visible: dict[bytes, BlockLocation]) -> list[BlockLocation | None]:
+        out: list[BlockLocation | None] = []
+        for index, key in enumerate(self.keys):
+            if index in self.fetched_range:
+                out.append(self.fetched.locations[index - self.fetched_range.start])
+            else:
+                out.append(self.known.get(index) or visible.get(key))
+        return out
+
+    async def finish(self, one_off: bool = True) -> list[BlockLocation | None]:
+        """Commit the streamed blocks, write the others whole, put_end; where each block is. Without
+        ``one_off`` the streamed one-off blocks are left uncommitted: decode, which read them already,
+        drops them (a commit after its drop would leave them on the node)."""
         written: dict[bytes, BlockLocation] = {}
         by_node: dict[str, list[int]] = defaultdict(list)
         for index in self.streamed:
-            by_node[self.placed[index].address].append(index)
+            if one_off or index not in self.one_off:
+                by_node[self.placed[index].address].append(index)
         for address, indexes in by_node.items():
             locs = [self.placed[i] for i in indexes]
             try:
@@ -164,11 +191,4 @@ class LayerWriter:
         whole = [i for i in self.placed if i not in self.streamed]
         payload_of = {self.keys[i]: self.payload(i) for i in whole}
         written |= await self.pool.write([self.placed[i] for i in whole], payload_of, Sealer(self.layout).hook)
-        visible = await self.pool.publish(written)
-        out: list[BlockLocation | None] = []
-        for index, key in enumerate(self.keys):
-            if index in self.fetched_range:
-                out.append(self.fetched.locations[index - self.fetched_range.start])
-            else:
-                out.append(self.known.get(index) or visible.get(key))
-        return out
+        return self.locations(await self.pool.publish(written))

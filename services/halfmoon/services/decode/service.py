@@ -44,10 +44,15 @@ class DecodeService(EngineWorker):
     async def _serve(self, req: DecodeRequest) -> None:
         streamed = await self.layers.take(req.request_id, req.layers_announced)
         payloads = await self.handoff.receive(req.request_id, req.kv, streamed) if req.kv is not None else []
+        # the one-off blocks are read: dropping them need not hold up the first step
+        dropping = asyncio.create_task(self.handoff.drop(req.request_id, req.kv)) if req.kv is not None else None
         try:
             await self._generate(req, payloads)
         except EngineError as exc:
             await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+        finally:
+            if dropping is not None:
+                await dropping
 
     async def _generate(self, req: DecodeRequest, payloads: list[memoryview]) -> None:
         assert self.engine is not None

@@ -98,13 +98,16 @@ class PrefillService(EngineWorker):
                 return
             finished = time.perf_counter()
             self.done_computing(req.request_id)
+            # NOTE: the first token's event goes out before the hand-off: decode's tokens follow it
             await self.publish_event(req.stream_subject, token_event(first, req.sampling, self.instance_id,
                                                                      first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
-            await self.publish_cache_events((context - cached, cached, finished - computing))
-            if first.finish_reason == PREFILL_DONE:
-                await self._hand_off(req, first, writer, shipping)
+            try:
+                if first.finish_reason == PREFILL_DONE:
+                    await self._hand_off(req, first, writer, shipping)
+            finally:  # for the conductor's index, not this request: after the hand-off
+                await self.publish_cache_events((context - cached, cached, finished - computing))
         except (RemoteError, TransferError, OSError, EngineError) as exc:
             # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
             bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
@@ -167,6 +170,7 @@ class PrefillService(EngineWorker):
         finally:
             await self.engine.call(lambda e: e.release(rid))
         kv = await self._place_kv(writer)
+        deferred = kv is not None and writer.complete  # decode holds every block: commit after the hand-off
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
@@ -182,6 +186,9 @@ class PrefillService(EngineWorker):
             if kv is not None:
                 await self.handoff.discard(rid, len(writer.keys))
             raise
+        finally:
+            if deferred:
+                await self.handoff.commit(writer)
 
     async def _place_kv(self, writer: LayerWriter) -> KVLocation | None:
         """Where decode finds the KV; None when nothing could take it (no live transfer node): decode then
