@@ -84,6 +84,18 @@ async def serve(nc, namespace: str, cluster: Cluster, rid: str) -> list[int]:  #
     return tokens
 
 
+def count_streamed(cluster: Cluster) -> list[int]:
+    """Per hand-off decode receives, how many blocks arrived layer by layer (the rest it reads whole)."""
+    receive, counts = cluster.decode.handoff.receive, []
+
+    async def counting_receive(rid: str, kv: Any, streamed: Any = None) -> Any:
+        counts.append(len(streamed or {}))
+        return await receive(rid, kv, streamed)
+
+    cluster.decode.handoff.receive = counting_receive  # type: ignore[method-assign]
+    return counts
+
+
 def expected_tokens(model_dir: Path) -> list[int]:
     """What the engine alone generates for PROMPT (its exactness against transformers is tests/engine's)."""
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32")).generate([PROMPT], GREEDY)[0]

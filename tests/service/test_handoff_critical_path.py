@@ -52,8 +52,8 @@ def full_keys(cluster: Cluster) -> list[bytes]:
 
 
 class TestCommitFollowsTheHandOff:
-    async def test_decode_holds_the_kv_before_prefill_commits_it(self, cluster: Cluster, nc, namespace: str,  # type: ignore[no-untyped-def]
-                                                                 tiny_model_dir: Path) -> None:
+    async def test_decode_holds_the_kv_before_prefill_commits_it(  # type: ignore[no-untyped-def]
+            self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
         events: list[str] = []
         received = asyncio.Event()
         note(cluster.decode.handoff, "receive", events, "decode received the KV", received)
@@ -68,8 +68,8 @@ class TestCommitFollowsTheHandOff:
 
 
 class TestOneOffBlockDroppedOffThePath:
-    async def test_decode_generates_before_it_drops_the_one_off_block(self, cluster: Cluster, nc,  # type: ignore[no-untyped-def]
-                                                                      namespace: str, tiny_model_dir: Path) -> None:
+    async def test_decode_generates_before_it_drops_the_one_off_block(  # type: ignore[no-untyped-def]
+            self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
         events: list[str] = []
         streaming = asyncio.Event()
         note(cluster.decode, "publish_event", events, "decode streams a token", streaming)

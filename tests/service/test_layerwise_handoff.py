@@ -12,7 +12,7 @@ from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol.work import KVProgress
 from halfmoon.transfer.transport import TransferError
 
-from tests.service.conftest import Cluster, expected_tokens, running, serve
+from tests.service.conftest import Cluster, count_streamed, expected_tokens, running, serve
 
 
 class _Gate(LayerHook):
@@ -47,13 +47,7 @@ class TestLayerwiseHandOff:
             released.set()
 
         reader.on_progress = spy  # type: ignore[method-assign]
-        receive, streamed_counts = cluster.decode.handoff.receive, []
-
-        async def counting_receive(rid: str, kv: Any, streamed: Any = None) -> Any:
-            streamed_counts.append(len(streamed or {}))
-            return await receive(rid, kv, streamed)
-
-        cluster.decode.handoff.receive = counting_receive  # type: ignore[method-assign]
+        streamed_counts = count_streamed(cluster)
         assert cluster.prefill.engine is not None
         last = cluster.prefill.engine.layout.num_layers - 1
         # whole-block has nothing to send before the last layer: the gate gives up after a second
@@ -101,13 +95,7 @@ class TestBlockLeftOutMidStream:
                 return proxy if address == failing else await opened(address)
 
             client.transport = transport  # type: ignore[method-assign]
-            receive, streamed_counts = cluster.decode.handoff.receive, []
-
-            async def counting_receive(rid: str, kv: Any, streamed: Any = None) -> Any:
-                streamed_counts.append(len(streamed or {}))
-                return await receive(rid, kv, streamed)
-
-            cluster.decode.handoff.receive = counting_receive  # type: ignore[method-assign]
+            streamed_counts = count_streamed(cluster)
             tokens = await serve(nc, namespace, cluster, "r-midstream")
             assert proxy.failed, "no block was placed on the second node"
             # the second node's blocks carry layer 0 only: decode read them whole once prefill wrote them so

@@ -4,9 +4,10 @@ Prefill's ``LayerWriter`` (layer_writer.py) places the request's new blocks in t
 computing them (full blocks under their content keys, the partial last one under a one-off key)
 and ships them layer by layer; ``send`` finishes that and parks on a transfer node's NVMe whatever
 the pool had no room or answer for, unless decode was told about every layer of every new block:
-then it only says where they are, and ``commit`` makes them the pool's after the hand-off. Decode takes the blocks that arrived layer by layer (layer_reader.py), fetches the
-rest, verifies every block, keeps the longest intact prefix (the rest is recomputed) and, once it
-is generating, drops the one-off blocks, which nobody else will read.
+then it only says where they are, and ``commit`` makes them the pool's after the hand-off. Decode
+takes the blocks that arrived layer by layer (layer_reader.py), fetches the rest, verifies every
+block, keeps the longest intact prefix (the rest is recomputed) and, once it is generating, drops
+the one-off blocks, which nobody else will read.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class KVHandOff:
                            keys, local, fetched, progress, layerwise)
 
     async def commit(self, writer: LayerWriter) -> None:
-        """After the hand-off of a ``complete`` writer: commit and publish the streamed blocks so other requests reuse
-        them; the one-off ones stay uncommitted for decode to drop. A decode that lost a layer and reads
-        a block whole before this lands recomputes from that block."""
+        """After the hand-off of a ``complete`` writer: commit and publish the streamed blocks so other
+        requests reuse them; the one-off ones stay uncommitted for decode to drop. A decode that lost a
+        layer and reads a block whole before this lands recomputes from that block."""
         with self.tracer.start_as_current_span("prefill.kv_commit") as span:
             span.set_attribute("halfmoon.request_id", writer.request_id)
             locations = await writer.finish(one_off=False)
