@@ -43,7 +43,8 @@ class Cluster(NamedTuple):
 async def cluster(request, nats_server, namespace: str, tiny_model_dir: Path) -> AsyncIterator[Cluster]:  # type: ignore[no-untyped-def]
     common: dict[str, Any] = dict(nats_url=nats_server.url, namespace=namespace, heartbeat_interval_s=0.1,
                                   cluster_secret=SECRET)
-    worker = dict(common, model_dir=str(tiny_model_dir), kv_cache_bytes=8 << 20, layerwise_handoff=request.param)
+    worker = dict(common, model_dir=str(tiny_model_dir), kv_cache_bytes=8 << 20, layerwise_handoff=request.param,
+                  dtype="float32")
     cm = CacheManagerService(CacheManagerConfig(**common))
     node = TransferService(TransferConfig(**common, dram_bytes=16 << 20))
     prefill, decode = PrefillService(WorkerConfig(**worker)), DecodeService(WorkerConfig(**worker))
