@@ -154,7 +154,7 @@ async def run(model: str, prompt_tokens: int, rounds: int) -> Results:
         url, ns = f"nats://127.0.0.1:{port}", "bench"
         common: dict[str, Any] = dict(nats_url=url, namespace=ns, heartbeat_interval_s=0.2, cluster_secret=SECRET)
         worker = dict(common, model_dir=model, kv_cache_bytes=512 << 20, max_num_batched_tokens=8192,
-                      prefill_chunk_size=8192)
+                      prefill_chunk_size=8192, dtype="float32")  # the KV sizes docs/BENCHMARKS.md states
         cm = CacheManagerService(CacheManagerConfig(**common))
         node = TransferService(TransferConfig(**common, dram_bytes=1 << 30))
         prefill, decode = PrefillService(WorkerConfig(**worker)), DecodeService(WorkerConfig(**worker))

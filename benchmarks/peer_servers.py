@@ -121,15 +121,16 @@ class VllmServer(PeerServer):
     name = "vllm"
 
     def __init__(self, model_dir: Path, run_dir: Path, python: str, extra_args: Sequence[str] = (),
-                 kv_cache_gib: int = 2) -> None:
+                 kv_cache_gib: int = 2, dtype: str = "float32") -> None:
         super().__init__(model_dir, run_dir)
+        self.dtype = dtype
         self.python = python
         self.extra_args = list(extra_args)
         self.kv_cache_gib = kv_cache_gib
 
     def command(self) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--served-model-name", self.model_dir.name, "--dtype", "float32", "--enable-prefix-caching",
+                "--served-model-name", self.model_dir.name, "--dtype", self.dtype, "--enable-prefix-caching",
                 "--enable-prompt-tokens-details", "--max-model-len", "4096", "--host", "127.0.0.1",
                 "--port", str(self.port), *self.extra_args]
 

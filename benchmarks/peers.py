@@ -46,7 +46,7 @@ SERVERS: dict[str, ServerFactory] = {
     "halfmoon-aggregated": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-aggregated", ("--aggregated", "1"), s),
     "halfmoon-aggregated-no-admission": lambda m, d, _a, s: HalfmoonServer(
         m, d, "halfmoon-aggregated-no-admission", ("--aggregated", "1"), {**s, "ADMISSION": "none"}),
-    "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg),
+    "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
 }
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"
 # (label, workload, path into the summary, higher is better)
@@ -150,7 +150,7 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], console: 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
     names = [n for n in args.servers.split(",") if n in results]
     baseline = args.baseline if args.baseline in names else names[0]
-    title = (f"fixed = {args.concurrency} in flight, {args.isl} in / {args.osl} out, {args.requests} "
+    title = (f"{args.dtype}; fixed = {args.concurrency} in flight, {args.isl} in / {args.osl} out, {args.requests} "
              f"requests; trace = [{args.trace_offset}:{args.trace_offset + args.trace_limit}] at x{args.trace_speedup:g}, "
              f"{args.isl_block_size}-token blocks, <= {args.trace_max_output} out, SLO TTFT {args.slo_ttft_ms:g} ms / "
              f"TPOT {args.slo_itl_ms:g} ms")
@@ -170,6 +170,8 @@ def main() -> None:
                         help="one more argument for vLLM's server (repeat; e.g. --vllm-arg=--enforce-eager)")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to answer its first completion (vLLM compiles on first start)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="both servers' weights and KV (bfloat16 needs a CPU with AVX512-BF16 or AMX)")
     parser.add_argument("--servers", default="halfmoon,vllm",
                         help=f"comma-separated, run in this order, from {sorted(SERVERS)}")
     parser.add_argument("--baseline", default="vllm", help="the server the ratios are taken against")
@@ -207,7 +209,7 @@ def main() -> None:
     names = args.servers.split(",")
     if unknown := set(names) - SERVERS.keys():
         parser.error(f"unknown servers {sorted(unknown)}; choose from {sorted(SERVERS)}")
-    settings = dict(item.split("=", 1) for item in args.halfmoon_setting)
+    settings = {"DTYPE": args.dtype, **dict(item.split("=", 1) for item in args.halfmoon_setting)}
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.run_dir or tmp)
         failures: dict[str, str] = {}

@@ -724,6 +724,8 @@ def main() -> int:
            "HALFMOON_GATEWAY_PORT": str(free_port()), "HALFMOON_PROMETHEUS_PORT": str(free_port()),
            "HALFMOON_JAEGER_PORT": str(free_port()), "HALFMOON_GRAFANA_PORT": str(free_port()),
            "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500"),
+           # the greedy reference is transformers in float32: the engines must compute in it too
+           "HALFMOON_DTYPE": "float32",
            "HALFMOON_HEALTHCHECK_TIMEOUT": os.environ.get("HALFMOON_HEALTHCHECK_TIMEOUT", "10s")}
     stack = Stack(compose, files, args.project, env, offline, logs)
     verdict = "FAIL"

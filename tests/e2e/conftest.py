@@ -23,7 +23,8 @@ def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None,
     keys = run_dir / "api-keys"
     keys.write_text(api_keys)
     # Heartbeats every 0.25 s, so the conductor notices a killed instance within about a second.
-    env = {"HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
+    # float32: the greedy references these tests compare with are transformers in float32
+    env = {"HALFMOON_DTYPE": "float32", "HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
            "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100", "HALFMOON_API_KEYS_FILE": str(keys),
            **(env or {})}
     cluster = LocalCluster(model, run_dir, counts, gateway_port=0, namespace="e2e", env=env)

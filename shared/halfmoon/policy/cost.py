@@ -68,6 +68,10 @@ class PrefillCostModel(NamedTuple):
         c0, c1, c2, c3 = self.coef
         return max(0.0, c0 + new_tokens * (c1 + c2 * new_tokens + c3 * cached_tokens))
 
+    def scaled(self, factor: float) -> PrefillCostModel:
+        """The same shape, every prediction times ``factor``."""
+        return PrefillCostModel(tuple(c * factor for c in self.coef))  # type: ignore[arg-type]
+
 
 class DecodeCostModel(NamedTuple):
     """Seconds per decode iteration for a batch of ``b`` requests holding ``C`` context tokens."""
@@ -84,6 +88,10 @@ class DecodeCostModel(NamedTuple):
             return 0.0
         c0, c1, c2 = self.coef
         return max(0.0, c0 + c1 * batch_size + c2 * context_tokens)
+
+    def scaled(self, factor: float) -> DecodeCostModel:
+        """The same shape, every prediction times ``factor``."""
+        return DecodeCostModel(tuple(c * factor for c in self.coef))  # type: ignore[arg-type]
 
     @property
     def per_context_token(self) -> float:
@@ -113,13 +121,15 @@ class CostModels(NamedTuple):
 class OnlineFitter:
     """Refits a model from the latest measurements a live instance reports.
 
-    ``record`` keeps the last ``window`` samples; ``predict`` uses the prior model until
-    ``min_samples`` arrived, then a least-squares fit refreshed every ``refit_every`` records.
-    A refit that fails keeps the previous model. The fit only covers what was measured: samples
-    whose first variable (prompt tokens, batch size) takes fewer than ``min_distinct`` values or
-    spans less than a factor of 2 do not replace the model (a polynomial fitted on prompts of 23
-    to 25 tokens predicted a minute for 85), and beyond twice the largest measured value the prior
-    answers.
+    ``record`` keeps the last ``window`` samples; ``predict`` uses the prior model, rescaled to the
+    measurements (by the median ratio of measured to prior-predicted time) from ``min_scale_samples``
+    on, until a least-squares fit takes over (from ``min_samples``, refreshed every ``refit_every``
+    records). A refit that fails keeps the previous model. The fit only covers what was measured:
+    samples whose first variable (prompt tokens, batch size) takes fewer than ``min_distinct`` values
+    or spans less than a factor of 2 do not replace the model (a polynomial fitted on prompts of 23
+    to 25 tokens predicted a minute for 85), and beyond twice the largest measured value the
+    rescaled prior answers. The rescaling is what makes a prior guessed for another machine (8,000
+    prompt tokens/s where a CPU does 400) right in speed even when every prompt has one length.
     """
 
     def __init__(
@@ -131,11 +141,15 @@ class OnlineFitter:
         min_samples: int = 16,
         refit_every: int = 8,
         min_distinct: int = 4,
+        min_scale_samples: int = 3,
     ) -> None:
-        if window < min_samples or min_samples < 1 or refit_every < 1 or min_distinct < 1:
-            raise CostModelError("need window >= min_samples >= 1, refit_every >= 1 and min_distinct >= 1")
+        if window < min_samples or min_samples < 1 or refit_every < 1 or min(min_distinct, min_scale_samples) < 1:
+            raise CostModelError("need window >= min_samples >= 1, and refit_every, min_distinct and "
+                                 "min_scale_samples >= 1")
         self._fit = fit
         self.prior = prior
+        self.scaled_prior = prior
+        self._min_scale = min_scale_samples
         self._min_distinct = min_distinct
         self._fitted_up_to: float | None = None  # the largest first variable the current fit saw
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
@@ -150,6 +164,7 @@ class OnlineFitter:
             raise CostModelError(f"bad sample {(a, b, seconds)}")
         self._samples.append((a, b, seconds))
         self._since_fit += 1
+        self._rescale_prior()
         if len(self._samples) >= self._min and self._since_fit >= self._every:
             self._since_fit = 0
             firsts = {sample[0] for sample in self._samples}
@@ -161,9 +176,17 @@ class OnlineFitter:
                 return
             self._fitted_up_to = max(firsts)
 
+    def _rescale_prior(self) -> None:
+        ratios = [s / p for x, y, s in self._samples if (p := self.prior.predict(x, y)) > 0]
+        if len(ratios) < self._min_scale:
+            return
+        self.scaled_prior = self.prior.scaled(float(np.median(ratios)))
+        if self._fitted_up_to is None:
+            self.model = self.scaled_prior
+
     def predict(self, a: float, b: float) -> float:
         if self._fitted_up_to is not None and a > 2 * self._fitted_up_to:
-            return self.prior.predict(a, b)
+            return self.scaled_prior.predict(a, b)
         return self.model.predict(a, b)
 
     def __len__(self) -> int:

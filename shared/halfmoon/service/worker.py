@@ -38,7 +38,9 @@ class WorkerConfig(ServiceConfig):
     """A model-serving instance: which model, how its engine is shaped, which transfer node to use."""
 
     model_dir: str = field(default="", metadata={"help": "local model directory (required)"})
-    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (bfloat16 where the CPU has AVX512-BF16/AMX or the GPU computes it natively, else float32), "
+                "float32, bfloat16 or float16"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda[:N]"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (all instances must agree)"})
     kv_cache_bytes: int = field(default=1 << 30, metadata={"help": "bytes of paged KV cache"})
