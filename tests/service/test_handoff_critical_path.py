@@ -46,6 +46,18 @@ def note(owner: Any, attr: str, events: list[str], name: str, done: asyncio.Even
     setattr(owner, attr, noted)
 
 
+async def held_until_decode_received(  # type: ignore[no-untyped-def]
+        cluster: Cluster, nc, namespace: str, model_dir: Path, rid: str, owner: Any, attr: str, name: str) -> None:
+    """Serve one request with prefill's ``owner.attr`` held until decode's ``receive`` returned: the
+    output is the engine's and decode received first (it did not need that step)."""
+    events: list[str] = []
+    received = asyncio.Event()
+    note(cluster.decode.handoff, "receive", events, "decode received the KV", received)
+    hold(owner, attr, received, events, name)
+    assert await serve(nc, namespace, cluster, rid) == expected_tokens(model_dir)
+    assert events == ["decode received the KV", name]
+
+
 def full_keys(cluster: Cluster) -> list[bytes]:
     assert cluster.prefill.engine is not None
     return cluster.prefill.engine.kv_spec.hasher(None).keys(PROMPT)
@@ -54,13 +66,8 @@ def full_keys(cluster: Cluster) -> list[bytes]:
 class TestCommitFollowsTheHandOff:
     async def test_decode_holds_the_kv_before_prefill_commits_it(  # type: ignore[no-untyped-def]
             self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
-        events: list[str] = []
-        received = asyncio.Event()
-        note(cluster.decode.handoff, "receive", events, "decode received the KV", received)
-        hold(cluster.prefill.handoff, "commit", received, events, "prefill commits")
-        tokens = await serve(nc, namespace, cluster, "r-commit")
-        assert tokens == expected_tokens(tiny_model_dir)
-        assert events == ["decode received the KV", "prefill commits"]
+        await held_until_decode_received(cluster, nc, namespace, tiny_model_dir, "r-commit",
+                                         cluster.prefill.handoff, "commit", "prefill commits")
         keys = full_keys(cluster)
         assert len(keys) == 2
         # committed after all: the full blocks are the pool's, for the next request with this prefix
@@ -89,10 +96,5 @@ class TestOneOffBlockDroppedOffThePath:
 class TestCacheEventsFollowTheHandOff:
     async def test_decode_has_the_request_before_prefill_publishes_cache_events(  # type: ignore[no-untyped-def]
             self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
-        events: list[str] = []
-        received = asyncio.Event()
-        note(cluster.decode.handoff, "receive", events, "decode received the KV", received)
-        hold(cluster.prefill, "publish_cache_events", received, events, "prefill publishes its cache events")
-        tokens = await serve(nc, namespace, cluster, "r-events")
-        assert tokens == expected_tokens(tiny_model_dir)
-        assert events == ["decode received the KV", "prefill publishes its cache events"]
+        await held_until_decode_received(cluster, nc, namespace, tiny_model_dir, "r-events",
+                                         cluster.prefill, "publish_cache_events", "prefill publishes its cache events")
