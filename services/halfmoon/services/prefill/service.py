@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
+from halfmoon.policy.cost import ServiceClock
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
@@ -18,9 +19,10 @@ from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.pool_client import Fetched
 from halfmoon.service.streaming import token_event
-from halfmoon.service.worker import EngineWorker
+from halfmoon.service.worker import EngineWorker, WorkerConfig
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
+from opentelemetry.trace import TracerProvider
 
 HANDOFF_TIMEOUT_S = 10.0
 
@@ -34,6 +36,10 @@ class Prefix(NamedTuple):
 class PrefillService(EngineWorker):
     role = Role.PREFILL
     submit_codec = codecs.PREFILL_REQUEST
+
+    def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.service_clock = ServiceClock()  # each prefill's own cost, the sample the conductor fits
 
     @property
     def submit_subject(self) -> str:
@@ -102,7 +108,7 @@ class PrefillService(EngineWorker):
                                                                      first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
-            await self.publish_cache_events((context - cached, cached, finished - computing))
+            await self.publish_cache_events((context - cached, cached, self.service_clock.service_s(computing, finished)))
             if first.finish_reason == PREFILL_DONE:
                 await self._hand_off(req, first, writer, shipping)
         except (RemoteError, TransferError, OSError, EngineError) as exc:
