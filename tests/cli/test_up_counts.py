@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from halfmoon.cli.up import engine_counts, shape
+from halfmoon.cli.up import engine_counts, layout_hint, shape
 from halfmoon.deploy.topology import instances
 
 
@@ -25,3 +25,13 @@ class TestEngineCounts:
         assert not [iid for _, iid in instances({}) if iid.startswith("aggregated")]
         plan = [iid for _, iid in instances({"prefill": 0, "decode": 0, "aggregated": 2})]
         assert "aggregated-1" in plan and not [iid for iid in plan if iid.startswith(("prefill", "decode"))]
+
+
+class TestLayoutHint:
+    def test_two_cores_split_between_prefill_and_decode_are_told_to_aggregate(self):
+        hint = layout_hint(2, engine_counts(None, None, 0))
+        assert hint is not None and "--aggregated 1" in hint
+
+    def test_enough_cores_per_engine_or_aggregated_already_get_no_hint(self):
+        assert layout_hint(4, engine_counts(None, None, 0)) is None
+        assert layout_hint(2, engine_counts(None, None, 1)) is None

@@ -79,6 +79,8 @@ def _up(args: argparse.Namespace) -> int:
     nats_line = (f"each service has its own NATS user ({cluster.run_dir}/nats-credentials.json, 0600)"
                  if cluster.nats_auth is not None else "[yellow]NATS without credentials[/] (--nats-credentials FILE)")
     console.print(f"security: {api_line}; {nats_line}")
+    if hint := layout_hint(os.cpu_count() or 1, counts):
+        console.print(f"[yellow]layout[/]: {hint}")
     table = Table(title="instances", show_edge=False)
     table.add_column("instance")
     table.add_column("Prometheus metrics")
@@ -113,6 +115,20 @@ def engine_counts(prefill: int | None, decode: int | None, aggregated: int) -> d
     if not counts["aggregated"] and not (counts["prefill"] and counts["decode"]):
         raise SystemExit("halfmoon up: serving needs a prefill and a decode instance, or --aggregated N")
     return counts
+
+
+# Measured (docs/BENCHMARKS.md, "Aggregated or disaggregated"): below this many cores per engine
+# instance, splitting the cores between prefill and decode engines loses to one engine doing both.
+AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE = 2
+
+
+def layout_hint(cores: int, counts: dict[str, int]) -> str | None:
+    """What to run instead, when measurement says this layout wastes the machine's cores."""
+    engines = counts["prefill"] + counts["decode"] + counts["aggregated"]
+    if counts["aggregated"] or cores >= AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * engines:
+        return None
+    return (f"{cores} cores for {engines} engines: --aggregated {max(1, cores // AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE)}"
+            " serves about twice the tokens per second here (docs/BENCHMARKS.md, 'Aggregated or disaggregated')")
 
 
 def shape(counts: dict[str, int]) -> str:
