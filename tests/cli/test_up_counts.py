@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from halfmoon.cli.up import engine_counts, layout_hint, shape
+from halfmoon.cli.up import engine_counts, layout_hint, shape, user_settings
 from halfmoon.deploy.topology import instances
 
 
@@ -35,3 +35,10 @@ class TestLayoutHint:
     def test_enough_cores_per_engine_or_aggregated_already_get_no_hint(self):
         assert layout_hint(4, engine_counts(None, None, 0)) is None
         assert layout_hint(2, engine_counts(None, None, 1)) is None
+
+
+class TestUserSettings:
+    def test_the_callers_settings_reach_every_service_but_per_instance_ones_do_not(self):
+        environ = {"HALFMOON_DTYPE": "float32", "HALFMOON_TTFT_SLO_S": "5", "HALFMOON_INSTANCE_ID": "mine",
+                   "HALFMOON_READY_FILE": "/tmp/x", "HOME": "/root"}
+        assert user_settings(environ) == {"HALFMOON_DTYPE": "float32", "HALFMOON_TTFT_SLO_S": "5"}

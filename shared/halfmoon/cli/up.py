@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "tiny-llama"
@@ -19,6 +20,18 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
         with console.status(f"creating a tiny random-initialised Llama in {DEFAULT_MODEL}"):
             make_tiny_model(DEFAULT_MODEL)
     return DEFAULT_MODEL
+
+
+# Set per instance by the launcher: a user's value would give every instance the same one.
+PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
+    "INSTANCE_ID", "READY_FILE", "METRICS_PORT", "METRICS_HOST", "PORT", "NVME_DIR", "TRACE_FILE", "NATS_URL",
+    "NAMESPACE", "MODEL_DIR", "CLUSTER_SECRET"))
+
+
+def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The HALFMOON_* settings in the caller's environment that every service should get (e.g.
+    ``HALFMOON_DTYPE=float32 halfmoon up``), minus what the launcher sets per instance."""
+    return {k: v for k, v in environ.items() if k.startswith("HALFMOON_") and k not in PER_INSTANCE_SETTINGS}
 
 
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
@@ -56,7 +69,8 @@ def _up(args: argparse.Namespace) -> int:
     console = Console()
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    env, api_line = gateway_security(args, run_dir)
+    security, api_line = gateway_security(args, run_dir)
+    env = {**user_settings(os.environ), **security}
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = engine_counts(args.prefill, args.decode, args.aggregated)
     counts.update(transfer=args.transfer, conductor=args.conductors, **{"cache-manager": args.cache_managers})
