@@ -5,7 +5,6 @@ from halfmoon.policy.cost import (
     DecodeCostModel,
     OnlineFitter,
     PrefillCostModel,
-    ServiceClock,
     TransferModel,
 )
 
@@ -37,23 +36,6 @@ class TestDecodeAndTransfer:
         t = TransferModel(bytes_per_token=320 * 1024, bandwidth_bytes_per_s=87e9, latency_s=0.001)
         assert t.seconds(0) == 0.0
         assert t.seconds(8192) == pytest.approx(0.001 + 8192 * 320 * 1024 / 87e9)
-
-
-class TestServiceClock:
-    def test_requests_queued_together_each_count_their_own_work(self):
-        # eight prompts submitted at once, each taking 1 s of the engine in turn
-        clock = ServiceClock()
-        assert [clock.service_s(0.0, end) for end in range(1, 9)] == [1.0] * 8
-
-    def test_an_idle_gap_is_nobodys_work(self):
-        clock = ServiceClock()
-        assert clock.service_s(0.0, 1.0) == 1.0
-        assert clock.service_s(5.0, 5.5) == 0.5  # started after the previous ended: its own span
-
-    def test_overlapping_ends_out_of_order_never_go_negative(self):
-        clock = ServiceClock()
-        assert clock.service_s(0.0, 2.0) == 2.0
-        assert clock.service_s(0.5, 1.5) == 0.0
 
 
 class TestOnlineFitter:

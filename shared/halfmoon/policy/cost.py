@@ -118,24 +118,6 @@ class CostModels(NamedTuple):
     transfer: TransferModel
 
 
-class ServiceClock:
-    """Each request's own service time on a server that finishes requests in arrival order (a prefill
-    engine's chunked FIFO): the time since the later of its start and the previous request's end.
-
-    Wall time from start to end would count the requests it queued behind too: with 8 prompts in
-    flight each sample came out about 8x one prompt's cost, and the queue estimate, which sums the
-    samples of the requests ahead, counted the same work again (predictions 10x the TTFT delivered).
-    """
-
-    def __init__(self) -> None:
-        self._last_end = float("-inf")
-
-    def service_s(self, started: float, finished: float) -> float:
-        own = finished - max(started, self._last_end)
-        self._last_end = max(self._last_end, finished)
-        return max(0.0, own)
-
-
 class OnlineFitter:
     """Refits a model from the latest measurements a live instance reports.
 

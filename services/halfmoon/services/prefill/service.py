@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
-from halfmoon.policy.cost import ServiceClock
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
@@ -19,10 +18,9 @@ from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.pool_client import Fetched
 from halfmoon.service.streaming import token_event
-from halfmoon.service.worker import EngineWorker, WorkerConfig
+from halfmoon.service.worker import EngineWorker
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
-from opentelemetry.trace import TracerProvider
 
 HANDOFF_TIMEOUT_S = 10.0
 
@@ -36,10 +34,6 @@ class Prefix(NamedTuple):
 class PrefillService(EngineWorker):
     role = Role.PREFILL
     submit_codec = codecs.PREFILL_REQUEST
-
-    def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
-        super().__init__(config, tracer_provider)
-        self.service_clock = ServiceClock()  # each prefill's own cost, the sample the conductor fits
 
     @property
     def submit_subject(self) -> str:
@@ -96,7 +90,6 @@ class PrefillService(EngineWorker):
         shipping = asyncio.create_task(writer.run(req.tenant))  # its put_start overlaps the compute
         try:
             try:
-                computing = time.perf_counter()
                 first = await self._compute(req, keys, local, fetched.payloads, writer)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
@@ -108,7 +101,7 @@ class PrefillService(EngineWorker):
                                                                      first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
-            await self.publish_cache_events((context - cached, cached, self.service_clock.service_s(computing, finished)))
+            await self.publish_cache_events((context - cached, cached, first.compute_s))
             if first.finish_reason == PREFILL_DONE:
                 await self._hand_off(req, first, writer, shipping)
         except (RemoteError, TransferError, OSError, EngineError) as exc:
