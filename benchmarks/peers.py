@@ -38,14 +38,17 @@ from rich.table import Table
 
 from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
 
+# The conductor's admission off: no decode-side early rejection, and a TTFT SLO nothing reaches (the
+# TTFT check of Algorithm 1 applies whatever the admission policy)
+UNGUARDED = {"ADMISSION": "none", "TTFT_SLO_S": "86400"}
 ServerFactory = Callable[[Path, Path, argparse.Namespace, dict[str, str]], PeerServer]
 SERVERS: dict[str, ServerFactory] = {
     "halfmoon": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon", (), s),
     "halfmoon-no-admission": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-no-admission", (),
-                                                                {**s, "ADMISSION": "none"}),
+                                                                {**s, **UNGUARDED}),
     "halfmoon-aggregated": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-aggregated", ("--aggregated", "1"), s),
     "halfmoon-aggregated-no-admission": lambda m, d, _a, s: HalfmoonServer(
-        m, d, "halfmoon-aggregated-no-admission", ("--aggregated", "1"), {**s, "ADMISSION": "none"}),
+        m, d, "halfmoon-aggregated-no-admission", ("--aggregated", "1"), {**s, **UNGUARDED}),
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
 }
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from halfmoon.cli.up import engine_counts, shape
+from halfmoon.cli.up import engine_counts, layout_hint, shape, user_settings
 from halfmoon.deploy.topology import instances
 
 
@@ -25,3 +25,20 @@ class TestEngineCounts:
         assert not [iid for _, iid in instances({}) if iid.startswith("aggregated")]
         plan = [iid for _, iid in instances({"prefill": 0, "decode": 0, "aggregated": 2})]
         assert "aggregated-1" in plan and not [iid for iid in plan if iid.startswith(("prefill", "decode"))]
+
+
+class TestLayoutHint:
+    def test_two_cores_split_between_prefill_and_decode_are_told_to_aggregate(self):
+        hint = layout_hint(2, engine_counts(None, None, 0))
+        assert hint is not None and "--aggregated 1" in hint
+
+    def test_enough_cores_per_engine_or_aggregated_already_get_no_hint(self):
+        assert layout_hint(4, engine_counts(None, None, 0)) is None
+        assert layout_hint(2, engine_counts(None, None, 1)) is None
+
+
+class TestUserSettings:
+    def test_the_callers_settings_reach_every_service_but_per_instance_ones_do_not(self):
+        environ = {"HALFMOON_DTYPE": "float32", "HALFMOON_TTFT_SLO_S": "5", "HALFMOON_INSTANCE_ID": "mine",
+                   "HALFMOON_READY_FILE": "/tmp/x", "HOME": "/root"}
+        assert user_settings(environ) == {"HALFMOON_DTYPE": "float32", "HALFMOON_TTFT_SLO_S": "5"}

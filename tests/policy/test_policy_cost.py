@@ -1,6 +1,12 @@
 import numpy as np
 import pytest
-from halfmoon.policy.cost import CostModelError, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
+from halfmoon.policy.cost import (
+    CostModelError,
+    DecodeCostModel,
+    OnlineFitter,
+    PrefillCostModel,
+    TransferModel,
+)
 
 
 class TestPrefillFit:

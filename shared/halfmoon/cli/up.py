@@ -7,6 +7,7 @@ import os
 import secrets
 import signal
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "tiny-llama"
@@ -19,6 +20,18 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
         with console.status(f"creating a tiny random-initialised Llama in {DEFAULT_MODEL}"):
             make_tiny_model(DEFAULT_MODEL)
     return DEFAULT_MODEL
+
+
+# Set per instance by the launcher: a user's value would give every instance the same one.
+PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
+    "INSTANCE_ID", "READY_FILE", "METRICS_PORT", "METRICS_HOST", "PORT", "NVME_DIR", "TRACE_FILE", "NATS_URL",
+    "NAMESPACE", "MODEL_DIR", "CLUSTER_SECRET"))
+
+
+def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The HALFMOON_* settings in the caller's environment that every service should get (e.g.
+    ``HALFMOON_DTYPE=float32 halfmoon up``), minus what the launcher sets per instance."""
+    return {k: v for k, v in environ.items() if k.startswith("HALFMOON_") and k not in PER_INSTANCE_SETTINGS}
 
 
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
@@ -56,7 +69,8 @@ def _up(args: argparse.Namespace) -> int:
     console = Console()
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    env, api_line = gateway_security(args, run_dir)
+    security, api_line = gateway_security(args, run_dir)
+    env = {**user_settings(os.environ), **security}
     model = Path(args.model) if args.model else ensure_default_model(console)
     counts = engine_counts(args.prefill, args.decode, args.aggregated)
     counts.update(transfer=args.transfer, conductor=args.conductors, **{"cache-manager": args.cache_managers})
@@ -79,6 +93,8 @@ def _up(args: argparse.Namespace) -> int:
     nats_line = (f"each service has its own NATS user ({cluster.run_dir}/nats-credentials.json, 0600)"
                  if cluster.nats_auth is not None else "[yellow]NATS without credentials[/] (--nats-credentials FILE)")
     console.print(f"security: {api_line}; {nats_line}")
+    if hint := layout_hint(os.cpu_count() or 1, counts):
+        console.print(f"[yellow]layout[/]: {hint}")
     table = Table(title="instances", show_edge=False)
     table.add_column("instance")
     table.add_column("Prometheus metrics")
@@ -113,6 +129,22 @@ def engine_counts(prefill: int | None, decode: int | None, aggregated: int) -> d
     if not counts["aggregated"] and not (counts["prefill"] and counts["decode"]):
         raise SystemExit("halfmoon up: serving needs a prefill and a decode instance, or --aggregated N")
     return counts
+
+
+# Measured (docs/BENCHMARKS.md, "Aggregated or disaggregated"): below this many cores per engine
+# instance, splitting the cores between prefill and decode engines loses throughput to one engine
+# doing both (it keeps inter-token latency steadier under bursts: the trade-off the hint states).
+AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE = 2
+
+
+def layout_hint(cores: int, counts: dict[str, int]) -> str | None:
+    """What to run instead, when measurement says this layout wastes the machine's cores."""
+    engines = counts["prefill"] + counts["decode"] + counts["aggregated"]
+    if counts["aggregated"] or cores >= AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * engines:
+        return None
+    return (f"{cores} cores for {engines} engines: --aggregated {max(1, cores // AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE)}"
+            " served 1.4x the tokens/s at a fixed concurrency on 2 cores, while this layout kept more of a bursty"
+            " trace within its latency SLOs (docs/BENCHMARKS.md, 'Aggregated or disaggregated')")
 
 
 def shape(counts: dict[str, int]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 import random
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,6 +47,7 @@ class RequestOutput(NamedTuple):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    compute_s: float = 0.0  # the request's share of every step so far, by the tokens each step computed for it
 
 
 @dataclass
@@ -213,13 +215,16 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        began = time.perf_counter()
         for chunk in chunks:
             self._load_import(chunk.seq)
         logits = self.runner.forward(chunks)
         sampling = [c.seq for c in chunks if c.samples]
         sampled = self.sampler(logits, sampling) if sampling else None
+        per_token = (time.perf_counter() - began) / sum(c.num_tokens for c in chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            chunk.seq.compute_s += per_token * chunk.num_tokens
             self.blocks.register_computed(chunk.seq)
         if sampled is None:
             return []
@@ -261,7 +266,7 @@ class LLMEngine:
             if not seq.hold_kv:
                 del self._requests[seq.request_id]
         return RequestOutput(seq.request_id, [token], [logprob], text, reason is not None, reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, num_out)
+                             seq.num_prompt_tokens, seq.num_cached_tokens, num_out, seq.compute_s)
 
     # ------------------------------------------------------------------ KV I/O
     def export_kv(self, request_id: str) -> list[bytes]:

@@ -30,6 +30,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids or ())
         self.num_computed_tokens = 0
+        self.compute_s = 0.0  # this sequence's share of the steps' time, by tokens computed
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_runs: list[list[int]] = []  # block_table as [first block, count] runs of consecutive ids

@@ -71,7 +71,9 @@ class KVEvents(Message, frozen=True, kw_only=True, tag="kv_events"):
     stored: tuple[bytes, ...] = ()
     evicted: tuple[bytes, ...] = ()
     snapshot: bool = False
-    prefill_samples: tuple[tuple[int, int, float], ...] = ()  # measured (new tokens, cached tokens, seconds)
+    # measured (new tokens, cached tokens, seconds): seconds is the request's share of the engine steps that
+    # computed it (by tokens), not wall time, which would count the prompts it queued behind too
+    prefill_samples: tuple[tuple[int, int, float], ...] = ()
 
 
 class SnapshotRequest(Message, frozen=True, kw_only=True, tag="kv_snapshot_request"):

@@ -56,7 +56,7 @@ class AggregatedService(PrefillService):
                     await self.publish_event(req.stream_subject, token_event(out, req.sampling, self.instance_id,
                                                                              cached, req.attempt))
                     if first:
-                        await self.publish_cache_events((context - cached, cached, time.perf_counter() - started))
+                        await self.publish_cache_events((context - cached, cached, out.compute_s))
             except asyncio.CancelledError:
                 await saver.close(wait=False)
                 await self.engine.abort(req.request_id)

@@ -90,7 +90,6 @@ class PrefillService(EngineWorker):
         shipping = asyncio.create_task(writer.run(req.tenant))  # its put_start overlaps the compute
         try:
             try:
-                computing = time.perf_counter()
                 first = await self._compute(req, keys, local, fetched.payloads, writer)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
@@ -107,7 +106,7 @@ class PrefillService(EngineWorker):
                 if first.finish_reason == PREFILL_DONE:
                     await self._hand_off(req, first, writer, shipping)
             finally:  # for the conductor's index, not this request: after the hand-off
-                await self.publish_cache_events((context - cached, cached, finished - computing))
+                await self.publish_cache_events((context - cached, cached, first.compute_s))
         except (RemoteError, TransferError, OSError, EngineError) as exc:
             # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
             bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
