@@ -38,12 +38,15 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
 
 
 class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
-    """The chosen pair; the requester submits a PrefillRequest to ``prefill_instance``."""
+    """The chosen pair; the requester submits a PrefillRequest to ``prefill_instance``. ``pipeline`` (CPP):
+    the prefill instances that run the later layers with it, in stage order (the PrefillRequest's
+    ``pipeline``); empty: ``prefill_instance`` prefills alone."""
 
     request_id: str
     prefill_instance: str
     decode_instance: str
     predicted_ttft_ms: float | None = None
+    pipeline: tuple[str, ...] = ()
 
 
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):
