@@ -202,6 +202,7 @@ class ConductorService(Service[ConductorConfig]):
             prefill_instance=choice.prefill,
             decode_instance=choice.decode,
             predicted_ttft_ms=choice.predicted_ttft_ms,
+            pipeline=choice.pipeline,
         )
 
     def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,
