@@ -18,17 +18,20 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 CHUNK = 32  # the engines' prefill_chunk_size in make_engine: the same chunks as the pipeline
 
 
-def run_pipeline(stages: list[LLMEngine], prompt: list[int], rid: str = "p", chunk: int = CHUNK) -> StageResult:
+def run_pipeline(stages: list[LLMEngine], prompt: list[int], rid: str = "p", chunk: int = CHUNK,
+                 prefix: list[bytes] = ()) -> StageResult:  # type: ignore[assignment]
     bounds = split_layers(stages[0].kv_spec.num_layers, len(stages))
     result = StageResult(None)
-    for start in range(0, len(prompt), chunk):
+    cached = len(prefix) * stages[0].config.block_size
+    for start in range(cached, len(prompt), chunk):
         part = tuple(prompt[start:start + chunk])
+        first = dict(prefix_token_ids=tuple(prompt[:cached]), prefix_blocks=prefix) if start == cached else {}
         hidden = None
         for s, engine in enumerate(stages):
             if hidden is not None:  # the trip between processes: bytes in the model's dtype
                 hidden = hidden_tensor(hidden_bytes(hidden), len(part), engine.config.torch_dtype)
             result = engine.stages.run(StageChunk(rid, part, start, range(bounds[s], bounds[s + 1]), hidden,
-                                                  len(prompt), GREEDY))
+                                                  len(prompt), GREEDY, **first))  # type: ignore[arg-type]
             hidden = result.hidden
     return result
 
@@ -41,6 +44,19 @@ def reference(engine: LLMEngine, prompt: list[int]) -> tuple[int, float, list[by
     return out[-1].new_token_ids[0], out[-1].new_logprobs[0], [bytes(b) for b in engine.export_kv("ref")]
 
 
+def joined(stages: list[LLMEngine], length: int) -> list[bytes]:
+    """Each block with the head's layers from the head and the tail's from the tail."""
+    num_layers = stages[0].kv_spec.num_layers
+    k = split_layers(num_layers, 2)[1]
+    head, tail = stages[0].stages.payloads("p", range(0, k)), stages[1].stages.payloads("p", range(k, num_layers))
+    layout, size = stages[0].layout, stages[0].config.block_size
+    out = []
+    for index, (a, b) in enumerate(zip(head, tail)):
+        cut = layout.header_nbytes + k * layout.layer_nbytes(min(size, length - index * size))
+        out.append(bytes(a[:cut]) + bytes(b[cut:]))
+    return out
+
+
 class TestTwoStagesEqualOne:
     @pytest.mark.parametrize("length", [5, 32, 77, 130])
     def test_first_token_and_kv(self, tiny_llama: Path, length: int) -> None:
@@ -49,15 +65,15 @@ class TestTwoStagesEqualOne:
         result = run_pipeline(stages, prompt)
         token, logprob, blocks = reference(make_engine(tiny_llama), prompt)
         assert (result.token_id, result.logprob, result.finish_reason) == (token, logprob, "prefill_done")
-        k = split_layers(stages[0].kv_spec.num_layers, 2)[1]
-        head, tail = stages[0].stages.payloads("p", range(0, k)), stages[1].stages.payloads("p", range(k, stages[0].kv_spec.num_layers))
-        layout, size = stages[0].layout, stages[0].config.block_size
-        joined = []
-        for index, (a, b) in enumerate(zip(head, tail)):
-            tokens = min(size, length - index * size)
-            cut = layout.header_nbytes + k * layout.layer_nbytes(tokens)
-            joined.append(bytes(a[:cut]) + bytes(b[cut:]))
-        assert joined == blocks
+        assert joined(stages, length) == blocks
+
+    def test_after_a_reused_prefix(self, tiny_llama: Path) -> None:
+        stages = [make_engine(tiny_llama), make_engine(tiny_llama)]
+        (prompt,) = random_prompts(stages[0].vocab_size, [77], seed=3)
+        token, logprob, blocks = reference(make_engine(tiny_llama), prompt)
+        result = run_pipeline(stages, prompt, prefix=blocks[:2])  # chunks [32, 64) and [64, 77), as the reference
+        assert (result.token_id, result.logprob) == (token, logprob)
+        assert joined(stages, 77) == blocks  # the prefix's layers were loaded, each stage its own
 
     def test_first_stage_hands_on_hidden_states(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama)

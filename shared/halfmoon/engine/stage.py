@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from halfmoon.core.block_format import blank_block
+from halfmoon.core.block_format import blank_block, decode_block
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import InvalidRequestError, OutOfKVBlocksError, UnknownRequestError
 from halfmoon.engine.layer_export import fill_layer
@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 class StageChunk(NamedTuple):
     """Run layers ``layers`` over tokens ``[start, start + len(token_ids))`` of request ``request_id``,
     whose prompt has ``prompt_len`` tokens. ``hidden`` (``[tokens, hidden_size]``) is the input of
-    ``layers.start``; None when the stage starts at the embeddings (``layers.start == 0``)."""
+    ``layers.start``; None when the stage starts at the embeddings (``layers.start == 0``).
+
+    A request's first chunk may start after a reused prefix: ``prefix_token_ids`` (``start`` of them) and
+    ``prefix_blocks``, pool payloads of those tokens (whole blocks, every layer; the stage loads its own)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -38,6 +41,8 @@ class StageChunk(NamedTuple):
     hidden: torch.Tensor | None
     prompt_len: int
     params: SamplingParams
+    prefix_token_ids: tuple[int, ...] = ()
+    prefix_blocks: Seq[bytes | memoryview] = ()
 
 
 class StageResult(NamedTuple):
@@ -115,12 +120,21 @@ class PipelineStages:
     def _sequence(self, chunk: StageChunk) -> Sequence:
         seq = self._seqs.get(chunk.request_id)
         if seq is None:
-            if chunk.start != 0:
-                raise UnknownRequestError(f"{chunk.request_id}: a stage's first chunk starts at 0, not {chunk.start}")
-            if chunk.prompt_len + chunk.params.max_tokens > self.engine.max_model_len:
+            engine, size = self.engine, self.engine.config.block_size
+            if chunk.start != len(chunk.prefix_token_ids) or chunk.start != len(chunk.prefix_blocks) * size:
+                raise UnknownRequestError(f"{chunk.request_id}: a stage's first chunk starts at 0 or after whole "
+                                          f"prefix blocks with their tokens, not at {chunk.start}")
+            if chunk.prompt_len + chunk.params.max_tokens > engine.max_model_len:
                 raise InvalidRequestError(f"prompt ({chunk.prompt_len} tokens) plus max_tokens exceeds the "
-                                          f"model's context length of {self.engine.max_model_len} tokens")
-            seq = Sequence(chunk.request_id, [], chunk.params, 0, seed=self.engine.request_seed())
+                                          f"model's context length of {engine.max_model_len} tokens")
+            seq = Sequence(chunk.request_id, list(chunk.prefix_token_ids), chunk.params, 0, seed=engine.request_seed())
+            if chunk.prefix_blocks:
+                if not engine.blocks.can_grow(seq, chunk.start):
+                    raise OutOfKVBlocksError(f"no free KV blocks for {chunk.request_id}'s reused prefix")
+                kv = torch.cat([decode_block(engine.layout, block) for block in chunk.prefix_blocks], dim=2)
+                engine.blocks.allocate_slots(seq, chunk.start)
+                engine.cache.load_blocks(seq.block_table, kv[chunk.layers.start:chunk.layers.stop], chunk.layers.start)
+                seq.num_computed_tokens = seq.num_cached_tokens = chunk.start
             self._seqs[chunk.request_id] = seq
         elif chunk.start != seq.num_tokens:
             raise InvalidRequestError(f"{chunk.request_id}: chunk at {chunk.start}, expected {seq.num_tokens}")

@@ -16,6 +16,10 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
     prompt. Stage ``s`` runs layers ``[layer_bounds[s], layer_bounds[s + 1])``; ``hidden`` is the output of
     the layer before (``len(token_ids)`` rows of ``hidden_size`` values in ``dtype``, raw little-endian).
 
+    The first chunk (``index`` 0) starts after the prefix reused from the pool, if any: ``prefix_token_ids``
+    (``start`` of them) and ``prefix``, where each of its blocks is (read under the head's lease; every stage
+    loads its own layers of them).
+
     Chunks of a request arrive in order. A middle stage sends its output on to the next stage. The chunk
     that ends the prompt (``last``) also says where each block of the request is to be written
     (``block_indexes``/``blocks``: DRAM extents the head reserved with put_start, the partial last block
@@ -40,6 +44,8 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
     block_indexes: tuple[int, ...] = ()
     blocks: tuple[BlockLocation, ...] = ()
     salts: tuple[bytes, ...] = ()
+    prefix: tuple[BlockLocation, ...] = ()
+    prefix_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
@@ -55,6 +61,8 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
         if not self.token_ids or self.start < 0 or self.start + len(self.token_ids) > self.prompt_len:
             raise ValueError(f"chunk of {len(self.token_ids)} tokens at {self.start} is outside the "
                              f"{self.prompt_len}-token prompt")
+        if (self.index == 0) != (self.start == len(self.prefix_token_ids)) or (self.index and self.prefix):
+            raise ValueError("the first chunk, and only it, starts after the reused prefix's tokens")
         if self.last != (self.start + len(self.token_ids) == self.prompt_len) or not self.hidden:
             raise ValueError("last must be set exactly on the chunk that ends the prompt, and hidden is required")
         if not len(self.block_indexes) == len(self.blocks) == len(self.salts) or any(

@@ -42,25 +42,27 @@ class PipelineBlocks:
     """The head's side: ``open`` (put_start), then each stage's ``write_stage_layers``, then ``finish``."""
 
     def __init__(self, pool: PoolClient, transfer: TransferClient, layout: BlockLayout, request_id: str,
-                 block_size: int, num_tokens: int, keys: Sequence[bytes]) -> None:
+                 block_size: int, num_tokens: int, keys: Sequence[bytes], prefix: Sequence[BlockLocation]) -> None:
+        """``keys`` of the request's full blocks; the first ones, ``prefix``, are reused from the pool."""
         self.pool, self.transfer, self.layout = pool, transfer, layout
         self.block_size, self.num_tokens = block_size, num_tokens
         count = -(-num_tokens // block_size)
         self.keys = [keys[i] if i < len(keys) else handoff_key(request_id, i) for i in range(count)]
         self.placed: dict[int, BlockLocation] = {}  # DRAM extents on nodes that write byte ranges
-        self.known: dict[int, BlockLocation] = {}  # blocks the pool holds already
+        self.known: dict[int, BlockLocation] = dict(enumerate(prefix))  # blocks the pool holds already
         self.salts: dict[int, bytes] = {}
 
     def tokens(self, index: int) -> int:
         return min(self.block_size, self.num_tokens - index * self.block_size)
 
     async def open(self, tenant: str = "") -> None:
-        sizes = [self.layout.payload_nbytes(self.tokens(i)) for i in range(len(self.keys))]
-        plan = await self.pool.place(self.keys, sizes, first_position=0, tenant=tenant)
+        first = len(self.known)
+        sizes = [self.layout.payload_nbytes(self.tokens(i)) for i in range(first, len(self.keys))]
+        plan = await self.pool.place(self.keys[first:], sizes, first_position=first, tenant=tenant)
         if plan is None:
             return
-        where = {key: i for i, key in enumerate(self.keys)}
-        self.known = {where[r.key]: r for r in plan.existing_replicas if r.key in where}
+        where = {key: i for i, key in enumerate(self.keys) if i >= first}
+        self.known.update((where[r.key], r) for r in plan.existing_replicas if r.key in where)
         for loc in plan.placements:
             if loc.key in where and loc.tier is Tier.DRAM and await self._ranged(loc.address):
                 self.placed[where[loc.key]] = loc

@@ -28,6 +28,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, Message, RemoteError
 from halfmoon.protocol.pipeline import StageDone, StageWork
 from halfmoon.protocol.work import PrefillRequest
+from halfmoon.service.pool_client import Fetched
 from halfmoon.service.stage_blocks import PipelineBlocks, write_stage_layers
 from halfmoon.service.streaming import token_event
 from halfmoon.telemetry.metrics import METRICS
@@ -58,8 +59,10 @@ class PipelineHead:
     async def serve(self, req: PrefillRequest) -> None:
         svc = self.svc
         started = time.perf_counter()
+        keys = svc.block_keys(req)
+        fetched = await svc.pool.fetch_prefix(keys[:(len(req.prompt_token_ids) - 1) // svc.config.block_size])
         try:
-            first, blocks, written = await self._compute(req)
+            first, blocks, written = await self._compute(req, keys, fetched)
         except (EngineError, ValueError) as exc:
             await svc.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
             return
@@ -67,8 +70,11 @@ class PipelineHead:
             await svc.send_error(req.stream_subject, req.request_id, ErrorCode.UNAVAILABLE,
                                  f"pipelined prefill failed: {exc}", req.attempt)
             return
+        finally:
+            await svc.pool.release(fetched.lease_id)
         svc.done_computing(req.request_id)
-        await svc.publish_event(req.stream_subject, token_event(first, req.sampling, svc.instance_id, 0, req.attempt))
+        await svc.publish_event(req.stream_subject, token_event(first, req.sampling, svc.instance_id,
+                                                                first.num_cached_tokens, req.attempt))
         svc.record_ttft(time.perf_counter() - started)
         kv = await blocks.finish(written)
         if first.finish_reason != PREFILL_DONE:
@@ -82,7 +88,8 @@ class PipelineHead:
             await svc.send_error(req.stream_subject, req.request_id, ErrorCode.UNAVAILABLE,
                                  f"hand-off to decode failed: {exc}", req.attempt)
 
-    async def _compute(self, req: PrefillRequest) -> tuple[RequestOutput, PipelineBlocks, set[int]]:
+    async def _compute(self, req: PrefillRequest, keys: list[bytes],
+                       fetched: Fetched) -> tuple[RequestOutput, PipelineBlocks, set[int]]:
         svc, rid, prompt = self.svc, req.request_id, req.prompt_token_ids
         engine = svc.engine
         assert engine is not None
@@ -90,25 +97,30 @@ class PipelineHead:
         bounds = split_layers(engine.layout.num_layers, len(stages))
         mine = range(0, bounds[1])
         blocks = PipelineBlocks(svc.pool, svc.transfer, engine.layout, rid, svc.config.block_size, len(prompt),
-                                svc.block_keys(req))
+                                keys, fetched.locations)
         opening = asyncio.create_task(blocks.open(req.tenant))  # put_start overlaps the first chunks
         sends: list[asyncio.Task[StageDone]] = []
+        cached = len(fetched.payloads) * svc.config.block_size
         size, written = self.chunk_tokens(), set()
         try:
             with svc.tracer.start_as_current_span("prefill.pipeline") as span:
                 span.set_attribute("halfmoon.request_id", rid)
                 span.set_attribute("halfmoon.stages", ",".join(stages))
-                for index, start in enumerate(range(0, len(prompt), size)):
+                span.set_attribute("halfmoon.blocks_hit", len(fetched.payloads))
+                for index, start in enumerate(range(cached, len(prompt), size)):
                     part = prompt[start:start + size]
-                    out = await engine.run_stage(StageChunk(rid, part, start, mine, None, len(prompt), req.sampling))
+                    prefix = dict(prefix_token_ids=prompt[:cached]) if index == 0 else {}
+                    out = await engine.run_stage(StageChunk(rid, part, start, mine, None, len(prompt), req.sampling,
+                                                            prefix_blocks=fetched.payloads if index == 0 else (),
+                                                            **prefix))
                     METRICS.pipeline_chunks.labels("0").inc()
-                    extra: dict[str, tuple] = {}
+                    extra: dict[str, tuple] = dict(prefix, prefix=tuple(fetched.locations)) if index == 0 else {}
                     last = start + len(part) == len(prompt)
                     if last:
                         await opening
                         written = await blocks.write(await engine.stage_payloads(rid, mine), mine)
                         indexes = tuple(sorted(written))
-                        extra = dict(block_indexes=indexes, blocks=tuple(blocks.placed[i] for i in indexes),
+                        extra.update(block_indexes=indexes, blocks=tuple(blocks.placed[i] for i in indexes),
                                      salts=tuple(blocks.salts[i] for i in indexes))
                     assert out.hidden is not None
                     work = StageWork(request_id=rid, attempt=req.attempt, stages=stages, layer_bounds=bounds, stage=1,
@@ -128,7 +140,7 @@ class PipelineHead:
         if final.token_id is None or final.logprob is None:
             raise RemoteError(ErrorReply(code=ErrorCode.INTERNAL, message="the last stage sampled no token"))
         first = RequestOutput(rid, [final.token_id], [final.logprob], final.text, final.finish_reason != PREFILL_DONE,
-                              final.finish_reason, len(prompt), 0, 1)
+                              final.finish_reason, len(prompt), cached, 1)
         return first, blocks, written & set(final.written)
 
 
@@ -163,11 +175,16 @@ class StageServer:
                               f"{work.dtype} sent to {svc.instance_id} ({dtype_name(engine.dtype)})")
         if work.index == 0 and svc.draining:
             return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{svc.instance_id} is draining", retryable=True)
+        prefix = await svc.pool.read(work.prefix) if work.prefix else []
+        if any(block is None for block in prefix):
+            return ErrorReply(code=ErrorCode.UNAVAILABLE, retryable=True,
+                              message=f"{svc.instance_id} could not read the reused prefix of {rid}")
         self._deadlines[rid] = work.deadline
         try:
             out = await engine.run_stage(StageChunk(rid, work.token_ids, work.start, work.layers,
                                                     hidden_tensor(work.hidden, len(work.token_ids), engine.dtype),
-                                                    work.prompt_len, work.sampling))
+                                                    work.prompt_len, work.sampling, work.prefix_token_ids,
+                                                    [block for block in prefix if block is not None]))
             METRICS.pipeline_chunks.labels(str(work.stage)).inc()
             written = await self._write(work) if work.last else set()
         except EngineError as exc:
