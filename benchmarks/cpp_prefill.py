@@ -17,13 +17,10 @@ import argparse
 import asyncio
 import random
 import statistics
-import subprocess
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol import codecs
@@ -39,6 +36,8 @@ from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server
 
 SECRET = "cpp-prefill-benchmark-0123456789abcdef"
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -72,12 +71,8 @@ async def one_round(nc: Any, ns: str, head: PrefillService, decode: DecodeServic
 async def run(model: str, prompt_tokens: int, chunk: int, rounds: int) -> dict[str, list[float]]:
     import nats
 
-    port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, 20, server)
-        url, ns = f"nats://127.0.0.1:{port}", "bench"
+    with nats_server() as url:
+        ns = "bench"
         common: dict[str, Any] = dict(nats_url=url, namespace=ns, heartbeat_interval_s=0.2, cluster_secret=SECRET)
         worker = dict(common, model_dir=model, kv_cache_bytes=512 << 20, max_num_batched_tokens=max(2048, chunk),
                       prefill_chunk_size=chunk, local_prefix_cache=False)
@@ -104,9 +99,6 @@ async def run(model: str, prompt_tokens: int, chunk: int, rounds: int) -> dict[s
                     results[mode].append(ttft)
             await nc.close()
             return results
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 def main() -> None:
@@ -117,11 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from halfmoon.cli.model_tools import make_tiny_model
-
-            model = str(make_tiny_model(Path(tmp) / "model", hidden_size=512, layers=16, heads=8, kv_heads=8))
+        model = model_or_default(args.model, tmp)
         results = asyncio.run(run(model, args.prompt_tokens, args.chunk, args.rounds))
     single, piped = statistics.median(results["single"]), statistics.median(results["2-stage"])
     table = Table(title=f"TTFT, {args.prompt_tokens}-token prompt in {args.chunk}-token chunks, {args.rounds} rounds "

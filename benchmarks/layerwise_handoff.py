@@ -15,13 +15,10 @@ import asyncio
 import dataclasses
 import random
 import statistics
-import subprocess
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
@@ -35,6 +32,8 @@ from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server
 
 SECRET = "layerwise-handoff-benchmark-0123456789"
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -79,12 +78,8 @@ async def run(model: str, prompt_tokens: int, rounds: int) -> tuple[int, dict[bo
     """The model's layer count, and the latencies (seconds) by mode (True: layer-wise)."""
     import nats
 
-    port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, 20, server)
-        url, ns = f"nats://127.0.0.1:{port}", "bench"
+    with nats_server() as url:
+        ns = "bench"
         common: dict[str, Any] = dict(nats_url=url, namespace=ns, heartbeat_interval_s=0.2, cluster_secret=SECRET)
         worker = dict(common, model_dir=model, kv_cache_bytes=512 << 20, max_num_batched_tokens=8192,
                       prefill_chunk_size=8192)
@@ -120,9 +115,6 @@ async def run(model: str, prompt_tokens: int, rounds: int) -> tuple[int, dict[bo
                     results[layerwise].append(latency)
             await nc.close()
             return layers, results
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 def main() -> None:
@@ -132,11 +124,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from halfmoon.cli.model_tools import make_tiny_model
-
-            model = str(make_tiny_model(Path(tmp) / "model", hidden_size=512, layers=16, heads=8, kv_heads=8))
+        model = model_or_default(args.model, tmp)
         layers, results = asyncio.run(run(model, args.prompt_tokens, args.rounds))
     whole, layerwise = statistics.median(results[False]), statistics.median(results[True])
     table = Table(title=f"hand-off after the last layer, {args.prompt_tokens}-token prompt, {layers} layers, "
