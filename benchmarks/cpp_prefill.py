@@ -74,8 +74,8 @@ async def run(model: str, prompt_tokens: int, chunk: int, rounds: int) -> dict[s
     with nats_server() as url:
         ns = "bench"
         common: dict[str, Any] = dict(nats_url=url, namespace=ns, heartbeat_interval_s=0.2, cluster_secret=SECRET)
-        worker = dict(common, model_dir=model, kv_cache_bytes=512 << 20, max_num_batched_tokens=max(2048, chunk),
-                      prefill_chunk_size=chunk, local_prefix_cache=False)
+        worker = dict(common, model_dir=model, dtype="float32", kv_cache_bytes=512 << 20,
+                      max_num_batched_tokens=max(2048, chunk), prefill_chunk_size=chunk, local_prefix_cache=False)
         cm = CacheManagerService(CacheManagerConfig(**common))
         node = TransferService(TransferConfig(**common, dram_bytes=1 << 30))
         head, tail = PrefillService(WorkerConfig(**worker)), PrefillService(WorkerConfig(**worker))

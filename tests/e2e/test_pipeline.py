@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 12
-CPP_ENV = {"HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "96", "HALFMOON_CPP_RESCUE_ONLY": "false",
+# float32: the reference model's dtype
+CPP_ENV = {"HALFMOON_DTYPE": "float32", "HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "96", "HALFMOON_CPP_RESCUE_ONLY": "false",
            "HALFMOON_CPP_CHUNK_TOKENS": "32", "HALFMOON_PREFILL_CHUNK_SIZE": "32"}
 
 

@@ -44,10 +44,11 @@ class Cluster(NamedTuple):
 
 
 @pytest.fixture
-async def cluster(nats_server, namespace: str, tiny_model_dir: Path) -> AsyncIterator[Cluster]:  # type: ignore[no-untyped-def]
+async def cluster(nats_server: Any, namespace: str, tiny_model_dir: Path) -> AsyncIterator[Cluster]:
     common: dict[str, Any] = dict(nats_url=nats_server.url, namespace=namespace, heartbeat_interval_s=0.1,
                                   cluster_secret=SECRET)
-    worker = dict(common, model_dir=str(tiny_model_dir), kv_cache_bytes=8 << 20, prefill_chunk_size=CHUNK)
+    worker = dict(common, model_dir=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 << 20,
+                  prefill_chunk_size=CHUNK)
     cm = CacheManagerService(CacheManagerConfig(**common))
     node = TransferService(TransferConfig(**common, dram_bytes=16 << 20))
     head, tail = PrefillService(WorkerConfig(**worker)), PrefillService(WorkerConfig(**worker))

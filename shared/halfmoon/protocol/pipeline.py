@@ -57,7 +57,8 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
             raise ValueError(f"need >= 2 stages and {len(self.stages) + 1} increasing layer bounds from 0, "
                              f"got {self.stages} and {bounds}")
         if not 1 <= self.stage < len(self.stages):
-            raise ValueError(f"stage must be inside 1..{len(self.stages) - 1} (the head runs stage 0), got {self.stage}")
+            raise ValueError(f"stage must be inside 1..{len(self.stages) - 1} (the head runs stage 0), "
+                             f"got {self.stage}")
         if not self.token_ids or self.start < 0 or self.start + len(self.token_ids) > self.prompt_len:
             raise ValueError(f"chunk of {len(self.token_ids)} tokens at {self.start} is outside the "
                              f"{self.prompt_len}-token prompt")

@@ -64,7 +64,7 @@ class Subjects:
         return self._decode_kv(ANY)
 
     def prefill_stage(self, instance_id: str) -> str:
-        """Request/reply: StageWork -> StageDone | ErrorReply, one prefill instance to the next stage of a pipeline (CPP)."""
+        """Request/reply: StageWork -> StageDone | ErrorReply, to the next stage of a pipelined prefill (CPP)."""
         return self._prefill_stage(check_token(instance_id, "instance id"))
 
     def _prefill_stage(self, instance: str) -> str:
