@@ -20,8 +20,8 @@ from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, sta
 
 MAX_TOKENS = 12
 # float32: the reference model's dtype
-CPP_ENV = {"HALFMOON_DTYPE": "float32", "HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "96", "HALFMOON_CPP_RESCUE_ONLY": "false",
-           "HALFMOON_CPP_CHUNK_TOKENS": "32", "HALFMOON_PREFILL_CHUNK_SIZE": "32"}
+CPP_ENV = {"HALFMOON_DTYPE": "float32", "HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "96",
+           "HALFMOON_CPP_RESCUE_ONLY": "false", "HALFMOON_CPP_CHUNK_TOKENS": "32", "HALFMOON_PREFILL_CHUNK_SIZE": "32"}
 
 
 @pytest.fixture(scope="module")
