@@ -46,7 +46,7 @@ from halfmoon.protocol.cache import (
     Release,
     TransferReport,
 )
-from halfmoon.protocol.pipeline import StageDone, StageWork
+from halfmoon.protocol.pipeline import MESSAGE_OVERHEAD, StageDone, StageWork, chunk_tokens
 from halfmoon.protocol.pool import (
     KVEvents,
     OrderBatch,
@@ -332,3 +332,10 @@ class TestInvariants:
                     {"start": 2, "last": True, "block_indexes": (0,), "blocks": (LOC,), "salts": (b"\x00",)}):
             with pytest.raises(ValueError):
                 StageWork(**{**fields, **bad})
+
+    def test_a_chunk_of_hidden_states_fits_one_nats_message(self):
+        assert chunk_tokens(512, 1 << 20, 256) == 512  # the tiny model: 512 rows of 256 bytes
+        rows = chunk_tokens(512, 1 << 20, 16384)  # a 70B model's rows (d = 8192, bf16)
+        assert rows == (1 << 20) // 16384 - 4 and rows * 16384 + MESSAGE_OVERHEAD <= 1 << 20
+        with pytest.raises(ValueError):
+            chunk_tokens(512, 64 << 10, 16384)

@@ -125,3 +125,21 @@ class TestStageFailure:
         with pytest.raises(RemoteError) as refused:
             await request(nc, Subjects(namespace).prefill_stage(cluster.tail.instance_id), work, codecs.STAGE_REPLY, 10)
         assert refused.value.reply.code is ErrorCode.BAD_REQUEST
+
+
+class TestAbandonedStage:
+    async def test_a_stage_frees_a_request_whose_head_never_finishes_it(self, cluster: Cluster, nc: Any,
+                                                                       namespace: str) -> None:
+        tail = cluster.tail
+        assert tail.engine is not None
+        hidden = b"\0" * (2 * tail.engine.hidden_size * tail.engine.dtype.itemsize)
+        work = StageWork(request_id="r-orphan", stages=("x", tail.instance_id), layer_bounds=(0, 2, 4), stage=1,
+                         index=0, start=0, token_ids=(1, 2), prompt_len=10, hidden=hidden, dtype="float32",
+                         sampling=GREEDY, deadline=time.time() + 1.0)
+        done = await request(nc, Subjects(namespace).prefill_stage(tail.instance_id), work, codecs.STAGE_REPLY, 10)
+        assert done.index == 0 and done.token_id is None
+        assert await tail.engine.call(lambda e: e.stages.held()) == ("r-orphan",)
+        deadline = time.monotonic() + 10
+        while await tail.engine.call(lambda e: e.stages.held()):  # the head never sends the rest
+            assert time.monotonic() < deadline, "the stage kept the request's KV past its deadline"
+            await asyncio.sleep(0.1)

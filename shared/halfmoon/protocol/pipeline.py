@@ -8,6 +8,15 @@ from halfmoon.protocol.subjects import check_token
 from halfmoon.protocol.work import BlockLocation
 
 SALT_BYTES = 16  # a block's header salt (core/block_format.py): every stage seals its layers under it
+MESSAGE_OVERHEAD = 64 << 10  # bytes of a StageWork besides its hidden states (token ids, block locations)
+
+
+def chunk_tokens(chunk_size: int, max_payload: int, hidden_bytes_per_token: int) -> int:
+    """Tokens per pipelined chunk: ``chunk_size``, or fewer where their hidden states would not fit in one
+    NATS message of ``max_payload`` bytes (so no chunk is ever split across messages)."""
+    if min(chunk_size, hidden_bytes_per_token) < 1 or max_payload <= MESSAGE_OVERHEAD + hidden_bytes_per_token:
+        raise ValueError(f"no chunk of {hidden_bytes_per_token}-byte rows fits a {max_payload}-byte message")
+    return min(chunk_size, (max_payload - MESSAGE_OVERHEAD) // hidden_bytes_per_token)
 
 
 class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):

@@ -26,7 +26,7 @@ from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
 from halfmoon.engine.stage import StageChunk, StageResult, hidden_bytes, hidden_tensor, split_layers
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, Message, RemoteError
-from halfmoon.protocol.pipeline import StageDone, StageWork
+from halfmoon.protocol.pipeline import StageDone, StageWork, chunk_tokens
 from halfmoon.protocol.work import PrefillRequest
 from halfmoon.service.pool_client import Fetched
 from halfmoon.service.stage_blocks import PipelineBlocks, write_stage_layers
@@ -36,9 +36,6 @@ from halfmoon.transfer.transport import TransferError
 
 if TYPE_CHECKING:
     from halfmoon.services.prefill.service import PrefillService
-
-MESSAGE_OVERHEAD = 64 << 10  # bytes of a StageWork besides the hidden states (token ids, block locations)
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -53,8 +50,8 @@ class PipelineHead:
     def chunk_tokens(self) -> int:
         svc = self.svc
         assert svc.engine is not None
-        per_token = svc.engine.hidden_size * svc.engine.dtype.itemsize
-        return max(1, min(svc.config.prefill_chunk_size, (svc.nc.max_payload - MESSAGE_OVERHEAD) // per_token))
+        return chunk_tokens(svc.config.prefill_chunk_size, svc.nc.max_payload,
+                            svc.engine.hidden_size * svc.engine.dtype.itemsize)
 
     async def serve(self, req: PrefillRequest) -> None:
         svc = self.svc
