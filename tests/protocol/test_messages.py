@@ -326,7 +326,7 @@ class TestInvariants:
                       token_ids=(1, 2), prompt_len=4, hidden=b"\x00" * 8, dtype="float32", sampling=SAMPLING,
                       deadline=0.0)
         assert StageWork(**fields).layers == range(2, 4)
-        for bad in ({"stages": ("p0",), "layer_bounds": (0, 4)}, {"layer_bounds": (0, 3, 3)}, {"stage": 0},
+        for bad in ({"stages": ("p0",), "layer_bounds": (0, 4)}, {"stages": ("p0", "p0")}, {"layer_bounds": (0, 3, 3)}, {"stage": 0},
                     {"stage": 2}, {"start": 3}, {"last": True}, {"hidden": b""}, {"stages": ("p0", "a.b")},
                     {"block_indexes": (0,), "blocks": (LOC,), "salts": (b"\x00" * 16,)},
                     {"start": 2, "last": True, "block_indexes": (0,), "blocks": (LOC,), "salts": (b"\x00",)}):

@@ -61,9 +61,9 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
         for stage in self.stages:
             check_token(stage, "stage instance")
         bounds = self.layer_bounds
-        if len(self.stages) < 2 or len(bounds) != len(self.stages) + 1 or bounds[0] != 0 or any(
+        if len(self.stages) < 2 or len(set(self.stages)) != len(self.stages) or len(bounds) != len(self.stages) + 1 or bounds[0] != 0 or any(
                 a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"need >= 2 stages and {len(self.stages) + 1} increasing layer bounds from 0, "
+            raise ValueError(f"need >= 2 distinct stages, {len(self.stages) + 1} increasing layer bounds from 0, "
                              f"got {self.stages} and {bounds}")
         if not 1 <= self.stage < len(self.stages):
             raise ValueError(f"stage must be inside 1..{len(self.stages) - 1} (the head runs stage 0), "

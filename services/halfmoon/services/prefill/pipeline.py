@@ -91,6 +91,8 @@ class PipelineHead:
         engine = svc.engine
         assert engine is not None
         stages = (svc.instance_id, *req.pipeline)
+        if len(set(stages)) != len(stages):
+            raise ValueError(f"a pipeline's stages are distinct instances, got {stages}")
         bounds = split_layers(engine.layout.num_layers, len(stages))
         mine = range(0, bounds[1])
         blocks = PipelineBlocks(svc.pool, svc.transfer, engine.layout, rid, svc.config.block_size, len(prompt),
