@@ -61,7 +61,8 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
         for stage in self.stages:
             check_token(stage, "stage instance")
         bounds = self.layer_bounds
-        if len(self.stages) < 2 or len(set(self.stages)) != len(self.stages) or len(bounds) != len(self.stages) + 1 or bounds[0] != 0 or any(
+        distinct = len(set(self.stages)) == len(self.stages) >= 2
+        if not distinct or len(bounds) != len(self.stages) + 1 or bounds[0] != 0 or any(
                 a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"need >= 2 distinct stages, {len(self.stages) + 1} increasing layer bounds from 0, "
                              f"got {self.stages} and {bounds}")
