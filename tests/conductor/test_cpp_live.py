@@ -67,11 +67,21 @@ def pipeline_of(reply: ScheduleAccepted | ScheduleRejected) -> tuple[str, ...] |
 
 class TestPipelinesOnlyWhatOneInstanceCannotServe:
     async def test_long_prompt_gets_two_stages_short_one_a_single_instance(self, nats_server, namespace, nc):
-        long, short = await run(nats_server, namespace, nc, prefills=2, tokens=[300, 150])
+        # one conductor each: the first placement's work would count in the second one's queue estimates
+        (long,) = await run(nats_server, namespace, nc, prefills=2, tokens=[300])
+        (short,) = await run(nats_server, namespace, nc, prefills=2, tokens=[150])
         assert isinstance(long, ScheduleAccepted) and len(long.pipeline) == 1
         assert {long.prefill_instance, *long.pipeline} == {"p0", "p1"}
         assert long.predicted_ttft_ms is not None and long.predicted_ttft_ms < 2000  # the pipeline's prediction
         assert pipeline_of(short) == ()
+
+    async def test_a_pipelined_request_loads_every_stage(self, nats_server, namespace, nc):
+        # the first pipeline's work is in both its stages' queue estimates: the second pipeline, over four
+        # instances, takes the two others
+        first, second = await run(nats_server, namespace, nc, prefills=4, tokens=[300, 300])
+        assert isinstance(first, ScheduleAccepted) and isinstance(second, ScheduleAccepted)
+        assert first.pipeline and second.pipeline
+        assert not {first.prefill_instance, *first.pipeline} & {second.prefill_instance, *second.pipeline}
 
     async def test_one_prefill_instance_cannot_pipeline(self, nats_server, namespace, nc):
         (long,) = await run(nats_server, namespace, nc, prefills=1, tokens=[300])

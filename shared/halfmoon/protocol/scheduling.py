@@ -52,7 +52,8 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     """Conductor ``conductor`` placed ``request_id`` on this pair: the others enter it in their ledgers
     too. ``prefill_s``: the predicted prefill work; ``ttl_s``: how long after placement it may stay
-    without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part."""
+    without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part. ``pipeline``:
+    the later stages of a pipelined prefill (each busy about as long as the head)."""
 
     conductor: str
     prefill_instance: str
@@ -62,6 +63,7 @@ class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     prompt_tokens: int = 0
     ttl_s: float = 60.0
     decode_ttl_s: float = 600.0
+    pipeline: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")

@@ -178,6 +178,8 @@ class StageServer:
         if any(block is None for block in prefix):
             return ErrorReply(code=ErrorCode.UNAVAILABLE, retryable=True,
                               message=f"{svc.instance_id} could not read the reused prefix of {rid}")
+        if rid not in self._deadlines:
+            svc.begin_computing(rid)  # its load, and its WorkDone, for the conductors' ledgers
         self._deadlines[rid] = work.deadline
         try:
             out = await engine.run_stage(StageChunk(rid, work.token_ids, work.start, work.layers,
@@ -187,7 +189,7 @@ class StageServer:
             METRICS.pipeline_chunks.labels(str(work.stage)).inc()
             written = await self._write(work) if work.last else set()
         except EngineError as exc:
-            await self._drop(rid)
+            await self._drop(rid, failed=True)
             return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"{svc.instance_id}: {exc}")
         if work.last:
             await self._drop(rid)
@@ -225,12 +227,13 @@ class StageServer:
             return exc.reply
         return msgspec.structs.replace(final, index=work.index, written=tuple(i for i in final.written if i in written))
 
-    async def _drop(self, request_id: str) -> None:
+    async def _drop(self, request_id: str, failed: bool = False) -> None:
         self._deadlines.pop(request_id, None)
         for task in self._forwards.pop(request_id, []):
             task.cancel()
         assert self.svc.engine is not None
         await self.svc.engine.release_stage(request_id)
+        self.svc.done_computing(request_id, failed)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -238,4 +241,4 @@ class StageServer:
             now = time.time()
             for rid in [rid for rid, deadline in self._deadlines.items() if deadline < now]:
                 self.svc.log.warning("pipeline stage expired: its head never finished it", extra={"request_id": rid})
-                await self._drop(rid)
+                await self._drop(rid, failed=True)
