@@ -41,10 +41,11 @@ async def write_stage_layers(transfer: TransferClient, layout: BlockLayout, bloc
 class PipelineBlocks:
     """The head's side: ``open`` (put_start), then each stage's ``write_stage_layers``, then ``finish``."""
 
-    def __init__(self, pool: PoolClient, transfer: TransferClient, layout: BlockLayout, request_id: str,
-                 block_size: int, num_tokens: int, keys: Sequence[bytes], prefix: Sequence[BlockLocation]) -> None:
-        """``keys`` of the request's full blocks; the first ones, ``prefix``, are reused from the pool."""
-        self.pool, self.transfer, self.layout = pool, transfer, layout
+    def __init__(self, pool: PoolClient, transfer: TransferClient, request_id: str, block_size: int, num_tokens: int,
+                 keys: Sequence[bytes], prefix: Sequence[BlockLocation]) -> None:
+        """``keys`` of the request's full blocks; the first ones, ``prefix``, are reused from the pool. Blocks
+        are sealed in the pool's layout (it holds the cluster's MAC key)."""
+        self.pool, self.transfer, self.layout = pool, transfer, pool.layout
         self.block_size, self.num_tokens = block_size, num_tokens
         count = -(-num_tokens // block_size)
         self.keys = [keys[i] if i < len(keys) else handoff_key(request_id, i) for i in range(count)]

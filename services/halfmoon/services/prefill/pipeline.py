@@ -95,8 +95,8 @@ class PipelineHead:
             raise ValueError(f"a pipeline's stages are distinct instances, got {stages}")
         bounds = split_layers(engine.layout.num_layers, len(stages))
         mine = range(0, bounds[1])
-        blocks = PipelineBlocks(svc.pool, svc.transfer, engine.layout, rid, svc.config.block_size, len(prompt),
-                                keys, fetched.locations)
+        blocks = PipelineBlocks(svc.pool, svc.transfer, rid, svc.config.block_size, len(prompt), keys,
+                                fetched.locations)
         opening = asyncio.create_task(blocks.open(req.tenant))  # put_start overlaps the first chunks
         sends: list[asyncio.Task[StageDone]] = []
         cached = len(fetched.payloads) * svc.config.block_size
@@ -202,7 +202,9 @@ class StageServer:
         engine = self.svc.engine
         assert engine is not None
         payloads = await engine.stage_payloads(work.request_id, work.layers)
-        return await write_stage_layers(self.svc.transfer, engine.layout, dict(zip(work.block_indexes, work.blocks)),
+        # NOTE: the pool's layout carries the cluster's MAC key; the engine's does not
+        return await write_stage_layers(self.svc.transfer, self.svc.pool.layout,
+                                        dict(zip(work.block_indexes, work.blocks)),
                                         dict(zip(work.block_indexes, work.salts)), payloads, work.layers)
 
     async def _forward(self, work: StageWork, out: StageResult, written: set[int]) -> Message:
