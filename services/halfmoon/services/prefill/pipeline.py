@@ -100,7 +100,7 @@ class PipelineHead:
         opening = asyncio.create_task(blocks.open(req.tenant))  # put_start overlaps the first chunks
         sends: list[asyncio.Task[StageDone]] = []
         cached = len(fetched.payloads) * svc.config.block_size
-        size, written = self.chunk_tokens(), set()
+        size = self.chunk_tokens()
         try:
             with svc.tracer.start_as_current_span("prefill.pipeline") as span:
                 span.set_attribute("halfmoon.request_id", rid)
@@ -117,8 +117,7 @@ class PipelineHead:
                     last = start + len(part) == len(prompt)
                     if last:
                         await opening
-                        written = await blocks.write(await engine.stage_payloads(rid, mine), mine)
-                        indexes = tuple(sorted(written))
+                        indexes = tuple(sorted(blocks.placed))
                         extra.update(block_indexes=indexes, blocks=tuple(blocks.placed[i] for i in indexes),
                                      salts=tuple(blocks.salts[i] for i in indexes))
                     assert out.hidden is not None
@@ -129,6 +128,8 @@ class PipelineHead:
                     sends.append(asyncio.create_task(svc.request(
                         svc.subjects.prefill_stage(stages[1]), work, codecs.STAGE_REPLY,
                         max(1.0, req.deadline - time.time()))))
+                # the head's layers of every block go out while the later stages run the last chunk
+                written = await blocks.write(await engine.stage_payloads(rid, mine), mine)
                 replies = await asyncio.gather(*sends)
                 span.set_attribute("halfmoon.chunks", len(sends))
         finally:
