@@ -40,6 +40,7 @@ class Cluster(NamedTuple):
     node: TransferService
     head: PrefillService
     tail: PrefillService
+    mid: PrefillService
     decode: DecodeService
 
 
@@ -51,14 +52,15 @@ async def cluster(nats_server: Any, namespace: str, tiny_model_dir: Path) -> Asy
                   prefill_chunk_size=CHUNK)
     cm = CacheManagerService(CacheManagerConfig(**common))
     node = TransferService(TransferConfig(**common, dram_bytes=16 << 20))
-    head, tail = PrefillService(WorkerConfig(**worker)), PrefillService(WorkerConfig(**worker))
+    head, tail, mid = (PrefillService(WorkerConfig(**worker)) for _ in range(3))
     decode = DecodeService(WorkerConfig(**worker))
-    async with ServiceHost(cm), ServiceHost(node), ServiceHost(head), ServiceHost(tail), ServiceHost(decode):
+    async with (ServiceHost(cm), ServiceHost(node), ServiceHost(head), ServiceHost(tail), ServiceHost(mid),
+                ServiceHost(decode)):
         deadline = time.monotonic() + 30
-        while node.instance_id not in cm.nodes or not (head.transfer_nodes.ordered() and tail.transfer_nodes.ordered()):
+        while node.instance_id not in cm.nodes or not all(p.transfer_nodes.ordered() for p in (head, tail, mid)):
             assert time.monotonic() < deadline, "the transfer node never joined"
             await asyncio.sleep(0.05)
-        yield Cluster(cm, node, head, tail, decode)
+        yield Cluster(cm, node, head, tail, mid, decode)
 
 
 async def serve(nc: Any, namespace: str, cluster: Cluster, rid: str,
@@ -108,6 +110,19 @@ class TestTwoStagesEqualOneInstance:
         assert usable == 10  # every block verified: both stages' layers under one salt and key
         assert not (await cluster.head.engine.call(lambda e: e.stages.held()))  # type: ignore[union-attr]
         assert not (await cluster.tail.engine.call(lambda e: e.stages.held()))  # type: ignore[union-attr]
+
+
+class TestThreeStages:
+    async def test_a_middle_stage_passes_chunks_on(self, cluster: Cluster, nc: Any, namespace: str,
+                                                    tiny_model_dir: Path) -> None:
+        before = chunks_run("1"), chunks_run("2")
+        events = await serve(nc, namespace, cluster, "r-cpp3", (cluster.mid.instance_id, cluster.tail.instance_id))
+        tokens = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+        reference = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", prefill_chunk_size=CHUNK))
+        assert tokens == reference.generate([PROMPT], GREEDY)[0]
+        assert (chunks_run("1") - before[0], chunks_run("2") - before[1]) == (5, 5)
+        for svc in (cluster.head, cluster.mid, cluster.tail):
+            assert not (await svc.engine.call(lambda e: e.stages.held()))  # type: ignore[union-attr]
 
 
 class TestStageFailure:
