@@ -83,6 +83,19 @@ async def serve(nc: Any, namespace: str, cluster: Cluster, rid: str,
     return events
 
 
+def spy_on_decode(cluster: Cluster) -> list[tuple[Any, int]]:
+    """What decode is handed (the KV's locations) and how many blocks of it verify, request by request."""
+    receive, received = cluster.decode.handoff.receive, []
+
+    async def spy(rid: str, kv: Any, streamed: Any = None) -> Any:
+        payloads = await receive(rid, kv, streamed)
+        received.append((kv, len(payloads)))
+        return payloads
+
+    cluster.decode.handoff.receive = spy  # type: ignore[method-assign]
+    return received
+
+
 def chunks_run(stage: str) -> float:
     return METRICS.pipeline_chunks.labels(stage)._value.get()
 
@@ -90,14 +103,7 @@ def chunks_run(stage: str) -> float:
 class TestTwoStagesEqualOneInstance:
     async def test_tokens_equal_single_instance_prefill_and_decode_reads_every_block(
             self, cluster: Cluster, nc: Any, namespace: str, tiny_model_dir: Path) -> None:
-        receive, received = cluster.decode.handoff.receive, []
-
-        async def spy(rid: str, kv: Any, streamed: Any = None) -> Any:
-            payloads = await receive(rid, kv, streamed)
-            received.append((kv, len(payloads)))
-            return payloads
-
-        cluster.decode.handoff.receive = spy  # type: ignore[method-assign]
+        received = spy_on_decode(cluster)
         before = chunks_run("1")
         events = await serve(nc, namespace, cluster, "r-cpp", (cluster.tail.instance_id,))
         tokens = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
@@ -115,12 +121,14 @@ class TestTwoStagesEqualOneInstance:
 class TestThreeStages:
     async def test_a_middle_stage_passes_chunks_on(self, cluster: Cluster, nc: Any, namespace: str,
                                                     tiny_model_dir: Path) -> None:
+        received = spy_on_decode(cluster)
         before = chunks_run("1"), chunks_run("2")
         events = await serve(nc, namespace, cluster, "r-cpp3", (cluster.mid.instance_id, cluster.tail.instance_id))
         tokens = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
         reference = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", prefill_chunk_size=CHUNK))
         assert tokens == reference.generate([PROMPT], GREEDY)[0]
         assert (chunks_run("1") - before[0], chunks_run("2") - before[1]) == (5, 5)
+        assert [usable for _, usable in received] == [10]  # three stages' layers in every block, all verified
         for svc in (cluster.head, cluster.mid, cluster.tail):
             assert not (await svc.engine.call(lambda e: e.stages.held()))  # type: ignore[union-attr]
 
