@@ -58,6 +58,13 @@ class PipelineHead:
         started = time.perf_counter()
         keys = svc.block_keys(req)
         fetched = await svc.pool.fetch_prefix(keys[:(len(req.prompt_token_ids) - 1) // svc.config.block_size])
+        try:  # NOTE: the lease keeps the reused prefix in the pool until decode was handed its locations
+            await self._serve(req, keys, fetched, started)
+        finally:
+            await svc.pool.release(fetched.lease_id)
+
+    async def _serve(self, req: PrefillRequest, keys: list[bytes], fetched: Fetched, started: float) -> None:
+        svc = self.svc
         try:
             first, blocks, written = await self._compute(req, keys, fetched)
         except (EngineError, ValueError) as exc:
@@ -67,8 +74,6 @@ class PipelineHead:
             await svc.send_error(req.stream_subject, req.request_id, ErrorCode.UNAVAILABLE,
                                  f"pipelined prefill failed: {exc}", req.attempt)
             return
-        finally:
-            await svc.pool.release(fetched.lease_id)
         svc.done_computing(req.request_id)
         await svc.publish_event(req.stream_subject, token_event(first, req.sampling, svc.instance_id,
                                                                 first.num_cached_tokens, req.attempt))
