@@ -118,6 +118,21 @@ class TestTwoStagesEqualOneInstance:
         assert not (await cluster.tail.engine.call(lambda e: e.stages.held()))  # type: ignore[union-attr]
 
 
+class TestReusedPrefix:
+    async def test_second_time_every_stage_loads_the_prefix_from_the_pool(self, cluster: Cluster, nc: Any,
+                                                                         namespace: str, tiny_model_dir: Path) -> None:
+        stage = (cluster.tail.instance_id,)
+        first = await serve(nc, namespace, cluster, "r-cold", stage)
+        before = chunks_run("1")
+        again = await serve(nc, namespace, cluster, "r-warm", stage)
+        tokens = [[t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] for events in (first, again)]
+        reference = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", prefill_chunk_size=CHUNK))
+        assert tokens == [reference.generate([PROMPT], GREEDY)[0]] * 2
+        assert chunks_run("1") - before == 1  # 9 blocks reused: the last 6 tokens are one chunk
+        usage = again[-1].usage  # type: ignore[union-attr]
+        assert usage is not None and usage.cached_tokens == 144
+
+
 class TestThreeStages:
     async def test_a_middle_stage_passes_chunks_on(self, cluster: Cluster, nc: Any, namespace: str,
                                                     tiny_model_dir: Path) -> None:
