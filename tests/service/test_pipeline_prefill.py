@@ -129,8 +129,8 @@ class TestReusedPrefix:
         reference = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", prefill_chunk_size=CHUNK))
         assert tokens == [reference.generate([PROMPT], GREEDY)[0]] * 2
         assert chunks_run("1") - before == 1  # 9 blocks reused: the last 6 tokens are one chunk
-        usage = again[-1].usage  # type: ignore[union-attr]
-        assert usage is not None and usage.cached_tokens == 144
+        (usage,) = [e.usage for e in again if isinstance(e, TokenEvent) and e.usage is not None]
+        assert usage.cached_tokens == 144
 
 
 class TestThreeStages:
