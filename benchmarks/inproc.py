@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,16 +13,18 @@ from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 
 @contextlib.contextmanager
 def nats_server() -> Iterator[str]:
-    """A nats-server on a free loopback port for the block; its URL."""
+    """A nats-server with JetStream (the cache-manager's leadership bucket) on a free loopback port for the
+    block; its URL."""
     port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, 20, server)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(10)
+    with tempfile.TemporaryDirectory() as store:
+        server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_port(port, 20, server)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+            server.wait(10)
 
 
 def model_or_default(model: str | None, tmp: str) -> str:
