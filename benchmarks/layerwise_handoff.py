@@ -22,15 +22,12 @@ import asyncio
 import dataclasses
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
@@ -46,6 +43,8 @@ from halfmoon.services.transfer.service import TransferConfig, TransferService
 from halfmoon.transfer.shm import ShmTransport
 from rich.console import Console
 from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server
 
 SECRET = "layerwise-handoff-benchmark-0123456789"
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -159,15 +158,11 @@ class Results(NamedTuple):
     steps: dict[bool, Steps]
 
 
-async def run(model: str, prompt_tokens: int, rounds: int, store: str) -> Results:
+async def run(model: str, prompt_tokens: int, rounds: int) -> Results:
     import nats
 
-    port = free_port()  # JetStream (in ``store``): the cache-manager's leadership lease lives there
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, 20, server)
-        url, ns = f"nats://127.0.0.1:{port}", "bench"
+    with nats_server() as url:
+        ns = "bench"
         common: dict[str, Any] = dict(nats_url=url, namespace=ns, heartbeat_interval_s=0.2, cluster_secret=SECRET)
         worker = dict(common, model_dir=model, kv_cache_bytes=512 << 20, max_num_batched_tokens=8192,
                       prefill_chunk_size=8192, dtype="float32")  # the KV sizes docs/BENCHMARKS.md states
@@ -216,9 +211,6 @@ async def run(model: str, prompt_tokens: int, rounds: int, store: str) -> Result
                             steps[layerwise][name].append((start - last[-1], end - last[-1]))
             await nc.close()
             return Results(layers, results, after_token, steps)
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 def main() -> None:
@@ -228,13 +220,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from halfmoon.cli.model_tools import make_tiny_model
-
-            model = str(make_tiny_model(Path(tmp) / "model", hidden_size=512, layers=16, heads=8, kv_heads=8))
-        layers, results, after_token, steps = asyncio.run(run(model, args.prompt_tokens, args.rounds,
-                                                              str(Path(tmp) / "nats")))
+        model = model_or_default(args.model, tmp)
+        layers, results, after_token, steps = asyncio.run(run(model, args.prompt_tokens, args.rounds))
     one = statistics.median(results[False]) / layers
     table = Table(title=f"decode holds the KV, {args.prompt_tokens}-token prompt, {layers} layers, {args.rounds} "
                         f"rounds each (median ms); one layer (whole-block after the KV / layers) = {one * 1e3:.1f}")

@@ -180,3 +180,16 @@ class TestAggregatedPlacement:
                         ttl_s=5.0, decode_ttl_s=9.0)
         (stage,) = placement_stages(placed, now=10.0)
         assert (stage.instance_id, stage.expires_at, stage.work_s) == ("a0", 19.0, 0.5)
+
+
+class TestPipelinePlacement:
+    def test_every_stage_of_a_pipelined_prefill_is_in_the_ledger(self):
+        placed = Placed(conductor="c0", prefill_instance="p0", decode_instance="d0", request_id="r", prefill_s=0.5,
+                        ttl_s=5.0, decode_ttl_s=9.0, pipeline=("p1",))
+        ledger = WorkLedger(grace_s=1.0)
+        ledger.place("r", placement_stages(placed, now=10.0), 10.0)
+        assert [(s.instance_id, s.order) for s in ledger.stages("r")] == [("p0", 0), ("p1", 0), ("d0", 1)]
+        assert ledger.outstanding("p1") == Outstanding(1, 0.5, 0)
+        ledger.done("r", "p1", Cleared.COMPLETED, 11.0)  # the stage's WorkDone
+        ledger.done("r", "p0", Cleared.COMPLETED, 11.0)
+        assert [s.instance_id for s in ledger.stages("r")] == ["d0"]

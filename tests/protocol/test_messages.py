@@ -46,6 +46,7 @@ from halfmoon.protocol.cache import (
     Release,
     TransferReport,
 )
+from halfmoon.protocol.pipeline import MESSAGE_OVERHEAD, StageDone, StageWork, chunk_tokens
 from halfmoon.protocol.pool import (
     KVEvents,
     OrderBatch,
@@ -114,6 +115,12 @@ CASES = [
     ),
     (codecs.KV_PROGRESS, KVProgress(request_id="r-1", block_size=4, num_tokens=6, indexes=(0,), blocks=(LOC,),
                                     layers_done=2)),
+    (codecs.STAGE_WORK, StageWork(request_id="r-1", stages=("p0", "p1"), layer_bounds=(0, 2, 4), stage=1, index=1,
+                                  start=4, token_ids=(5, 6), prompt_len=6, hidden=b"\x01" * 16, dtype="float32",
+                                  sampling=SAMPLING, deadline=1.0, last=True, block_indexes=(0,), blocks=(LOC,),
+                                  salts=(b"\x02" * 16,))),
+    (codecs.STAGE_REPLY, StageDone(request_id="r-1", index=1, token_id=7, logprob=-0.5, text="x",
+                                   finish_reason="prefill_done", written=(0,))),
     (codecs.SUBMIT_REPLY, Ack(request_id="r-1", instance_id="p0")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="client gone")),
     (codecs.CANCEL, CancelRequest(request_id="r-1", reason="migrated", attempt=0)),
@@ -313,3 +320,22 @@ class TestInvariants:
     def test_cached_tokens_bounded_by_prompt(self):
         with pytest.raises(ValueError, match="cached_tokens"):
             Usage(prompt_tokens=2, completion_tokens=1, cached_tokens=3)
+
+    def test_stage_work_is_one_chunk_of_one_stage_of_a_pipeline(self):
+        fields = dict(request_id="r", stages=("p0", "p1"), layer_bounds=(0, 2, 4), stage=1, index=0, start=0,
+                      token_ids=(1, 2), prompt_len=4, hidden=b"\x00" * 8, dtype="float32", sampling=SAMPLING,
+                      deadline=0.0)
+        assert StageWork(**fields).layers == range(2, 4)
+        for bad in ({"stages": ("p0",), "layer_bounds": (0, 4)}, {"stages": ("p0", "p0")}, {"layer_bounds": (0, 3, 3)}, {"stage": 0},
+                    {"stage": 2}, {"start": 3}, {"last": True}, {"hidden": b""}, {"stages": ("p0", "a.b")},
+                    {"block_indexes": (0,), "blocks": (LOC,), "salts": (b"\x00" * 16,)},
+                    {"start": 2, "last": True, "block_indexes": (0,), "blocks": (LOC,), "salts": (b"\x00",)}):
+            with pytest.raises(ValueError):
+                StageWork(**{**fields, **bad})
+
+    def test_a_chunk_of_hidden_states_fits_one_nats_message(self):
+        assert chunk_tokens(512, 1 << 20, 256) == 512  # the tiny model: 512 rows of 256 bytes
+        rows = chunk_tokens(512, 1 << 20, 16384)  # a 70B model's rows (d = 8192, bf16)
+        assert rows == (1 << 20) // 16384 - 4 and rows * 16384 + MESSAGE_OVERHEAD <= 1 << 20
+        with pytest.raises(ValueError):
+            chunk_tokens(512, 64 << 10, 16384)

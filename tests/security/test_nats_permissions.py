@@ -46,6 +46,7 @@ FORGED = {
     "InstanceDown as decode": SUBJECTS.down_from(Role.DECODE.value),
     "a token stream": SUBJECTS.stream("cmpl-victim"),
     "a decode heartbeat": SUBJECTS.heartbeat_from(Role.DECODE.value),
+    "a pipeline stage's chunk": SUBJECTS.prefill_stage("prefill-0"),
 }
 
 

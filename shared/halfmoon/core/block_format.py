@@ -165,9 +165,14 @@ def seal_block(layout: BlockLayout, payload: bytearray | memoryview, key: bytes)
     return payload
 
 
-def salt_block(payload: bytearray | memoryview) -> None:
-    """A fresh salt in ``payload``'s header: first step of sealing, before any layer's MAC."""
-    memoryview(payload)[FIXED.size - 16 : FIXED.size] = os.urandom(16)
+def salt_block(payload: bytearray | memoryview, salt: bytes | None = None) -> bytes:
+    """A fresh salt (or ``salt``: writers sealing different layers of one block share it) in ``payload``'s
+    header: first step of sealing, before any layer's MAC. Returns it."""
+    salt = os.urandom(16) if salt is None else salt
+    if len(salt) != 16:
+        raise ValueError(f"a block's salt is 16 bytes, got {len(salt)}")
+    memoryview(payload)[FIXED.size - 16 : FIXED.size] = salt
+    return salt
 
 
 def seal_layers(layout: BlockLayout, payload: bytearray | memoryview, key: bytes, layers: range) -> None:

@@ -10,10 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, TypeVar
 
+import torch
+
 from halfmoon.core.block_format import BlockLayout
 from halfmoon.core.errors import EngineError
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.engine import EngineStats, LLMEngine, RequestOutput
+from halfmoon.engine.stage import StageChunk, StageResult
 from halfmoon.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -36,7 +39,8 @@ class AsyncEngine:
     caller that stops iterating early must ``abort``. ``call(fn)`` runs ``fn(engine)`` on
     the engine thread between steps (KV export, release). ``stats()``, ``kv_spec``, ``layout`` and
     ``model_name`` may be read from any thread: the stats are a snapshot taken on the engine
-    thread after every step and command, the rest never change.
+    thread after every step and command, the rest never change. ``run_stage``, ``stage_payloads`` and
+    ``release_stage`` run one pipeline stage of a request (engine/stage.py) between steps.
     """
 
     def __init__(self, make_engine: Callable[[], LLMEngine],
@@ -51,6 +55,8 @@ class AsyncEngine:
         self.kv_spec: KVSpec
         self.layout: BlockLayout
         self.model_name = ""
+        self.hidden_size = 0
+        self.dtype: torch.dtype = torch.float32
         # NOTE: the engine is built and stepped on this one thread. torch's OpenMP pool belongs to
         # the thread that starts it; a second torch thread in the process halves the first one's speed.
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine", daemon=True)
@@ -72,6 +78,7 @@ class AsyncEngine:
             self._engine = make_engine()
             self.kv_spec, self.layout, self.model_name = (self._engine.kv_spec, self._engine.layout,
                                                           self._engine.model_name)
+            self.hidden_size, self.dtype = self._engine.hidden_size, self._engine.config.torch_dtype
             self._stats = self._engine.stats()
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's side
             self._failure = exc
@@ -152,6 +159,17 @@ class AsyncEngine:
             yield item
             if item.finished:
                 return
+
+    async def run_stage(self, chunk: StageChunk) -> StageResult:
+        """Run one chunk of a request through a range of layers (a pipeline stage); EngineError when refused."""
+        return await self.call(lambda engine: engine.stages.run(chunk))
+
+    async def stage_payloads(self, request_id: str, layers: range) -> list[bytearray]:
+        """The stage's layers of every block the request computed here, in pool format (unsealed)."""
+        return await self.call(lambda engine: engine.stages.payloads(request_id, layers))
+
+    async def release_stage(self, request_id: str) -> bool:
+        return await self.call(lambda engine: engine.stages.release(request_id))
 
     async def abort(self, request_id: str) -> bool:
         def abort(engine: LLMEngine) -> bool:

@@ -46,11 +46,12 @@ class PagedKVCache:
         """One layer of :meth:`blocks`: ``[2, tokens, heads, dim]``."""
         return self.data[layer].index_select(2, self._slots(block_ids, num_tokens)).transpose(1, 2)
 
-    def load_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Inverse of :meth:`blocks` for ``kv`` shaped ``[layers, 2, tokens, heads, dim]``."""
+    def load_blocks(self, block_ids: list[int], kv: torch.Tensor, first_layer: int = 0) -> None:
+        """Inverse of :meth:`blocks` for ``kv`` shaped ``[layers, 2, tokens, heads, dim]``: layers
+        ``first_layer`` onwards (a pipeline stage holds a slice of them)."""
         slots = self._slots(block_ids, kv.shape[2])
-        self.data.index_copy_(3, slots, kv[:, :, : slots.numel()].transpose(2, 3).to(self.data.device,
-                                                                                      self.data.dtype))
+        target = self.data[first_layer:first_layer + kv.shape[0]]
+        target.index_copy_(3, slots, kv[:, :, : slots.numel()].transpose(2, 3).to(self.data.device, self.data.dtype))
 
 
 class SeqAttention(NamedTuple):

@@ -30,6 +30,7 @@ from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus
+from halfmoon.engine.stage import PipelineStages
 from halfmoon.protocol.sampling import SamplingParams
 
 PREFILL_DONE = "prefill_done"
@@ -82,7 +83,7 @@ class LLMEngine:
                               dtype=config.resolved_dtype, num_layers=hf.num_hidden_layers,
                               num_kv_heads=hf.num_key_value_heads, head_dim=head_dim)
         self.layout = BlockLayout.of(self.kv_spec)
-        self.vocab_size = hf.vocab_size
+        self.vocab_size, self.hidden_size = hf.vocab_size, hf.hidden_size
         self.max_model_len = context_limit(hf, config.max_model_len)
         per_block = self.layout.layer_nbytes(config.block_size) * hf.num_hidden_layers
         num_blocks = config.kv_cache_blocks or max(1, config.kv_cache_bytes // per_block)
@@ -99,6 +100,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self._requests: dict[str, _Request] = {}
         self._arrivals = 0
+        self.stages = PipelineStages(self)  # requests this engine runs one pipeline stage of
 
     def _eos_ids(self) -> frozenset[int]:
         found = getattr(self.model.generation_config, "eos_token_id", None)
@@ -158,7 +160,7 @@ class LLMEngine:
         if len(block_keys) > len(tokens) // size:
             raise InvalidRequestError("more block keys than full prompt blocks")
         seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys),
-                       seed=self._seeds.getrandbits(63))
+                       seed=self.request_seed())
         if kv_blocks:
             seq.kv_import = torch.cat([decode_block(self.layout, block) for block in kv_blocks], dim=2)
             seq.kv_import_start = kv_start_block
@@ -171,6 +173,10 @@ class LLMEngine:
         if layer_sink is not None:
             self.layer_export.watch(request_id, stream_from_block, layer_sink)
         self.scheduler.add(seq)
+
+    def request_seed(self) -> int:
+        """The sampling seed of a request that brings none."""
+        return self._seeds.getrandbits(63)
 
     def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
         """How many leading blocks of ``block_keys`` the local prefix cache holds right now."""
@@ -245,21 +251,10 @@ class LLMEngine:
         params = seq.params
         seq.token_ids.append(token)
         seq.output_logprobs.append(logprob)
-        reason: str | None = None
-        text = ""
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
-            reason = "stop"
-        else:
-            text, stopped = request.detokenizer.push((token,))
-            reason = "stop" if stopped else None
         num_out = len(seq.output_token_ids)
-        if reason is None and (num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is None and request.prefill_only:
-            reason = PREFILL_DONE
+        text, reason = self.token_ending(request.detokenizer, params, token, num_out, seq.num_tokens,
+                                         request.prefill_only)
         if reason is not None:
-            if reason != PREFILL_DONE:
-                text += request.detokenizer.flush()
             seq.finish_reason = reason
             self.layer_export.forget(seq.request_id)  # every layer went out in this step
             self.scheduler.finish(seq)
@@ -267,6 +262,17 @@ class LLMEngine:
                 del self._requests[seq.request_id]
         return RequestOutput(seq.request_id, [token], [logprob], text, reason is not None, reason,
                              seq.num_prompt_tokens, seq.num_cached_tokens, num_out, seq.compute_s)
+
+    def token_ending(self, detokenizer: IncrementalDetokenizer, params: SamplingParams, token: int, num_out: int,
+                     num_tokens: int, prefill_only: bool) -> tuple[str, str | None]:
+        """The text a new output token adds, and why the output ends with it (None: it goes on). ``num_out``
+        and ``num_tokens`` count it."""
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return detokenizer.flush(), "stop"
+        text, stopped = detokenizer.push((token,))
+        reason = ("stop" if stopped else "length" if num_out >= params.max_tokens or num_tokens >= self.max_model_len
+                  else PREFILL_DONE if prefill_only else None)
+        return (text + detokenizer.flush() if reason not in (None, PREFILL_DONE) else text), reason
 
     # ------------------------------------------------------------------ KV I/O
     def export_kv(self, request_id: str) -> list[bytes]:

@@ -62,13 +62,21 @@ class LayerExport(LayerHook):
         first = min(stream.first_block, count)
         if layer == 0:
             stream.payloads = [blank_block(layout, min(size, tokens - i * size)) for i in range(first, count)]
-        if not stream.payloads:
-            return
-        kv = cache.layer_blocks(layer, seq.block_table[first:first + len(stream.payloads)], tokens - first * size)
-        body = kv.to("cpu", layout.dtype)
-        for index, payload in enumerate(stream.payloads):
-            count = min(size, tokens - (first + index) * size)
-            nbytes = layout.layer_nbytes(count)
-            start = layout.header_nbytes + layer * nbytes
-            part = body[:, index * size:index * size + count].contiguous()
-            memoryview(payload)[start:start + nbytes] = part.view(torch.uint8).reshape(-1).numpy().data
+        fill_layer(layout, cache, layer, seq.block_table, first, tokens, stream.payloads)
+
+
+def fill_layer(layout: BlockLayout, cache: PagedKVCache, layer: int, block_table: list[int], first: int, tokens: int,
+               payloads: list[bytearray]) -> None:
+    """Copy layer ``layer`` of blocks ``first`` onwards of a sequence of ``tokens`` tokens into ``payloads``
+    (one pool-format payload per block from ``first``)."""
+    if not payloads:
+        return
+    size = cache.block_size
+    kv = cache.layer_blocks(layer, block_table[first:first + len(payloads)], tokens - first * size)
+    body = kv.to("cpu", layout.dtype)
+    for index, payload in enumerate(payloads):
+        count = min(size, tokens - (first + index) * size)
+        nbytes = layout.layer_nbytes(count)
+        start = layout.header_nbytes + layer * nbytes
+        part = body[:, index * size:index * size + count].contiguous()
+        memoryview(payload)[start:start + nbytes] = part.view(torch.uint8).reshape(-1).numpy().data

@@ -71,11 +71,30 @@ class ModelRunner:
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk's tokens into the cache; logits (float32) for the chunks that sample."""
         ids, positions, batch, last = self._batch(chunks)
-        hidden = self.decoder.embed_tokens(ids)
+        hidden = self._layers(self.decoder.embed_tokens(ids), positions, batch, chunks, range(len(self.decoder.layers)))
+        return self._logits(hidden, last)
+
+    @torch.inference_mode()
+    def forward_stage(self, chunk: ScheduledChunk, layers: range, hidden: torch.Tensor | None,
+                      logits: bool) -> torch.Tensor:
+        """One pipeline stage over one chunk: layers ``layers`` only, their KV into the cache. ``hidden`` is
+        the input of ``layers.start`` (None: the stage starts at the embeddings); returns the output of the
+        stage's last layer, or with ``logits`` (the stage ends the model) the chunk's last row's logits."""
+        ids, positions, batch, last = self._batch([chunk])
+        start = self.decoder.embed_tokens(ids) if hidden is None else hidden.to(self.device)
+        out = self._layers(start, positions, batch, [chunk], layers)
+        return self._logits(out, last) if logits else out
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.decoder.norm(hidden.index_select(0, rows))).float()
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                chunks: Seq[ScheduledChunk], layers: range) -> torch.Tensor:
         cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        tokens = ids.shape[0]
-        for index, layer in enumerate(self.decoder.layers):
+        tokens = hidden.shape[0]
+        for index in layers:
+            layer = self.decoder.layers[index]
             attn = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
@@ -94,5 +113,4 @@ class ModelRunner:
             hidden = residual + attn.o_proj(out)
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = self.decoder.norm(hidden.index_select(0, last))
-        return self.model.lm_head(hidden).float()
+        return hidden

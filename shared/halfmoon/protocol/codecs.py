@@ -13,6 +13,7 @@ from halfmoon.protocol.pool import (
                                   SnapshotRequest,
                                   StatsRequest,
 )
+from halfmoon.protocol.pipeline import StageDone, StageWork
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.protocol.scheduling import Placed, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
@@ -26,6 +27,8 @@ PREFILL_REQUEST: Codec[PrefillRequest] = Codec(PrefillRequest)
 DECODE_REQUEST: Codec[DecodeRequest] = Codec(DecodeRequest)
 SUBMIT_REPLY: Codec[Ack | ErrorReply] = Codec(Ack | ErrorReply)
 KV_PROGRESS: Codec[KVProgress] = Codec(KVProgress)
+STAGE_WORK: Codec[StageWork] = Codec(StageWork)
+STAGE_REPLY: Codec[StageDone | ErrorReply] = Codec(StageDone | ErrorReply)
 CANCEL: Codec[CancelRequest] = Codec(CancelRequest)
 WORK_DONE: Codec[WorkDone] = Codec(WorkDone)
 RESUME: Codec[ResumeRequest] = Codec(ResumeRequest)

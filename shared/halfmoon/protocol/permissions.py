@@ -63,10 +63,11 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
         return Permissions(publish=(*own, s.kv_snapshot, s.placed),
                            subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, s.placed, s.work_done, s.cancel,
                                       *inbox), responds=True)
-    if role is Role.PREFILL:
+    if role is Role.PREFILL:  # prefill instances of one pipeline (CPP) pass a chunk's hidden states on
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, s.decode_submit_any,
-                                    s.decode_kv_any, *pool),
-                           subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)
+                                    s.decode_kv_any, s.prefill_stage_any, *pool),
+                           subscribe=(s.prefill_submit_any, s.prefill_stage_any, s.kv_snapshot, *engine_listens,
+                                      *inbox), responds=True)
     if role is Role.AGGREGATED:  # a prefill instance that decodes itself: it hands nothing to decode
         return Permissions(publish=(*own, s.work_done_from(role.value), s.stream_any, s.kv_events, *pool),
                            subscribe=(s.prefill_submit_any, s.kv_snapshot, *engine_listens, *inbox), responds=True)

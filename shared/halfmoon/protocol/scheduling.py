@@ -38,18 +38,22 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
 
 
 class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
-    """The chosen pair; the requester submits a PrefillRequest to ``prefill_instance``."""
+    """The chosen pair; the requester submits a PrefillRequest to ``prefill_instance``. ``pipeline`` (CPP):
+    the prefill instances that run the later layers with it, in stage order (the PrefillRequest's
+    ``pipeline``); empty: ``prefill_instance`` prefills alone."""
 
     request_id: str
     prefill_instance: str
     decode_instance: str
     predicted_ttft_ms: float | None = None
+    pipeline: tuple[str, ...] = ()
 
 
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     """Conductor ``conductor`` placed ``request_id`` on this pair: the others enter it in their ledgers
     too. ``prefill_s``: the predicted prefill work; ``ttl_s``: how long after placement it may stay
-    without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part."""
+    without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part. ``pipeline``:
+    the later stages of a pipelined prefill (each busy about as long as the head)."""
 
     conductor: str
     prefill_instance: str
@@ -59,6 +63,7 @@ class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     prompt_tokens: int = 0
     ttl_s: float = 60.0
     decode_ttl_s: float = 600.0
+    pipeline: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")

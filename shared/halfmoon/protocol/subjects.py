@@ -63,6 +63,17 @@ class Subjects:
     def decode_kv_any(self) -> str:
         return self._decode_kv(ANY)
 
+    def prefill_stage(self, instance_id: str) -> str:
+        """Request/reply: StageWork -> StageDone | ErrorReply, to the next stage of a pipelined prefill (CPP)."""
+        return self._prefill_stage(check_token(instance_id, "instance id"))
+
+    def _prefill_stage(self, instance: str) -> str:
+        return f"{self.root}.prefill.{instance}.stage"
+
+    @property
+    def prefill_stage_any(self) -> str:
+        return self._prefill_stage(ANY)
+
     def _prefill_submit(self, instance: str) -> str:
         return f"{self.root}.prefill.{instance}.submit"
 

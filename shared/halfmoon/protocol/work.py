@@ -21,6 +21,9 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     A migrated request continues: ``output_token_ids`` are the tokens already streamed
     (their KV is taken from the pool where it is there, recomputed where not), the next token
     is index ``len(output_token_ids)``, and every event carries ``attempt``.
+
+    ``pipeline`` (CPP): the other prefill instances, in stage order, that run the later layers of this
+    prompt with this one (the head, stage 0); empty: this instance prefills alone.
     """
 
     request_id: str
@@ -33,10 +36,13 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     tenant: str = ""  # whose pool quota the request's blocks count against ("": none)
     output_token_ids: tuple[int, ...] = ()
     attempt: int = 0
+    pipeline: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
         check_token(self.decode_instance, "decode_instance")
+        for stage in self.pipeline:
+            check_token(stage, "pipeline stage")
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if not self.stream_subject:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from halfmoon.core.block_format import BlockLayout, Sealer, salt_block, seal_layers
 from halfmoon.core.keys import handoff_key
@@ -116,24 +116,14 @@ class LayerWriter:
         with self.tracer.start_as_current_span("prefill.kv_layers") as span:
             span.set_attribute("halfmoon.request_id", self.request_id)
             span.set_attribute("halfmoon.layers_done", layers.stop)
-            by_node: dict[str, list[int]] = defaultdict(list)
             for index in self.streamed:
                 payload = self.payload(index)
                 if layers.start == 0:
                     salt_block(payload)
                 seal_layers(self.layout, payload, self.keys[index], layers)
-                by_node[self.placed[index].address].append(index)
-            for address, indexes in by_node.items():
-                ranges, parts = [], []
-                for index in indexes:
-                    base, view = self.placed[index].offset, memoryview(self.payload(index))
-                    for r in layer_ranges(self.layout, self.tokens(index), layers):
-                        ranges.append(SegmentRange(base + r.offset, r.length))
-                        parts.append(view[r.offset:r.end])
-                try:
-                    await (await self.transfer.transport(address)).write_ranges(ranges, parts)
-                except FAILURES:
-                    self.streamed = [i for i in self.streamed if i not in indexes]  # written whole at the end
+            failed = await write_layers(self.transfer, self.layout, {i: self.placed[i] for i in self.streamed},
+                                        self.payload, self.tokens, layers)
+            self.streamed = [i for i in self.streamed if i not in failed]  # written whole at the end
             span.set_attribute("halfmoon.blocks", len(self.streamed))
             if self.streamed:
                 await self._announce(layers)
@@ -174,21 +164,48 @@ class LayerWriter:
         """Commit the streamed blocks, write the others whole, put_end; where each block is. Without
         ``one_off`` the streamed one-off blocks are left uncommitted: decode, which read them already,
         drops them (a commit after its drop would leave them on the node)."""
-        written: dict[bytes, BlockLocation] = {}
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for index in self.streamed:
-            if one_off or index not in self.one_off:
-                by_node[self.placed[index].address].append(index)
-        for address, indexes in by_node.items():
-            locs = [self.placed[i] for i in indexes]
-            try:
-                await (await self.transfer.transport(address)).commit(
-                    [loc.key or b"" for loc in locs], [loc.size for loc in locs], [loc.offset for loc in locs],
-                    [loc.capability for loc in locs])
-            except FAILURES:
-                continue
-            written.update((loc.key, loc) for loc in locs if loc.key is not None)
+        written = await commit_blocks(self.transfer, [self.placed[i] for i in self.streamed
+                                                      if one_off or i not in self.one_off])
         whole = [i for i in self.placed if i not in self.streamed]
         payload_of = {self.keys[i]: self.payload(i) for i in whole}
         written |= await self.pool.write([self.placed[i] for i in whole], payload_of, Sealer(self.layout).hook)
         return self.locations(await self.pool.publish(written))
+
+
+async def write_layers(transfer: TransferClient, layout: BlockLayout, blocks: Mapping[int, BlockLocation],
+                       payload: Callable[[int], bytearray], tokens: Callable[[int], int], layers: range) -> set[int]:
+    """Write ``layers`` of each block (sealed already) into its DRAM extent ``blocks[index]``, one batch per
+    node; the indexes of the blocks whose node failed."""
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for index, loc in blocks.items():
+        by_node[loc.address].append(index)
+    failed: set[int] = set()
+    for address, indexes in by_node.items():
+        ranges, parts = [], []
+        for index in indexes:
+            base, view = blocks[index].offset, memoryview(payload(index))
+            for r in layer_ranges(layout, tokens(index), layers):
+                ranges.append(SegmentRange(base + r.offset, r.length))
+                parts.append(view[r.offset:r.end])
+        try:
+            await (await transfer.transport(address)).write_ranges(ranges, parts)
+        except FAILURES:
+            failed.update(indexes)
+    return failed
+
+
+async def commit_blocks(transfer: TransferClient, locations: Sequence[BlockLocation]) -> dict[bytes, BlockLocation]:
+    """Make blocks written in place at their DRAM extents readable on their nodes; the committed ones by key."""
+    by_node: dict[str, list[BlockLocation]] = defaultdict(list)
+    for loc in locations:
+        by_node[loc.address].append(loc)
+    written: dict[bytes, BlockLocation] = {}
+    for address, locs in by_node.items():
+        try:
+            await (await transfer.transport(address)).commit(
+                [loc.key or b"" for loc in locs], [loc.size for loc in locs], [loc.offset for loc in locs],
+                [loc.capability for loc in locs])
+        except FAILURES:
+            continue
+        written.update((loc.key, loc) for loc in locs if loc.key is not None)
+    return written

@@ -203,11 +203,20 @@ class EngineWorker(Service[WorkerConfig]):
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}", request.attempt)
         self.done_computing(request.request_id)
 
-    def done_computing(self, request_id: str) -> None:
+    def begin_computing(self, request_id: str) -> None:
+        """Engine work that came otherwise than by submit (a pipeline stage's chunks) is load until
+        ``done_computing``."""
+        self._busy.add(request_id)
+        self._reported.pop(request_id, None)
+
+    def done_computing(self, request_id: str, failed: bool = False) -> None:
         """The engine's part of a request is over (prefill calls it before the hand-off)."""
         if request_id in self._busy:
             self._busy.discard(request_id)
-            self._report(request_id, WorkOutcome.FAILED if request_id in self._failed else WorkOutcome.COMPLETED)
+            failed = failed or request_id in self._failed
+            self._report(request_id, WorkOutcome.FAILED if failed else WorkOutcome.COMPLETED)
+            if request_id not in self._tasks:
+                self._reported.pop(request_id, None)  # no task whose end reports again
 
     def _report(self, request_id: str, outcome: WorkOutcome) -> None:
         """Publish WorkDone once per request, and again when a completed part turns into a failure later

@@ -95,6 +95,10 @@ class Metrics:
             "halfmoon_handoffs_without_pool", "hand-offs whose KV had nowhere to go (decode recomputed it)",
             registry=r
         )
+        self.pipeline_chunks = Counter(
+            "halfmoon_pipeline_chunks", "prompt chunks a prefill instance ran as a pipeline stage (CPP), by stage",
+            ["stage"], registry=r
+        )
         self.pool_available = Gauge(
             "halfmoon_pool_available", "1 when the last hand-off through the KVCache pool worked", ["instance"],
             registry=r

@@ -80,5 +80,6 @@ class KVCentricPlacement(PlacementPolicy):
         chosen = decision.prefill
         decode_id = decision.decode.instance_id if decision.decode else min(
             decode, key=lambda v: (max(v.load.running, v.outstanding.count), v.instance_id)).instance_id
+        pipeline = decision.pipeline.stages[1:] if decision.pipeline else ()
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
-                         chosen.transfer_s + chosen.prefill_s)
+                         chosen.transfer_s + chosen.prefill_s, pipeline)

@@ -21,6 +21,7 @@ class Placement(NamedTuple):
     predicted_ttft_ms: float | None = None
     reused_tokens: int = 0  # prompt tokens the chosen prefill instance is expected to reuse
     prefill_s: float = 0.0  # predicted prefill work (transfer and compute) it adds to that instance
+    pipeline: tuple[str, ...] = ()  # CPP: the prefill instances running the later layers with ``prefill``
 
 
 class Rejection(NamedTuple):

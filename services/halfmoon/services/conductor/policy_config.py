@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.admission import make_admission
+from halfmoon.policy.cpp import CppPolicy, CppSettings
 from halfmoon.policy.cost import CostModels, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import PREFILL_POLICIES, make_prefill_policy
@@ -31,6 +32,15 @@ class PolicySettings:
     decode_step_per_seq_s: float = field(default=0.0005, metadata={
         "help": "prior growth of the decode step per sequence in the batch"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
+    cpp_stages: int = field(default=0, metadata={
+        "help": "chunked pipeline-parallel prefill over this many prefill instances (0: off)"})
+    cpp_min_tokens: int = field(default=8192, metadata={"help": "shortest prompt a pipeline may prefill"})
+    cpp_chunk_tokens: int = field(default=512, metadata={"help": "pipeline chunk size the cost model assumes"})
+    cpp_hop_bytes_per_token: int = field(default=16384, metadata={
+        "help": "hidden-state bytes per token between stages (hidden size x dtype bytes)"})
+    cpp_rescue_only: bool = field(default=True, metadata={
+        "help": "pipeline only prompts whose best single instance is predicted to miss the TTFT SLO "
+                "(else whenever a pipeline is predicted faster)"})
 
     def check_policy(self) -> None:
         if self.placement not in ("kv-centric", "least-loaded"):
@@ -40,6 +50,12 @@ class PolicySettings:
             raise ValueError("cost priors must be positive")
         if self.decode_step_per_seq_s < 0:
             raise ValueError(f"decode_step_per_seq_s must be >= 0, got {self.decode_step_per_seq_s}")
+        if self.cpp_stages:
+            self.cpp_settings().check()
+
+    def cpp_settings(self) -> CppSettings:
+        return CppSettings(self.cpp_stages, self.cpp_chunk_tokens, self.cpp_min_tokens, self.cpp_hop_bytes_per_token,
+                           self.ttft_slo_s if self.cpp_rescue_only else 0.0)
 
 
 def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBlockIndex, OnlineFitter | None]:
@@ -56,6 +72,7 @@ def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBloc
                           decode=DecodeCostModel((settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8)),
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
-                                  make_admission(settings.admission, SloAwareDecode(cost.decode, slo)), slo)
+                                  make_admission(settings.admission, SloAwareDecode(cost.decode, slo)), slo,
+                                  CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None)
 
     return KVCentricPlacement(make_scheduler, index), index, fitter

@@ -192,6 +192,7 @@ class ConductorService(Service[ConductorConfig]):
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
         placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
                         request_id=request.request_id, prefill_s=choice.prefill_s, prompt_tokens=request.prompt_len,
+                        pipeline=choice.pipeline,
                         ttl_s=self.config.ledger_ttl_s + 2 * ttft_s,
                         decode_ttl_s=self.config.ledger_ttl_s + 2 * (ttft_s + request.sampling.max_tokens
                                                                      * self.config.tbt_slo_s))
@@ -202,6 +203,7 @@ class ConductorService(Service[ConductorConfig]):
             prefill_instance=choice.prefill,
             decode_instance=choice.decode,
             predicted_ttft_ms=choice.predicted_ttft_ms,
+            pipeline=choice.pipeline,
         )
 
     def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,
@@ -224,9 +226,10 @@ _CLEARED = {WorkOutcome.COMPLETED: Cleared.COMPLETED, WorkOutcome.FAILED: Cleare
 
 
 def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
-    """The ledger entries of one placement: prefill first, then decode (due once prefill is done); an
-    aggregated instance doing both has one entry, lasting as long as decode's."""
+    """The ledger entries of one placement: prefill first (every stage of a pipelined prefill), then decode
+    (due once prefill is done); an aggregated instance doing both has one entry, lasting as long as decode's."""
     if placed.prefill_instance == placed.decode_instance:
         return (Stage(placed.prefill_instance, 0, now + placed.decode_ttl_s, placed.prefill_s, placed.prompt_tokens),)
-    return (Stage(placed.prefill_instance, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens),
-            Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))
+    prefill = (Stage(iid, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens)
+               for iid in (placed.prefill_instance, *placed.pipeline))
+    return (*prefill, Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))

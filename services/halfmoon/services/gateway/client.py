@@ -162,7 +162,7 @@ class Generation:
                 request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
                 decode_instance=placement.decode_instance, stream_subject=svc.subjects.stream(self.request_id),
                 deadline=deadline, tenant_salt=self.tenant_salt, output_token_ids=tuple(self.order.tokens),
-                attempt=self.attempt, tenant=self.tenant,
+                attempt=self.attempt, tenant=self.tenant, pipeline=placement.pipeline,
             )
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)

@@ -18,9 +18,11 @@ from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.pool_client import Fetched
 from halfmoon.service.streaming import token_event
-from halfmoon.service.worker import EngineWorker
+from halfmoon.service.worker import EngineWorker, WorkerConfig
+from halfmoon.services.prefill.pipeline import PipelineHead, StageServer
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
+from opentelemetry.trace import TracerProvider
 
 HANDOFF_TIMEOUT_S = 10.0
 
@@ -34,6 +36,11 @@ class Prefix(NamedTuple):
 class PrefillService(EngineWorker):
     role = Role.PREFILL
     submit_codec = codecs.PREFILL_REQUEST
+
+    def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.pipeline = PipelineHead(self)  # CPP: requests submitted here with a pipeline
+        self.stages = StageServer(self)  # CPP: the later stages of other instances' requests
 
     @property
     def submit_subject(self) -> str:
@@ -83,6 +90,9 @@ class PrefillService(EngineWorker):
                                    lambda msg: self.publish(subject, msg), self.config.layerwise_handoff)
 
     async def _serve(self, req: PrefillRequest) -> None:
+        if req.pipeline and not req.output_token_ids:  # a migrated request continues on one instance
+            await self.pipeline.serve(req)
+            return
         started = time.perf_counter()
         keys, local, fetched = await self.fetch_prefix(req)
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -157,8 +167,16 @@ class PrefillService(EngineWorker):
 
     async def start(self) -> None:
         await super().start()
+        if self.role is Role.PREFILL:  # aggregated instances are never pipeline stages
+            await self.serve(self.subjects.prefill_stage(self.instance_id), codecs.STAGE_WORK, self.stages.on_work,
+                             span_name="prefill.stage")
+            self.stages.start()
         await self.listen(self.subjects.kv_snapshot, codecs.KV_SNAPSHOT_REQUEST, self._on_snapshot_request)
         await self._on_snapshot_request(SnapshotRequest(), {})
+
+    async def close(self) -> None:
+        await self.stages.stop()
+        await super().close()
 
     async def _hand_off(self, req: PrefillRequest, first: RequestOutput, writer: LayerWriter,
                         shipping: asyncio.Task[None]) -> None:
@@ -170,24 +188,31 @@ class PrefillService(EngineWorker):
             await self.engine.call(lambda e: e.release(rid))
         kv = await self._place_kv(writer)
         deferred = kv is not None and writer.complete  # decode holds every block: commit after the hand-off
+        try:
+            await self.send_to_decode(req, first, kv, writer.announced if kv is not None else 0)
+        finally:
+            if deferred:
+                await self.handoff.commit(writer)
+
+    async def send_to_decode(self, req: PrefillRequest, first: RequestOutput, kv: KVLocation | None,
+                             layers_announced: int) -> None:
+        """Hand the request to its decode instance: the first token, and where its KV is."""
+        rid = req.request_id
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
             stream_subject=req.stream_subject, prefill_instance=self.instance_id, deadline=req.deadline,
             cached_tokens=min(first.num_cached_tokens, len(req.prompt_token_ids)),
             output_token_ids=req.output_token_ids, attempt=req.attempt, tenant_salt=req.tenant_salt,
-            layers_announced=writer.announced if kv is not None else 0,
+            layers_announced=layers_announced,
         )
         try:
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
                                HANDOFF_TIMEOUT_S)
         except RemoteError:
             if kv is not None:
-                await self.handoff.discard(rid, len(writer.keys))
+                await self.handoff.discard(rid, len(kv.blocks) + (kv.partial is not None))
             raise
-        finally:
-            if deferred:
-                await self.handoff.commit(writer)
 
     async def _place_kv(self, writer: LayerWriter) -> KVLocation | None:
         """Where decode finds the KV; None when nothing could take it (no live transfer node): decode then
