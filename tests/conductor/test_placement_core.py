@@ -175,11 +175,16 @@ class TestAggregatedPlacement:
         result = place_pair(LeastLoaded(), REQUEST, [], [], [], now=0.0)
         assert isinstance(result, Rejection) and result.reason is RejectReason.NO_PREFILL_INSTANCE
 
-    def test_an_aggregated_placement_is_one_ledger_entry(self):
+    def test_an_aggregated_placement_holds_its_prefill_work_only_until_the_first_token(self):
         placed = Placed(conductor="c0", prefill_instance="a0", decode_instance="a0", request_id="r", prefill_s=0.5,
                         ttl_s=5.0, decode_ttl_s=9.0)
-        (stage,) = placement_stages(placed, now=10.0)
-        assert (stage.instance_id, stage.expires_at, stage.work_s) == ("a0", 19.0, 0.5)
+        prefill, decode = placement_stages(placed, now=10.0)
+        assert (prefill.instance_id, prefill.expires_at, prefill.work_s) == ("a0", 15.0, 0.5)
+        assert (decode.instance_id, decode.expires_at, decode.work_s) == ("a0", 19.0, 0.0)
+        ledger = WorkLedger(grace_s=1.0)
+        ledger.place("r", (prefill, decode), 10.0)
+        ledger.done("r", "a0", Cleared.COMPLETED, 11.0)  # the aggregated instance's first token
+        assert ledger.outstanding("a0") == Outstanding(1, 0.0, placed.prompt_tokens)
 
 
 class TestPipelinePlacement:

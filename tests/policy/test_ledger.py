@@ -123,12 +123,19 @@ class TestReconcile:
 
 
 class TestSameInstanceBothStages:
-    def test_one_instance_serving_both_stages_counts_each_until_done(self):
+    def test_one_instance_serving_both_stages_reports_each_part(self):
         ledger = WorkLedger()
         ledger.place("a", placement("x", "x"), now=0.0)
         assert ledger.outstanding("x").count == 2
-        assert ledger.done("a", "x", Cleared.COMPLETED, now=1.0) == 2
+        assert ledger.done("a", "x", Cleared.COMPLETED, now=1.0) == 1  # prefill over: its work leaves
+        assert [s.order for s in ledger.stages("a")] == [1]
+        assert ledger.done("a", "x", Cleared.COMPLETED, now=2.0) == 1
         assert len(ledger) == 0
+
+    def test_a_failure_there_ends_both_parts(self):
+        ledger = WorkLedger()
+        ledger.place("a", placement("x", "x"), now=0.0)
+        assert ledger.done("a", "x", Cleared.FAILED, now=1.0) == 2
 
 
 class TestTotalsStayExact:

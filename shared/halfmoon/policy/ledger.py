@@ -91,17 +91,19 @@ class WorkLedger:
         self._advance(request_id, now)
 
     def done(self, request_id: Hashable, instance_id: str, how: Cleared, now: float) -> int:
-        """``instance_id`` is through with ``request_id``: its part ``COMPLETED`` (later stages become due),
-        or the request ended there otherwise (failed, cancelled: nothing later will run). An instance
-        that is not part of the request's current placement speaks of an older attempt and is ignored.
-        Returns the entries cleared."""
+        """``instance_id`` is through with its current part of ``request_id``: ``COMPLETED`` (its earliest
+        stage there leaves; later stages become due; an instance doing both parts reports each), or the
+        request ended there otherwise (failed, cancelled: nothing later will run). An instance that is not
+        part of the request's current placement speaks of an older attempt and is ignored. Returns the
+        entries cleared."""
         entries = self._requests.get(request_id, [])
         mine = [e for e in entries if e.stage.instance_id == instance_id]
         if not mine:
             return 0
         if how is not Cleared.COMPLETED:
             return self._drop(entries, how, now)
-        return self._drop(mine, how, now)
+        first = min(e.stage.order for e in mine)
+        return self._drop([e for e in mine if e.stage.order == first], how, now)
 
     def end(self, request_id: Hashable, now: float, how: Cleared = Cleared.CANCELLED) -> int:
         """The request is over everywhere (its requester gave up)."""

@@ -218,6 +218,11 @@ class EngineWorker(Service[WorkerConfig]):
             if request_id not in self._tasks:
                 self._reported.pop(request_id, None)  # no task whose end reports again
 
+    def report_prefilled(self, request_id: str) -> None:
+        """An instance doing both parts of a request tells the conductors its prefill part is over (its
+        ``WorkDone`` at the end reports the decode part)."""
+        self._send_done(request_id, WorkOutcome.COMPLETED)
+
     def _report(self, request_id: str, outcome: WorkOutcome) -> None:
         """Publish WorkDone once per request, and again when a completed part turns into a failure later
         (a prefill whose hand-off failed: the decode placed for it will never run)."""
@@ -225,6 +230,9 @@ class EngineWorker(Service[WorkerConfig]):
         if prior is outcome or prior in (WorkOutcome.FAILED, WorkOutcome.CANCELLED):
             return
         self._reported[request_id] = outcome
+        self._send_done(request_id, outcome)
+
+    def _send_done(self, request_id: str, outcome: WorkOutcome) -> None:
         done = WorkDone(request_id=request_id, instance_id=self.instance_id, outcome=outcome,
                         attempt=self._attempts.get(request_id, 0))
         task = asyncio.get_running_loop().create_task(self._publish_done(done))

@@ -56,6 +56,7 @@ class AggregatedService(PrefillService):
                     await self.publish_event(req.stream_subject, token_event(out, req.sampling, self.instance_id,
                                                                              cached, req.attempt))
                     if first:
+                        self.report_prefilled(req.request_id)
                         await self.publish_cache_events((context - cached, cached, out.compute_s))
             except asyncio.CancelledError:
                 await saver.close(wait=False)

@@ -227,9 +227,9 @@ _CLEARED = {WorkOutcome.COMPLETED: Cleared.COMPLETED, WorkOutcome.FAILED: Cleare
 
 def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
     """The ledger entries of one placement: prefill first (every stage of a pipelined prefill), then decode
-    (due once prefill is done); an aggregated instance doing both has one entry, lasting as long as decode's."""
-    if placed.prefill_instance == placed.decode_instance:
-        return (Stage(placed.prefill_instance, 0, now + placed.decode_ttl_s, placed.prefill_s, placed.prompt_tokens),)
+    (due once prefill is done). An aggregated instance doing both holds both entries and reports the end
+    of each: its prefill work must leave the queue estimate at the first token, not when decoding ends."""
+    pipeline = () if placed.prefill_instance == placed.decode_instance else placed.pipeline
     prefill = (Stage(iid, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens)
-               for iid in (placed.prefill_instance, *placed.pipeline))
+               for iid in (placed.prefill_instance, *pipeline))
     return (*prefill, Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))
