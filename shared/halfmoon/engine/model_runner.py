@@ -1,7 +1,8 @@
 """Runs the transformers modules of a Llama-family model over one scheduled step.
 
-Embeddings, projections, rotary, norms, MLP and lm_head are the reference modules, so
-numerics match transformers; attention and the cache are ours (paged).
+Embeddings, rotary, norms and activations are the reference modules and the projections their
+weights (fused and packed for serving, engine/weights.py), so numerics match transformers;
+attention and the cache are ours (paged).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from halfmoon.engine.attention import AttentionBatch, PagedKVCache, SeqAttention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.scheduler import ScheduledChunk
+from halfmoon.engine.weights import Projection, serving_layers
 from transformers.models.llama.modeling_llama import rotate_half
 
 
@@ -40,6 +42,9 @@ class ModelRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
+        self.layers = serving_layers(self.decoder.layers)
+        head = model.get_output_embeddings()
+        self.lm_head = Projection(head.weight.detach(), head.bias)
         self.layer_hook = LayerHook()
 
     def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
@@ -71,7 +76,7 @@ class ModelRunner:
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk's tokens into the cache; logits (float32) for the chunks that sample."""
         ids, positions, batch, last = self._batch(chunks)
-        hidden = self._layers(self.decoder.embed_tokens(ids), positions, batch, chunks, range(len(self.decoder.layers)))
+        hidden = self._layers(self.decoder.embed_tokens(ids), positions, batch, chunks, range(len(self.layers)))
         return self._logits(hidden, last)
 
     @torch.inference_mode()
@@ -86,31 +91,30 @@ class ModelRunner:
         return self._logits(out, last) if logits else out
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.decoder.norm(hidden.index_select(0, rows))).float()
+        return self.lm_head(self.decoder.norm(hidden.index_select(0, rows))).float()
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 chunks: Seq[ScheduledChunk], layers: range) -> torch.Tensor:
         cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        tokens = hidden.shape[0]
+        tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         for index in layers:
-            layer = self.decoder.layers[index]
-            attn = layer.self_attn
+            layer = self.layers[index]
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            q = attn.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            qkv = layer.qkv(layer.input_norm(hidden)).view(tokens, heads + 2 * kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                qkv = torch.cat([layer.q_norm(qkv[:, :heads]), layer.k_norm(qkv[:, heads:heads + kv_heads]),
+                                 qkv[:, heads + kv_heads:]], dim=1)
+            qk = qkv[:, :heads + kv_heads]  # one rotation for the query and key heads together
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
             self.layer_hook.before_layer(index, chunks, self.cache)
             self.cache.write(index, batch.slots, k, v)
             k_cache, v_cache = self.cache.layer(index)
-            out = paged_attention(q, k_cache, v_cache, batch, attn.scaling)
+            out = paged_attention(q, k_cache, v_cache, batch, layer.scaling)
             self.layer_hook.after_layer(index, chunks, self.cache)
-            hidden = residual + attn.o_proj(out)
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = residual + layer.o(out)
+            gate_up = layer.gate_up(layer.post_norm(hidden))
+            half = gate_up.shape[-1] // 2
+            hidden = hidden + layer.down(layer.act(gate_up[:, :half]) * gate_up[:, half:])
         return hidden
