@@ -72,7 +72,7 @@ class DirectTransport(Transport):
         """Raise ``TransferError`` where the node's segment can be lost under a live transport."""
 
     def _check_ranges(self, ranges: Iterable[SegmentRange]) -> None:
-        if any(r.offset < 0 or r.length <= 0 or r.end > self.segment_size for r in ranges):
+        if any(r.offset < 0 or r.length <= 0 or r.offset + r.length > self.segment_size for r in ranges):
             raise ValueError("ranges must be non-empty and inside the node's DRAM segment")
 
     async def locate(self, keys: Sequence[bytes], caps: Sequence[bytes] = ()) -> list[Extent]:

@@ -36,16 +36,16 @@ class ShmTransport(DirectTransport):
     async def _move(self, write: bool, ranges: Sequence[SegmentRange], local: Sequence[memoryview]) -> None:
         for r, view in zip(ranges, local):
             if write:
-                self._seg[r.offset : r.end] = view
+                self._seg[r.offset : r.offset + r.length] = view
             else:
-                view[:] = self._seg[r.offset : r.end]
+                view[:] = self._seg[r.offset : r.offset + r.length]
 
     async def _land(self, blocks: Sequence[Landing], check: BlockHook | None) -> None:
         for i, view, source in blocks:
             if isinstance(source, SegmentRange):
                 # NOTE: the segment view is a temporary: a raised hook's traceback keeps this frame, and no
                 # segment view may outlive the call
-                view[:] = self._seg[source.offset : source.end]
+                view[:] = self._seg[source.offset : source.offset + source.length]
             else:
                 view[:] = source
             if check is not None:  # NOTE: on the private copy: any same-host client can write the segment

@@ -32,10 +32,6 @@ class SegmentRange(NamedTuple):
     offset: int
     length: int
 
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
 
 class ReadBatch(NamedTuple):
     """``Transport.read``'s arguments but ``missing_ok``, which the caller's side applies."""
