@@ -1,8 +1,8 @@
 """The data-plane client contract: batched block reads and writes against one transfer node.
 
-TCP and same-host shared memory implement it today; an RDMA transport (pyverbs) can be added
-as another implementation: it would register the reader's buffers and the node's segment and
-move bytes with one-sided reads/writes at the offsets the control messages report.
+TCP implements it (tcp.py), and so do the transports that address the node's DRAM segment
+directly (direct.py: same-host shared memory, one-sided RDMA and Mooncake), which move bytes at
+the offsets the control messages report.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class SegmentRange(NamedTuple):
 
 
 class ReadBatch(NamedTuple):
-    """``Transport.read``'s arguments but ``missing_ok``, which the caller's side applies."""
+    """``Transport.read``'s arguments but ``missing_ok``, which ``read`` applies itself."""
 
     keys: Sequence[bytes]
     caps: Sequence[bytes]
@@ -78,8 +78,8 @@ class Transport(ABC):
     once call them all before (``prepare``) or after (``check``) it; either may run again for a
     block on a retry. A hook that raises fails the call.
 
-    Implementations provide ``_read``/``_write``; ``read``/``write`` validate a batch before anything
-    moves and turn missing blocks into ``BlockNotFound``."""
+    Implementations provide ``_read``/``_write``: ``write`` validates a batch before anything moves,
+    ``read`` turns missing blocks into ``BlockNotFound``."""
 
     async def read(
         self,
@@ -181,4 +181,3 @@ def prepare_all(prepare: BlockHook | None, payloads: Sequence[Buffer]) -> None:
     if prepare is not None:
         for i, payload in enumerate(payloads):
             prepare(i, memoryview(payload).cast("B"))
-
