@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -29,18 +28,8 @@ from halfmoon.transfer.transport import (
 )
 
 
-def _nbytes(source: SegmentRange | memoryview | None) -> int:
-    if source is None:
-        return 0
-    return source.length if isinstance(source, SegmentRange) else source.nbytes
-
-
-class Landing(NamedTuple):
-    """Where one block of a read comes from (a segment range, or a copy read from a lower tier) and lands."""
-
-    index: int
-    view: memoryview
-    source: SegmentRange | memoryview
+# where each block of a read comes from: its DRAM extent, its bytes read from a lower tier, or nowhere
+Source = Extent | memoryview | None
 
 
 class DirectTransport(Transport):
@@ -60,9 +49,10 @@ class DirectTransport(Transport):
         """Copy each local view into its segment range (``write``) or the range into the view."""
 
     @abstractmethod
-    async def _land(self, blocks: Sequence[Landing], check: BlockHook | None) -> None:
-        """Copy each present block of a read into its view, in key order, calling ``check`` on each
-        as the ``Transport`` contract says."""
+    async def _land(self, views: Sequence[memoryview | None], sources: Sequence[Source],
+                    check: BlockHook | None) -> None:
+        """Copy each block of a read from its source into its view, in key order, calling ``check``
+        on each as the ``Transport`` contract says (a block without a view is missing)."""
 
     @abstractmethod
     async def _write_dram(self, batch: WriteBatch) -> None:
@@ -71,8 +61,9 @@ class DirectTransport(Transport):
     def _check_attached(self) -> None:
         """Raise ``TransferError`` where the node's segment can be lost under a live transport."""
 
-    def _check_ranges(self, ranges: Iterable[SegmentRange]) -> None:
-        if any(r.offset < 0 or r.length <= 0 or r.offset + r.length > self.segment_size for r in ranges):
+    def _check_ranges(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Each (offset, length) is non-empty and inside the segment."""
+        if any(offset < 0 or length <= 0 or offset + length > self.segment_size for offset, length in ranges):
             raise ValueError("ranges must be non-empty and inside the node's DRAM segment")
 
     async def locate(self, keys: Sequence[bytes], caps: Sequence[bytes] = ()) -> list[Extent]:
@@ -98,22 +89,29 @@ class DirectTransport(Transport):
 
     async def _read(self, batch: ReadBatch) -> list[memoryview | None]:
         self._check_attached()
-        extents = batch.extents if batch.extents is not None else await self.locate(batch.keys, batch.caps)
-        if len(extents) != len(batch.keys):
-            raise ValueError("one extent per key")
-        sources: dict[int, SegmentRange | memoryview] = {
-            i: SegmentRange(*e) for i, e in enumerate(extents) if e.size != MISSING
-        }
-        here = list(sources.values())
-        self._check_ranges(here)
-        if lower := [i for i in range(len(extents)) if i not in sources]:  # demoted (or absent): over TCP
+        if batch.extents is None:
+            extents = await self.locate(batch.keys, batch.caps)
+        elif len(batch.extents) != len(batch.keys) or any(
+            size != MISSING and (offset < 0 or size <= 0 or offset + size > self.segment_size)
+            for offset, size in batch.extents
+        ):
+            raise ValueError("one extent per key, inside the node's DRAM segment")
+        else:
+            extents = batch.extents
+        sources: list[Source] = list(extents)
+        sizes = [size for _, size in extents]
+        lower = [i for i, size in enumerate(sizes) if size == MISSING]  # demoted (or absent): over TCP
+        dram_bytes = sum(sizes) - MISSING * len(lower)
+        if lower:
             caps = [batch.caps[i] for i in lower] if batch.caps else []
-            got = await self.control.read([batch.keys[i] for i in lower], caps=caps, missing_ok=True)
-            sources.update((i, view) for i, view in zip(lower, got) if view is not None)
+            for i, view in zip(lower, await self.control.read([batch.keys[i] for i in lower], caps=caps,
+                                                              missing_ok=True)):
+                sources[i] = view
+                sizes[i] = 0 if view is None else view.nbytes
         # back to back in key order, whichever tier a block comes from
-        _, views = block_views(batch.into, [_nbytes(sources.get(i)) for i in range(len(extents))])
-        await self._land([Landing(i, v, sources[i]) for i, v in enumerate(views) if v is not None], batch.check)
-        self._read_bytes.inc(sum(r.length for r in here))  # lower tiers count as TCP
+        _, views = block_views(batch.into, sizes)
+        await self._land(views, sources, batch.check)
+        self._read_bytes.inc(dram_bytes)  # lower tiers count as TCP
         return views
 
     async def _write(self, batch: WriteBatch) -> None:

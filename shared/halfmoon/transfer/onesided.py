@@ -14,8 +14,9 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer
-from halfmoon.transfer.direct import DirectTransport, Landing
+from halfmoon.transfer.direct import DirectTransport, Source
 from halfmoon.transfer.local_memory import LocalMemory, address_of, stage_out
 from halfmoon.transfer.rdma_plan import Copy
 from halfmoon.transfer.tcp import TcpTransport
@@ -72,19 +73,24 @@ class OneSidedTransport(DirectTransport):
                 for dst, src in zip(local, staged):
                     dst[:] = src
 
-    async def _land(self, blocks: Sequence[Landing], check: BlockHook | None) -> None:
+    async def _land(self, views: Sequence[memoryview | None], sources: Sequence[Source],
+                    check: BlockHook | None) -> None:
         ranges, targets = [], []
-        for _, view, source in blocks:
-            if isinstance(source, SegmentRange):
-                ranges.append(source)
+        for view, source in zip(views, sources):
+            if view is None:
+                continue
+            if isinstance(source, Extent):
+                ranges.append(SegmentRange(*source))
                 targets.append(view)
             else:
-                view[:] = source
+                view[:] = source  # type: ignore[index]
         if ranges:
+            self._check_ranges(ranges)  # where the node located them
             await self._move(False, ranges, targets)
         if check is not None:
-            for i, view, _ in blocks:
-                check(i, view)
+            for i, view in enumerate(views):
+                if view is not None:
+                    check(i, view)
 
     async def _write_dram(self, batch: WriteBatch) -> None:
         prepare_all(batch.prepare, batch.payloads)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from halfmoon.storage.allocator import Extent
 from halfmoon.storage.segment import AttachedSegment
-from halfmoon.transfer.direct import DirectTransport, Landing
+from halfmoon.transfer.direct import DirectTransport, Source
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import BlockHook, SegmentRange, TransferError, WriteBatch
 
@@ -40,20 +41,24 @@ class ShmTransport(DirectTransport):
             else:
                 view[:] = self._seg[r.offset : r.offset + r.length]
 
-    async def _land(self, blocks: Sequence[Landing], check: BlockHook | None) -> None:
-        for i, view, source in blocks:
-            if isinstance(source, SegmentRange):
+    async def _land(self, views: Sequence[memoryview | None], sources: Sequence[Source],
+                    check: BlockHook | None) -> None:
+        for i, view in enumerate(views):
+            if view is None:
+                continue
+            source = sources[i]
+            if isinstance(source, Extent):
                 # NOTE: the segment view is a temporary: a raised hook's traceback keeps this frame, and no
                 # segment view may outlive the call
-                view[:] = self._seg[source.offset : source.offset + source.length]
+                view[:] = self._seg[source.offset : source.offset + source.size]
             else:
-                view[:] = source
+                view[:] = source  # type: ignore[index]
             if check is not None:  # NOTE: on the private copy: any same-host client can write the segment
                 check(i, view)
 
     async def _write_dram(self, batch: WriteBatch) -> None:
         targets = await self._targets(batch)
-        self._check_ranges(SegmentRange(o, s) for o, s in zip(targets, batch.sizes))
+        self._check_ranges(zip(targets, batch.sizes))
         for i, (offset, size, payload) in enumerate(zip(targets, batch.sizes, batch.payloads)):
             src = memoryview(payload).cast("B")
             if batch.prepare is not None:  # right before its copy, which then reads it from cache

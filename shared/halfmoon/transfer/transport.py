@@ -159,9 +159,9 @@ def back_to_back(buf: memoryview, sizes: Sequence[int]) -> list[memoryview]:
 def block_views(into: memoryview | None, sizes: Sequence[int]) -> tuple[memoryview, list[memoryview | None]]:
     """Where a read's blocks land: back to back in key order in its ``destination``, returned with
     one view per block, ``None`` where the size is 0 or negative (missing; NOTE: blocks are never empty)."""
-    present = [max(size, 0) for size in sizes]
+    present = [size if size > 0 else 0 for size in sizes]
     buf = destination(into, sum(present))
-    return buf, [view if view.nbytes else None for view in back_to_back(buf, present)]
+    return buf, [buf[end - size : end] if size else None for size, end in zip(present, accumulate(present))]
 
 
 def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequence[int] | None) -> list[int]:
