@@ -28,8 +28,8 @@ from halfmoon.transfer.transport import (
 )
 
 
-# where each block of a read comes from: its DRAM extent, its bytes read from a lower tier, or nowhere
-Source = Extent | memoryview | None
+# where each block of a read comes from: its DRAM extent (MISSING when it is nowhere) or its copy from a lower tier
+Source = Extent | memoryview
 
 
 class DirectTransport(Transport):
@@ -106,8 +106,9 @@ class DirectTransport(Transport):
             caps = [batch.caps[i] for i in lower] if batch.caps else []
             for i, view in zip(lower, await self.control.read([batch.keys[i] for i in lower], caps=caps,
                                                               missing_ok=True)):
-                sources[i] = view
-                sizes[i] = 0 if view is None else view.nbytes
+                if view is not None:
+                    sources[i] = view
+                    sizes[i] = view.nbytes
         # back to back in key order, whichever tier a block comes from
         _, views = block_views(batch.into, sizes)
         await self._land(views, sources, batch.check)

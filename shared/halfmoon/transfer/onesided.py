@@ -14,7 +14,6 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer
 from halfmoon.transfer.direct import DirectTransport, Source
 from halfmoon.transfer.local_memory import LocalMemory, address_of, stage_out
@@ -79,11 +78,11 @@ class OneSidedTransport(DirectTransport):
         for view, source in zip(views, sources):
             if view is None:
                 continue
-            if isinstance(source, Extent):
+            if isinstance(source, memoryview):
+                view[:] = source
+            else:
                 ranges.append(SegmentRange(*source))
                 targets.append(view)
-            else:
-                view[:] = source  # type: ignore[index]
         if ranges:
             self._check_ranges(ranges)  # where the node located them
             await self._move(False, ranges, targets)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from halfmoon.storage.allocator import Extent
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.transfer.direct import DirectTransport, Source
 from halfmoon.transfer.tcp import TcpTransport
@@ -47,12 +46,13 @@ class ShmTransport(DirectTransport):
             if view is None:
                 continue
             source = sources[i]
-            if isinstance(source, Extent):
+            if isinstance(source, memoryview):
+                view[:] = source
+            else:
+                offset, size = source
                 # NOTE: the segment view is a temporary: a raised hook's traceback keeps this frame, and no
                 # segment view may outlive the call
-                view[:] = self._seg[source.offset : source.offset + source.size]
-            else:
-                view[:] = source  # type: ignore[index]
+                view[:] = self._seg[offset : offset + size]
             if check is not None:  # NOTE: on the private copy: any same-host client can write the segment
                 check(i, view)
 
