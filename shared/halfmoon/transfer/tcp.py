@@ -7,14 +7,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
-from halfmoon.core.tiers import Tier
-from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.auth import authenticate_to_node
 from halfmoon.transfer.channel import Channel
-from halfmoon.transfer.framing import MISSING, FramingError, Op, Request, Response, decode_response
-from halfmoon.transfer.transport import BlockHook, TransferError, Transport, check_batch, destination, missing_error
+from halfmoon.transfer.framing import FramingError, Op, Request, Response, decode_response
+from halfmoon.transfer.transport import BlockHook, ReadBatch, TransferError, Transport, WriteBatch, block_views
 
 _READ = METRICS.transfer_bytes.labels("tcp", "read")
 _WRITTEN = METRICS.transfer_bytes.labels("tcp", "write")
@@ -74,55 +72,30 @@ class TcpTransport(Transport):
             await ch.send(req, payloads, prepare)
             return decode_response(await ch.recv_header())
 
-    async def read(
-        self,
-        keys: Sequence[bytes],
-        *,
-        caps: Sequence[bytes] = (),
-        missing_ok: bool = False,
-        extents: Sequence[Extent] | None = None,
-        into: memoryview | None = None,
-        check: BlockHook | None = None,
-    ) -> list[memoryview | None]:
+    async def _read(self, batch: ReadBatch) -> list[memoryview | None]:
         async with self._channel() as ch:
-            await ch.send(Request(Op.READ, list(keys), caps=list(caps)))
+            await ch.send(Request(Op.READ, list(batch.keys), caps=list(batch.caps)))
             resp = decode_response(await ch.recv_header())
-            if not resp.ok or len(resp.sizes) != len(keys):
+            if not resp.ok or len(resp.sizes) != len(batch.keys):
                 raise TransferError(f"{self.address}: read refused: {resp.error}")
-            buf = destination(into, sum(s for s in resp.sizes if s != MISSING))
-            views: list[memoryview | None] = []
-            pos = 0
-            for size in resp.sizes:
-                views.append(None if size == MISSING else buf[pos : pos + size])
-                pos += max(size, 0)
-            if check is None:
+            buf, views = block_views(batch.into, resp.sizes)  # MISSING sizes are negative
+            if batch.check is None:
                 await ch.recv_into(buf)
             else:  # block by block: each is checked while the next one arrives
                 for i, view in enumerate(views):
                     if view is not None:
                         await ch.recv_into(view)
-                        check(i, view)
+                        batch.check(i, view)
         _READ.inc(buf.nbytes)
-        if not missing_ok and None in views:
-            raise missing_error(keys, views)
         return views
 
-    async def write(
-        self,
-        keys: Sequence[bytes],
-        payloads: Sequence[Buffer],
-        *,
-        caps: Sequence[bytes] = (),
-        offsets: Sequence[int] | None = None,
-        tier: Tier = Tier.DRAM,
-        prepare: BlockHook | None = None,
-    ) -> None:
-        sizes = check_batch(keys, payloads, offsets)
-        req = Request(Op.WRITE, list(keys), sizes, list(offsets or ()), int(tier), caps=list(caps))
-        resp = await self.request(req, payloads, prepare)
+    async def _write(self, batch: WriteBatch) -> None:
+        req = Request(Op.WRITE, list(batch.keys), batch.sizes, list(batch.offsets or ()), int(batch.tier),
+                      caps=list(batch.caps))
+        resp = await self.request(req, batch.payloads, batch.prepare)
         if not resp.ok:
             raise TransferError(f"{self.address}: {len(resp.keys)} block(s) not stored: {resp.error}")
-        _WRITTEN.inc(sum(sizes))
+        _WRITTEN.inc(sum(batch.sizes))
 
     async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
         resp = await self.request(Request(Op.DELETE, list(keys), caps=list(caps)))

@@ -1,21 +1,22 @@
 """The data-plane client contract: batched block reads and writes against one transfer node.
 
-TCP and same-host shared memory implement it today; an RDMA transport (pyverbs) can be added
-as another implementation: it would register the reader's buffers and the node's segment and
-move bytes with one-sided reads/writes at the offsets the control messages report.
+TCP implements it (tcp.py), and so do the transports that address the node's DRAM segment
+directly (direct.py: same-host shared memory, one-sided RDMA and Mooncake), which move bytes at
+the offsets the control messages report.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound, Buffer
 
-__all__ = ["BlockHook", "BlockNotFound", "SegmentRange", "Transport", "TransferError"]
+__all__ = ["BlockHook", "BlockNotFound", "ReadBatch", "SegmentRange", "Transport", "TransferError", "WriteBatch"]
 
 # ``hook(index, bytes)`` for one block of a batch: see ``Transport``'s ``prepare`` and ``check``.
 BlockHook = Callable[[int, memoryview], object]
@@ -30,6 +31,28 @@ class SegmentRange(NamedTuple):
 
     offset: int
     length: int
+
+
+class ReadBatch(NamedTuple):
+    """``Transport.read``'s arguments but ``missing_ok``, which ``read`` applies itself."""
+
+    keys: Sequence[bytes]
+    caps: Sequence[bytes]
+    extents: Sequence[Extent] | None
+    into: memoryview | None
+    check: BlockHook | None
+
+
+class WriteBatch(NamedTuple):
+    """``Transport.write``'s arguments, validated, with each payload's size."""
+
+    keys: Sequence[bytes]
+    payloads: Sequence[Buffer]
+    sizes: list[int]
+    caps: Sequence[bytes]
+    offsets: Sequence[int] | None
+    tier: Tier
+    prepare: BlockHook | None
 
 
 class Transport(ABC):
@@ -53,9 +76,11 @@ class Transport(ABC):
     neighbouring block through the socket meanwhile (the MAC overlaps the transfer across the two
     processes), and the MAC reads bytes the move just touched. Transports that move a batch at
     once call them all before (``prepare``) or after (``check``) it; either may run again for a
-    block on a retry. A hook that raises fails the call."""
+    block on a retry. A hook that raises fails the call.
 
-    @abstractmethod
+    Implementations provide ``_read``/``_write``: ``write`` validates a batch before anything moves,
+    ``read`` turns missing blocks into ``BlockNotFound``."""
+
     async def read(
         self,
         keys: Sequence[bytes],
@@ -65,9 +90,12 @@ class Transport(ABC):
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
         check: BlockHook | None = None,
-    ) -> list[memoryview | None]: ...
+    ) -> list[memoryview | None]:
+        views = await self._read(ReadBatch(keys, caps, extents, into, check))
+        if not missing_ok and None in views:
+            raise BlockNotFound([k for k, v in zip(keys, views) if v is None])
+        return views
 
-    @abstractmethod
     async def write(
         self,
         keys: Sequence[bytes],
@@ -77,7 +105,17 @@ class Transport(ABC):
         offsets: Sequence[int] | None = None,
         tier: Tier = Tier.DRAM,
         prepare: BlockHook | None = None,
-    ) -> None: ...
+    ) -> None:
+        sizes = check_batch(keys, payloads, offsets)
+        await self._write(WriteBatch(keys, payloads, sizes, caps, offsets, tier, prepare))
+
+    @abstractmethod
+    async def _read(self, batch: ReadBatch) -> list[memoryview | None]:
+        """One view per key, ``None`` for a block the node lacks (``read`` decides whether that is an error)."""
+
+    @abstractmethod
+    async def _write(self, batch: WriteBatch) -> None:
+        """Store a batch ``write`` has validated."""
 
     ranged = False
     """Whether ``write_ranges``/``read_ranges``/``commit`` work: the transport addresses the node's DRAM
@@ -113,8 +151,17 @@ def destination(into: memoryview | None, nbytes: int) -> memoryview:
     return into[:nbytes]
 
 
-def missing_error(keys: Sequence[bytes], views: list[memoryview | None]) -> BlockNotFound:
-    return BlockNotFound([k for k, v in zip(keys, views) if v is None])
+def back_to_back(buf: memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """Consecutive slices of ``buf`` from its start, one per size."""
+    return [buf[end - size : end] for size, end in zip(sizes, accumulate(sizes))]
+
+
+def block_views(into: memoryview | None, sizes: Sequence[int]) -> tuple[memoryview, list[memoryview | None]]:
+    """Where a read's blocks land: back to back in key order in its ``destination``, returned with
+    one view per block, ``None`` where the size is 0 or negative (missing; NOTE: blocks are never empty)."""
+    present = [size if size > 0 else 0 for size in sizes]
+    buf = destination(into, sum(present))
+    return buf, [buf[end - size : end] if size else None for size, end in zip(present, accumulate(present))]
 
 
 def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequence[int] | None) -> list[int]:
@@ -129,17 +176,8 @@ def check_batch(keys: Sequence[bytes], payloads: Sequence[Buffer], offsets: Sequ
     return sizes
 
 
-
 def prepare_all(prepare: BlockHook | None, payloads: Sequence[Buffer]) -> None:
     """``prepare`` on every payload, for transports that send a batch at once."""
     if prepare is not None:
         for i, payload in enumerate(payloads):
             prepare(i, memoryview(payload).cast("B"))
-
-
-def check_all(check: BlockHook | None, views: Sequence[memoryview | None]) -> None:
-    """``check`` on every block that arrived, for transports that receive a batch at once."""
-    if check is not None:
-        for i, view in enumerate(views):
-            if view is not None:
-                check(i, view)
