@@ -143,7 +143,7 @@ def layout_hint(cores: int, counts: dict[str, int]) -> str | None:
     if counts["aggregated"] or cores >= AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * engines:
         return None
     return (f"{cores} cores for {engines} engines: --aggregated {max(1, cores // AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE)}"
-            " served 1.4x the tokens/s at a fixed concurrency on 2 cores, while this layout kept more of a bursty"
+            " served 1.3-1.4x the tokens/s at a fixed concurrency on 2 cores, while this layout kept more of a bursty"
             " trace within its latency SLOs (docs/BENCHMARKS.md, 'Aggregated or disaggregated')")
 
 
