@@ -16,10 +16,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from halfmoon.engine.config import cpu_has_bf16
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    """bfloat16 on a CPU that computes it natively (elsewhere oneDNN emulates it, and packing is untested)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_bf16()
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
