@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from halfmoon.engine.config import cpu_has_bf16
 from halfmoon.engine.weights import Projection, serving_layers
+from halfmoon.protocol.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
+
+from tests.engine.conftest import make_engine
 
 ROWS = (1, 8, 300)
 
@@ -64,3 +67,9 @@ class TestServingLayers:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             assert not hasattr(model.model.layers[0].self_attn, name)  # not held twice
         assert not hasattr(model.model.layers[0].mlp, "gate_proj")
+
+    def test_an_untied_bfloat16_head_is_held_once(self, tiny_models: dict[str, Path]) -> None:
+        engine = make_engine(tiny_models["llama"], dtype="bfloat16")  # the tiny models' heads are untied
+        assert (engine.model.get_output_embeddings() is None) == engine.runner.lm_head.packed
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert [len(out) for out in engine.generate([[1, 2, 3], [4, 5]], params)] == [4, 4]

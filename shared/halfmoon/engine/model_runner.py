@@ -45,6 +45,8 @@ class ModelRunner:
         self.layers = serving_layers(self.decoder.layers)
         head = model.get_output_embeddings()
         self.lm_head = Projection(head.weight.detach(), head.bias)
+        if self.lm_head.packed and head.weight is not model.get_input_embeddings().weight:
+            model.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
         self.layer_hook = LayerHook()
 
     def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
