@@ -59,6 +59,19 @@ async def schedule(nc, namespace, req=None):
     return await request(nc, Subjects(namespace).schedule, req or schedule_request(), codecs.SCHEDULE_REPLY, timeout=5)
 
 
+async def first_answer(nc, namespace, deadline_s: float = 5.0):
+    """The conductor's first reply. A request that reached no conductor (NATS answered "no responders";
+    seen once in CI right after start() returned, cause unknown) was neither placed nor rejected: send again."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        try:
+            return await schedule(nc, namespace)
+        except RemoteError as exc:
+            if exc.code is not ErrorCode.UNAVAILABLE or time.monotonic() > give_up:
+                raise
+        await asyncio.sleep(0.05)
+
+
 class DownCollector:
     def __init__(self) -> None:
         self.events: list[InstanceDown] = []
@@ -107,15 +120,15 @@ class TestStartsAmongLiveInstances:
     async def test_first_request_after_start_is_placed(self, nats_server, namespace, nc):
         """A conductor (re)started into a running deployment takes requests only once it has heard
         every instance beat: the first one it answers is placed, not rejected for want of instances."""
-        hosts = [reporter_host(nats_server.url, namespace, iid, role, interval_s=0.5)
+        hosts = [reporter_host(nats_server.url, namespace, iid, role, interval_s=0.2)
                  for iid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE))]
         for host in hosts:
             await host.start()
         config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, instance_id="conductor-late",
-                                 heartbeat_interval_s=0.1, warmup_s=0.75)
+                                 heartbeat_interval_s=0.1, warmup_s=1.0)
         try:
             async with ServiceHost(ConductorService(config)):
-                reply = await schedule(nc, namespace)
+                reply = await first_answer(nc, namespace)
             assert isinstance(reply, ScheduleAccepted), reply
         finally:
             for host in hosts:
