@@ -29,7 +29,6 @@ class Projection:
     """``x @ weight.T + bias`` for ``x`` shaped ``[tokens, in_features]``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = _can_pack(weight)
         # NOTE: the packed tensor is in oneDNN's blocked layout: only _linear_pointwise may read it.
