@@ -94,6 +94,35 @@ class TestRpcErrors:
         provider.shutdown()
 
 
+class TestNoResponderGrace:
+    async def test_without_grace_nobody_listening_fails_at_once(self, nc, namespace):
+        with pytest.raises(RemoteError) as info:
+            await ask(nc, namespace, "r")
+        assert info.value.code is ErrorCode.UNAVAILABLE and "no responders" in info.value.reply.message
+
+    async def test_within_grace_a_responder_that_subscribes_late_gets_the_request_once(self, nc, namespace):
+        seen: list[bytes] = []
+
+        async def answer(msg):
+            seen.append(msg.data)
+            await msg.respond(codecs.SUBMIT_REPLY.encode(Ack(request_id="late", instance_id="x")))
+
+        sent = asyncio.create_task(request(nc, f"{namespace}.v1.test", CancelRequest(request_id="late"),
+                                           codecs.SUBMIT_REPLY, 5.0, responder_grace_s=10.0))
+        done, _ = await asyncio.wait({sent}, timeout=0.5)
+        assert not done  # still re-sending: without the grace it would have failed already
+        await nc.subscribe(f"{namespace}.v1.test", cb=answer)  # the peer is back (e.g. reconnected)
+        assert await sent == Ack(request_id="late", instance_id="x")
+        assert len(seen) == 1  # the sends that reached nobody were not delivered later
+
+    async def test_past_the_grace_nobody_listening_is_unavailable(self, nc, namespace):
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            await request(nc, f"{namespace}.v1.test", CancelRequest(request_id="r"), codecs.SUBMIT_REPLY, 5.0,
+                          responder_grace_s=0.5)
+        assert info.value.code is ErrorCode.UNAVAILABLE and time.monotonic() - start >= 0.4
+
+
 class TestLifecycle:
     async def test_heartbeats_carry_load_then_drain_and_goodbye(self, config, nc, namespace):
         beats, downs = [], []

@@ -136,5 +136,6 @@ class Service(ABC, Generic[C]):
         reply_codec: Codec[Rep],
         timeout: float,
         headers: Mapping[str, str] | None = None,
+        responder_grace_s: float = 0.0,
     ) -> Rep:
-        return await rpc.request(self.nc, subject, message, reply_codec, timeout, headers)
+        return await rpc.request(self.nc, subject, message, reply_codec, timeout, headers, responder_grace_s)

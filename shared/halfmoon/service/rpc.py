@@ -6,7 +6,9 @@ request runs inside a SERVER span that continues the sender's trace.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
@@ -21,6 +23,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
+
+RESEND_INTERVAL_S = 0.1
 
 RequestHandler = Callable[[Req], Awaitable[Message]]
 EventHandler = Callable[[Req, Mapping[str, str]], Awaitable[None]]
@@ -37,25 +41,36 @@ async def request(
     reply_codec: Codec[Rep],
     timeout: float,
     headers: Mapping[str, str] | None = None,
+    responder_grace_s: float = 0.0,
 ) -> Rep:
     """Send ``message`` and return the decoded reply.
 
     Raises :class:`RemoteError` when the peer answered ErrorReply, when nobody listens on
     ``subject`` (UNAVAILABLE) or when no reply came within ``timeout`` (TIMEOUT), and
     :class:`ProtocolError` when the reply is not one of ``reply_codec``'s kinds.
+    ``responder_grace_s``: for that long, "nobody listens" is answered by sending again (the
+    message was delivered to no one, so this never duplicates it): after a NATS restart the
+    peer's subscription comes back when the peer has reconnected, which may be after we have.
     """
-    try:
-        msg = await nc.request(
-            subject, Codec.encode(message), timeout=timeout, headers=inject_headers(dict(headers or {}))
-        )
-    except nats.errors.NoRespondersError:
-        raise RemoteError(
-            ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"no responders on {subject}", retryable=True)
-        ) from None
-    except nats.errors.TimeoutError:
-        raise RemoteError(
-            ErrorReply(code=ErrorCode.TIMEOUT, message=f"no reply on {subject} within {timeout}s", retryable=True)
-        ) from None
+    give_up = time.monotonic() + responder_grace_s
+    while True:
+        try:
+            msg = await nc.request(
+                subject, Codec.encode(message), timeout=timeout, headers=inject_headers(dict(headers or {}))
+            )
+            break
+        except nats.errors.NoRespondersError:
+            if time.monotonic() + RESEND_INTERVAL_S < give_up:
+                await asyncio.sleep(RESEND_INTERVAL_S)
+                continue
+            raise RemoteError(
+                ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"no responders on {subject}", retryable=True)
+            ) from None
+        except nats.errors.TimeoutError:
+            raise RemoteError(
+                ErrorReply(code=ErrorCode.TIMEOUT, message=f"no reply on {subject} within {timeout}s",
+                           retryable=True)
+            ) from None
     reply = reply_codec.decode(msg.data)
     if isinstance(reply, ErrorReply):
         raise RemoteError(reply)
