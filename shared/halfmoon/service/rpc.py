@@ -25,6 +25,9 @@ Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 RESEND_INTERVAL_S = 0.1
+# after a NATS restart a peer's subscriptions return when that peer has reconnected (services retry
+# every 0.5 s): "no responders" on a live instance's subject within this grace is that race
+RECONNECT_GRACE_S = 3.0
 
 RequestHandler = Callable[[Req], Awaitable[Message]]
 EventHandler = Callable[[Req, Mapping[str, str]], Awaitable[None]]

@@ -27,6 +27,7 @@ from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
 from halfmoon.service import Service
+from halfmoon.service.rpc import RECONNECT_GRACE_S
 from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
 from halfmoon.services.gateway.peers import Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS
@@ -168,7 +169,8 @@ class Generation:
             self._watch(placement.decode_instance)
             try:
                 await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
-                                  codecs.SUBMIT_REPLY, dl.submit_timeout_s)
+                                  codecs.SUBMIT_REPLY, dl.submit_timeout_s,
+                                  responder_grace_s=min(RECONNECT_GRACE_S, max(0.0, deadline - time.time())))
             except (RemoteError, ProtocolError, nats.errors.Error) as exc:
                 self._unwatch(placement.prefill_instance)
                 self._unwatch(placement.decode_instance)

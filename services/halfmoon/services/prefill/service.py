@@ -17,6 +17,7 @@ from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.pool_client import Fetched
+from halfmoon.service.rpc import RECONNECT_GRACE_S
 from halfmoon.service.streaming import token_event
 from halfmoon.service.worker import EngineWorker, WorkerConfig
 from halfmoon.services.prefill.pipeline import PipelineHead, StageServer
@@ -25,9 +26,6 @@ from halfmoon.transfer.transport import TransferError
 from opentelemetry.trace import TracerProvider
 
 HANDOFF_TIMEOUT_S = 10.0
-# after a NATS restart decode's subscription returns when decode has reconnected (reconnects are
-# tried every 0.5 s): "no responders" within this grace is a reconnect race, not a dead decode
-DECODE_RESPONDER_GRACE_S = 3.0
 
 
 class Prefix(NamedTuple):
@@ -211,7 +209,7 @@ class PrefillService(EngineWorker):
         )
         try:
             await self.request(self.subjects.decode_submit(req.decode_instance), handoff, codecs.SUBMIT_REPLY,
-                               HANDOFF_TIMEOUT_S, responder_grace_s=DECODE_RESPONDER_GRACE_S)
+                               HANDOFF_TIMEOUT_S, responder_grace_s=RECONNECT_GRACE_S)
         except RemoteError:
             if kv is not None:
                 await self.handoff.discard(rid, len(kv.blocks) + (kv.partial is not None))
