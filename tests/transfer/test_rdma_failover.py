@@ -13,8 +13,9 @@ import pytest
 from halfmoon.storage.base import BlockNotFound
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
-from halfmoon.transfer.chooser import Offers, TransportChooser, path_kinds
+from halfmoon.transfer.chooser import path_kinds
 from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.framing import Offers
 from halfmoon.transfer.failover import (
     BatchSource,
     FailoverReader,
@@ -25,7 +26,7 @@ from halfmoon.transfer.failover import (
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
-from tests.fixtures.dataplane import caps
+from tests.fixtures.dataplane import Granted, caps
 from tests.transfer.test_transfer import blocks
 
 
@@ -137,62 +138,88 @@ class TestReplicaFailover:
         assert all(r.address in str(err.value) for r in replicas)
 
 
-class TestChooser:
+def mooncake_engine():  # type: ignore[no-untyped-def]
+    from halfmoon.transfer.mooncake import MooncakeEngine, MooncakeUnavailable
+
+    try:
+        return MooncakeEngine()
+    except MooncakeUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+async def offering(offers: Offers) -> BlockServer:
+    srv = BlockServer(NodeStore(ShmTier(8 << 20)), offers=offers)
+    await srv.start()
+    return srv
+
+
+class TestClientPaths:
     async def test_a_same_host_node_gets_shared_memory_then_tcp_both_working(self, servers: list[BlockServer]) -> None:
-        chooser = TransportChooser()
+        client = TransferClient()
         keys, data = blocks(2)
         await write(servers[0].address, keys, data)
-        paths = await chooser.paths(servers[0].address)
+        paths = await client.paths(servers[0].address)
         assert [p.kind for p in paths] == ["shm", "tcp"]
         for p in paths:
             assert [bytes(v) for v in await p.transport.read(keys, caps=caps(keys))] == data
-        assert await chooser.paths(servers[0].address) is paths  # cached per node
-        await chooser.close()
+        assert await client.paths(servers[0].address) is paths  # cached per node
+        await client.close()
 
-    async def test_a_path_that_cannot_open_is_left_out_with_the_reason(self, servers: list[BlockServer]) -> None:
-        from halfmoon.transfer.mooncake import (
-            MooncakeEngine,
-            MooncakeUnavailable,
-            mooncake_opener,
-        )
+    async def test_paths_the_node_does_not_offer_are_not_opened(self, servers: list[BlockServer]) -> None:
+        from halfmoon.transfer.mooncake import mooncake_opener
 
-        try:
-            engine = MooncakeEngine()
-        except MooncakeUnavailable as exc:
-            pytest.skip(str(exc))
-        chooser = TransportChooser([mooncake_opener(engine)], TransferClient(same_host=False))
-        paths = await chooser.paths(servers[0].address, Offers(mooncake={"session": 5}))  # malformed offer
-        assert [p.kind for p in paths] == ["tcp"]
-        assert "ValidationError" in chooser.open_errors[(servers[0].address, "mooncake")]
-        await chooser.close()
+        client = TransferClient(same_host=False, openers=[mooncake_opener(mooncake_engine())])
+        assert [p.kind for p in await client.paths(servers[0].address)] == ["tcp"]  # no offer in its HELLO
+        await client.close()
+
+    async def test_a_path_that_cannot_open_is_left_out_with_the_reason(self) -> None:
+        from halfmoon.transfer.mooncake import mooncake_opener
+
+        srv = await offering(Offers(mooncake={"session": 5}))  # a malformed offer
+        client = TransferClient(same_host=False, openers=[mooncake_opener(mooncake_engine())])
+        assert [p.kind for p in await client.paths(srv.address)] == ["tcp"]
+        assert "ValidationError" in client.open_errors[(srv.address, "mooncake")]
+        await client.close()
+        await srv.stop()
+        await srv.store.close()
+
+    async def test_connect_is_refused_by_a_node_without_rdma(self, servers: list[BlockServer]) -> None:
+        from halfmoon.transfer.framing import Op, Request
+
+        tcp = TcpTransport(servers[0].address)
+        answer = await tcp.request(Request(Op.CONNECT, endpoint=b"\x80"))
+        assert not answer.ok and "no RDMA" in answer.error
+        await tcp.close()
 
 
 class TestPathFailover:
-    async def test_a_node_whose_mooncake_engine_is_gone_is_read_and_written_over_tcp(
-        self, servers: list[BlockServer]
-    ) -> None:
-        from halfmoon.transfer.mooncake import (
-            MooncakeEngine,
-            MooncakeUnavailable,
-            mooncake_opener,
-        )
+    async def test_a_node_whose_mooncake_engine_is_gone_is_read_and_written_over_tcp(self) -> None:
+        from halfmoon.transfer.mooncake import mooncake_opener
 
-        try:
-            engine = MooncakeEngine()
-        except MooncakeUnavailable as exc:
-            pytest.skip(str(exc))
-        srv = servers[0]
-        dead = Offers(mooncake={"session": dead_address(), "segment_addr": 1 << 40, "segment_size": 8 << 20})
-        chooser = TransportChooser([mooncake_opener(engine)], TransferClient(same_host=False))
-        paths = lambda address: chooser.paths(address, dead)
-        reader = FailoverReader(paths)
+        engine = mooncake_engine()
+        srv = await offering(Offers(mooncake={"session": dead_address(), "segment_addr": 1 << 40,
+                                              "segment_size": 8 << 20}))
+        client = TransferClient(same_host=False, openers=[mooncake_opener(engine)])
+        node = Granted(await client.transport(srv.address))
+        assert [p.kind for p in node.paths] == ["mooncake", "tcp"]
         keys, data = blocks(2)
-        assert await reader.write(srv.address, keys, data, caps=caps(keys)) == "tcp"
-        assert [k for _, k, _ in reader.attempts] == ["mooncake"]
-        assert srv.payload_bytes_in == sum(map(len, data))  # the blocks came over the socket
-        fresh = FailoverReader(paths)  # no memory of the failure: mooncake first, then tcp
-        assert [bytes(v) for v in await fresh.read(keys, [BatchSource(srv.address)], caps=lambda _: caps(keys))] == data
-        assert [(k, o == "ok") for _, k, o in fresh.attempts] == [("mooncake", False), ("tcp", True)]
-        await reader.read(keys, [BatchSource(srv.address)], caps=lambda _: caps(keys))  # mooncake is cooling down: tcp straight away
-        assert [(k, o) for _, k, o in reader.attempts] == [("tcp", "ok")]
-        await chooser.close()
+        await node.write(keys, data)
+        assert node.last_kind == "tcp" and srv.payload_bytes_in == sum(map(len, data))  # over the socket
+        assert not client.health.healthy(srv.address, "mooncake", node._clock())
+        assert [bytes(v) for v in await node.read(keys)] == data  # mooncake cooling down: TCP straight away
+        assert node.last_kind == "tcp"
+        reader = FailoverReader(client.paths)  # a reader without that memory: mooncake first, then TCP
+        views = await reader.read(keys, [BatchSource(srv.address)], caps=lambda _: caps(keys))
+        assert [bytes(v) for v in views] == data
+        assert [(k, o == "ok") for _, k, o in reader.attempts] == [("mooncake", False), ("tcp", True)]
+        await client.close()
+        await srv.stop()
+        await srv.store.close()
+
+    async def test_when_every_path_fails_the_error_names_each(self) -> None:
+        from halfmoon.transfer.failover import PathFailover
+
+        node = PathFailover("n", [Path("shm", TcpTransport(dead_address())), Path("tcp", TcpTransport(dead_address()))])
+        with pytest.raises(TransferError, match="every path failed: shm: .*; tcp: "):
+            await node.read(blocks(1)[0])
+        await node.close()

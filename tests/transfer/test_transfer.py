@@ -59,10 +59,15 @@ async def tcp(server: BlockServer) -> AsyncIterator[TcpTransport]:
 @pytest.fixture
 async def shm(server: BlockServer) -> AsyncIterator[ShmTransport]:
     client = TransferClient()
-    t = await client.transport(server.address)
-    assert isinstance(t, ShmTransport)  # same host: the fast path is chosen
-    yield Granted(t)  # type: ignore[misc]
+    yield Granted(await shm_path(client, server.address))  # type: ignore[misc]
     await client.close()
+
+
+async def shm_path(client: TransferClient, address: str) -> ShmTransport:
+    """Same host: the fast path comes first, TCP behind it."""
+    paths = await client.paths(address)
+    assert [p.kind for p in paths] == ["shm", "tcp"] and isinstance(paths[0].transport, ShmTransport)
+    return paths[0].transport
 
 
 class TestTcpRoundTrip:
@@ -99,7 +104,7 @@ class TestTcpRoundTrip:
 @pytest.fixture(params=["tcp", "shm"])
 async def any_transport(request: pytest.FixtureRequest, server: BlockServer) -> AsyncIterator[Transport]:
     client = TransferClient(same_host=request.param == "shm")
-    t = await client.transport(server.address)
+    t = await shm_path(client, server.address) if request.param == "shm" else await client.transport(server.address)
     assert isinstance(t, ShmTransport if request.param == "shm" else TcpTransport)
     yield Granted(t)  # type: ignore[misc]
     await client.close()
@@ -160,18 +165,21 @@ class TestNodeRestart:
         host, port = srv.address.split(":")
         client = TransferClient()
         old = Granted(await client.transport(srv.address))
+        old_shm = Granted(await shm_path(client, srv.address))
         await srv.stop()
         await first.close()  # unlinks the segment the client still maps
         second = NodeStore(ShmTier(4 << 20))
         restarted = BlockServer(second, host, int(port))
         await restarted.start()
-        keys, data = blocks(1)
+        keys, data = blocks(2)
         with pytest.raises(TransferError, match="gone"):
-            await old.write(keys, data)  # would have written into orphaned memory
+            await old_shm.write(keys[:1], data[:1])  # would have written into orphaned memory
+        await old.write(keys[:1], data[:1])  # a transport taken before the restart fails over to TCP
+        assert old.last_kind == "tcp" and second.dram.find(keys[0]) is not None
         new = Granted(await client.transport(restarted.address))
-        assert new.inner is not old.inner and isinstance(new.inner, ShmTransport)
-        await new.write(keys, data)
-        assert bytes(second.dram.view(keys[0])) == data[0]
+        assert new.inner is not old.inner and isinstance(new.paths[0].transport, ShmTransport)
+        await new.write(keys[1:], data[1:])
+        assert new.last_kind == "shm" and bytes(second.dram.view(keys[1])) == data[1]
         await client.close()
         await restarted.stop()
         await second.close()
@@ -245,8 +253,7 @@ class TestAcrossProcesses:
             keys, data = blocks(4)
             tcp = Granted(TcpTransport(address))
             client = TransferClient()
-            shm = Granted(await client.transport(address))
-            assert isinstance(shm.inner, ShmTransport)
+            shm = Granted(await shm_path(client, address))
             await tcp.write(keys[:2], data[:2])
             await shm.write(keys[2:], data[2:])
             assert [bytes(v) for v in await shm.read(keys)] == data

@@ -41,6 +41,16 @@ class Channel:
             raise
         return cls(sock)
 
+    def peer_gone(self) -> bool:
+        """Whether the idle peer has closed its end (or reset it): a pooled connection to a node
+        that restarted, which must not carry the next request."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # open, nothing to read: the normal idle state
+        except OSError:
+            return True
+
     async def send(self, header: Request | Response, payloads: Iterable[Buffer] = (),
                    prepare: Callable[[int, memoryview], object] | None = None) -> None:
         """The header, then each payload (after ``prepare(index, payload)``, if given)."""

@@ -3,18 +3,22 @@ another replica; a write retries on the next path to the same node (its extents 
 there by the cache-manager, so another node needs a new placement: the caller's ``put_start``).
 
 The order of attempts and the memory of failed paths are pure (``attempt_order``,
-``PathHealth``); ``FailoverReader`` only executes them.
+``PathHealth``); ``PathFailover`` (one node, several paths: what ``TransferClient`` hands out)
+and ``FailoverReader`` (several replicas) only execute them.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound, Buffer
-from halfmoon.transfer.transport import TransferError, Transport
+from halfmoon.transfer.transport import ReadBatch, SegmentRange, TransferError, Transport, WriteBatch
+
+T = TypeVar("T")
 
 
 class BatchSource(NamedTuple):
@@ -66,6 +70,65 @@ def attempt_order(
     return healthy + cooling
 
 
+class PathFailover(Transport):
+    """One node over several paths, fastest first. Contract: each call runs on the first path in
+    ``attempt_order`` and, when it raises ``TransferError``, on the next (the failed path cools
+    down in ``health``); only the last path's failure reaches the caller, naming every path
+    tried. Ranged calls go to the ranged paths only (TCP moves whole blocks). A missing block is
+    an answer, not a failure: it is returned (or raised) from the path that gave it."""
+
+    def __init__(self, address: str, paths: Sequence[Path], health: PathHealth | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not paths:
+            raise ValueError("a node needs at least one path")
+        self.address, self.paths = address, list(paths)
+        self.health, self._clock = health or PathHealth(), clock
+        self.ranged = any(p.transport.ranged for p in self.paths)
+        self.last_kind = ""  # the path the last successful call used
+
+    async def _first(self, call: Callable[[Transport], Awaitable[T]], ranged: bool = False) -> T:
+        paths = {p.kind: p.transport for p in self.paths if p.transport.ranged or not ranged}
+        if not paths:
+            raise TransferError(f"{self.address}: no path moves block ranges")
+        errors = []
+        for _, kind in attempt_order([BatchSource(self.address)], lambda _: list(paths), self.health, self._clock()):
+            try:
+                result = await call(paths[kind])
+            except TransferError as exc:
+                self.health.failed(self.address, kind, self._clock())
+                errors.append(f"{kind}: {exc}")
+                continue
+            self.health.succeeded(self.address, kind)
+            self.last_kind = kind
+            return result
+        raise TransferError(f"{self.address}: every path failed: " + "; ".join(errors))
+
+    async def _read(self, batch: ReadBatch) -> list[memoryview | None]:
+        return await self._first(lambda t: t.read(batch.keys, caps=batch.caps, missing_ok=True, extents=batch.extents,
+                                                  into=batch.into, check=batch.check))
+
+    async def _write(self, batch: WriteBatch) -> None:
+        await self._first(lambda t: t.write(batch.keys, batch.payloads, caps=batch.caps, offsets=batch.offsets,
+                                            tier=batch.tier, prepare=batch.prepare))
+
+    async def read_ranges(self, ranges: Sequence[SegmentRange], *, into: memoryview | None = None) -> list[memoryview]:
+        return await self._first(lambda t: t.read_ranges(ranges, into=into), ranged=True)
+
+    async def write_ranges(self, ranges: Sequence[SegmentRange], payloads: Sequence[Buffer]) -> None:
+        await self._first(lambda t: t.write_ranges(ranges, payloads), ranged=True)
+
+    async def commit(self, keys: Sequence[bytes], sizes: Sequence[int], offsets: Sequence[int] | None = None,
+                     caps: Sequence[bytes] = ()) -> None:
+        await self._first(lambda t: t.commit(keys, sizes, offsets, caps), ranged=True)
+
+    async def delete(self, keys: Sequence[bytes], *, caps: Sequence[bytes] = ()) -> int:
+        return await self._first(lambda t: t.delete(keys, caps=caps))
+
+    async def close(self) -> None:
+        for p in self.paths:
+            await p.transport.close()
+
+
 class FailoverReader:
     """Contract: ``read`` returns the blocks from the first (replica, path) that delivers all of
     them; a ``TransferError`` or ``BlockNotFound`` moves on to the next; when every attempt
@@ -76,13 +139,11 @@ class FailoverReader:
         self,
         paths: Callable[[str], Awaitable[Sequence[Path]]],
         health: PathHealth | None = None,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        import time
-
         self._paths = paths
         self.health = health or PathHealth()
-        self._clock = clock or time.monotonic
+        self._clock = clock
         self.attempts: list[tuple[str, str, str]] = []  # (address, kind, outcome) of the last call
 
     async def _kinds(self, replicas: Sequence[BatchSource]) -> dict[str, dict[str, Transport]]:

@@ -23,7 +23,7 @@ MISSING = -1  # size of a block the node does not hold
 
 
 class Op(enum.IntEnum):
-    HELLO = 0  # -> segment name, host identity (decides the same-host fast path)
+    HELLO = 0  # -> segment name, host identity (decides the same-host fast path), offered paths
     READ = 1  # keys -> sizes, then payloads inline
     WRITE = 2  # keys, sizes (+ DRAM offsets, tier), payloads inline -> ack
     LOCATE = 3  # keys -> DRAM offsets and sizes (same-host reads)
@@ -32,6 +32,21 @@ class Op(enum.IntEnum):
     DELETE = 6  # keys -> how many were present
     INVENTORY = 7  # -> every stored block (key, tier, offset, size); the cache-manager's LIST capability
     AUTH = 8  # the connection's handshake (transfer/auth.py); every other op needs it done
+    CONNECT = 9  # the client's RDMA endpoint -> the node's, with its segment (a queue pair of its own)
+
+
+class Offers(msgspec.Struct, frozen=True):
+    """What a node offers beyond TCP and same-host shared memory, in its HELLO answer; each value
+    is that path's connect information (decoded by the path's opener), absent when it lacks it."""
+
+    rdma: dict | None = None  # {"device": name}; the queue pair is set up by CONNECT
+    mooncake: dict | None = None  # transfer/mooncake.py MooncakeOffer
+
+    def kinds(self) -> set[str]:
+        return {k for k in ("rdma", "mooncake") if getattr(self, k) is not None}
+
+
+NO_OFFERS = Offers()
 
 
 class Request(msgspec.Struct, array_like=True, frozen=True):
@@ -44,6 +59,7 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
     caps: list[bytes] = []  # one capability per key (INVENTORY: one, node-wide); transfer/capability.py
     nonce: bytes = b""  # AUTH
     proof: bytes = b""  # AUTH
+    endpoint: bytes = b""  # CONNECT: msgpack of the client's rdma.RdmaEndpoint
 
 
 class Response(msgspec.Struct, array_like=True, frozen=True):
@@ -59,6 +75,8 @@ class Response(msgspec.Struct, array_like=True, frozen=True):
     capacities: list[int] = []  # HELLO: bytes per tier (DRAM, NVMe, S3); 0 = tier not configured
     nonce: bytes = b""  # AUTH
     proof: bytes = b""  # AUTH
+    offers: Offers = NO_OFFERS  # HELLO
+    endpoint: bytes = b""  # CONNECT: msgpack of the node's rdma.RdmaEndpoint
 
 
 class FramingError(Exception):

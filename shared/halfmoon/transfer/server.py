@@ -16,6 +16,7 @@ import contextlib
 import logging
 import socket
 from collections import Counter
+from collections.abc import Callable
 from functools import cache
 
 from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
@@ -27,7 +28,17 @@ from halfmoon.telemetry import extract_context
 from halfmoon.transfer.auth import AuthError, authenticate_peer
 from halfmoon.transfer.capability import CapabilityChecker, CapabilityError, authorize
 from halfmoon.transfer.channel import Channel, ChannelClosed
-from halfmoon.transfer.framing import MAX_KEYS, MISSING, FramingError, Op, Request, Response, decode_request
+from halfmoon.transfer.framing import (
+    MAX_KEYS,
+    MISSING,
+    NO_OFFERS,
+    FramingError,
+    Offers,
+    Op,
+    Request,
+    Response,
+    decode_request,
+)
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
@@ -48,15 +59,24 @@ class BadRequest(ValueError):
     pass
 
 
+# the node's side of CONNECT: a client's RDMA endpoint (msgpack) -> the node's, with its segment
+Accept = Callable[[bytes], bytes]
+
+
 class BlockServer:
     """``node_id`` is the id capabilities must name; ``keys`` the cluster's (the public
-    development keys by default: tests and benchmarks)."""
+    development keys by default: tests and benchmarks). ``offers`` are the paths beyond TCP and
+    shared memory HELLO announces; ``accept`` answers CONNECT (set exactly when RDMA is offered)."""
 
     def __init__(self, store: NodeStore, host: str = "127.0.0.1", port: int = 0, *, node_id: str = "node",
-                 keys: ClusterKeys = DEV_KEYS, max_connections: int = 256, idle_timeout_s: float = 300.0) -> None:
+                 keys: ClusterKeys = DEV_KEYS, max_connections: int = 256, idle_timeout_s: float = 300.0,
+                 offers: Offers = NO_OFFERS, accept: Accept | None = None) -> None:
         if max_connections < 1 or idle_timeout_s <= 0:
             raise ValueError("max_connections must be >= 1 and idle_timeout_s > 0")
+        if (accept is not None) != (offers.rdma is not None):
+            raise ValueError("an RDMA offer needs an accept function, and only it")
         self.store = store
+        self.offers, self._accept = offers, accept
         self._bind = (host, port)
         self._handshake_key = keys.handshake
         self.checker = CapabilityChecker(node_id, keys.grant, keys.park)
@@ -210,7 +230,15 @@ class BlockServer:
     async def _control(self, req: Request, reserved: set[bytes]) -> Response:
         dram = self.store.dram
         if req.op is Op.HELLO:
-            return Response(True, segment=dram.segment, host=host_identity(), capacities=self.capacities())
+            return Response(True, segment=dram.segment, host=host_identity(), capacities=self.capacities(),
+                            offers=self.offers)
+        if req.op is Op.CONNECT:
+            if self._accept is None:
+                return Response(False, error="this node offers no RDMA path")
+            try:
+                return Response(True, endpoint=self._accept(req.endpoint))
+            except (ValueError, RuntimeError, OSError) as exc:  # a bad endpoint, or the device refused it
+                return Response(False, error=f"RDMA connect refused: {type(exc).__name__}: {exc}")
         if req.op is Op.LOCATE:
             exts = [dram.find(k) for k in req.keys]
             return Response(

@@ -46,7 +46,7 @@ class TcpTransport(Transport):
         async with self._slots:
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    ch = self._idle.pop() if self._idle else await self._connect()
+                    ch = self._idle_channel() or await self._connect()
                     try:
                         yield ch
                     except BaseException:
@@ -55,6 +55,14 @@ class TcpTransport(Transport):
             except (OSError, FramingError) as exc:  # TimeoutError and AuthError are OSErrors
                 raise TransferError(f"{self.address}: {type(exc).__name__}: {exc}") from exc
             self._idle.append(ch)
+
+    def _idle_channel(self) -> Channel | None:
+        while self._idle:
+            ch = self._idle.pop()
+            if not ch.peer_gone():
+                return ch
+            ch.close()
+        return None
 
     async def _connect(self) -> Channel:
         ch = await Channel.connect(self._host, self._port)
