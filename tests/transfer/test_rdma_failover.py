@@ -192,6 +192,46 @@ class TestClientPaths:
         await tcp.close()
 
 
+class TestRdmaConnect:
+    """The queue-pair exchange over the node's control connection (the device's part needs an RNIC)."""
+
+    async def test_endpoints_are_swapped_and_a_bad_one_is_refused_with_the_reason(self) -> None:
+        import msgspec
+        from halfmoon.transfer.rdma import RdmaEndpoint, exchange_over_control
+
+        node_end = RdmaEndpoint(qpn=7, psn=1, lid=0, gid="fe80::1", mtu=4, segment_addr=4096, segment_rkey=9,
+                                segment_size=8 << 20)
+        heard: list[RdmaEndpoint] = []
+
+        def accept(wire: bytes) -> bytes:
+            try:
+                heard.append(msgspec.msgpack.decode(wire, type=RdmaEndpoint))
+            except msgspec.DecodeError as exc:
+                raise ValueError(str(exc)) from None
+            return msgspec.msgpack.encode(node_end)
+
+        srv = BlockServer(NodeStore(ShmTier(8 << 20)), offers=Offers(rdma={"device": "mlx5_0"}), accept=accept)
+        await srv.start()
+        control = TcpTransport(srv.address)
+        mine = RdmaEndpoint(qpn=3, psn=2, lid=0, gid="fe80::2", mtu=4)
+        assert await exchange_over_control(control, mine) == node_end and heard == [mine]
+        from halfmoon.transfer.framing import Op, Request
+
+        refused = await control.request(Request(Op.CONNECT, endpoint=b"junk"))
+        assert not refused.ok and "RDMA connect refused: ValueError" in refused.error
+        await control.close()
+        await srv.stop()
+        await srv.store.close()
+
+    async def test_an_rdma_offer_and_an_accept_function_go_together(self) -> None:
+        store = NodeStore(ShmTier(1 << 20))
+        with pytest.raises(ValueError, match="accept"):
+            BlockServer(store, offers=Offers(rdma={"device": "mlx5_0"}))
+        with pytest.raises(ValueError, match="accept"):
+            BlockServer(store, accept=lambda wire: wire)
+        await store.close()
+
+
 class TestPathFailover:
     async def test_a_node_whose_mooncake_engine_is_gone_is_read_and_written_over_tcp(self) -> None:
         from halfmoon.transfer.mooncake import mooncake_opener

@@ -23,7 +23,7 @@ from halfmoon.protocol.registry import Load, Role
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.service.base import Service
-from halfmoon.service.config import ServiceConfig
+from halfmoon.service.data_plane import DataPlaneConfig, OneSidedEndpoints
 from halfmoon.service.handoff import KVHandOff
 from halfmoon.service.pool_client import PoolClient
 from halfmoon.service.replay import ReplayBuffer
@@ -34,7 +34,7 @@ from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
-class WorkerConfig(ServiceConfig):
+class WorkerConfig(DataPlaneConfig):
     """A model-serving instance: which model, how its engine is shaped, which transfer node to use."""
 
     model_dir: str = field(default="", metadata={"help": "local model directory (required)"})
@@ -103,6 +103,8 @@ class EngineWorker(Service[WorkerConfig]):
 
     config_class = WorkerConfig
     submit_codec: ClassVar[Codec[Any]]
+    endpoints: OneSidedEndpoints  # these four from ``start``
+    transfer: TransferClient
     pool: PoolClient
     handoff: KVHandOff
 
@@ -110,7 +112,6 @@ class EngineWorker(Service[WorkerConfig]):
         super().__init__(config, tracer_provider)
         self.meter = LoadMeter()
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
-        self.transfer = TransferClient(keys=self.cluster_keys)
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
@@ -148,6 +149,8 @@ class EngineWorker(Service[WorkerConfig]):
         config = self.config.engine_config()
         self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
         layout = self.engine.layout.keyed(self.cluster_keys.kv_mac)  # seals and verifies the pool's blocks
+        self.endpoints = OneSidedEndpoints(self.config)
+        self.transfer = self.endpoints.client(self.cluster_keys)
         self.pool = PoolClient(self, self.transfer, layout)
         self.handoff = KVHandOff(self.pool, self.transfer, self.transfer_nodes, layout, self.tracer, self.log,
                                  self.cluster_keys.park)
@@ -280,7 +283,9 @@ class EngineWorker(Service[WorkerConfig]):
     async def close(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()
-        await self.transfer.close()
+        if hasattr(self, "transfer"):
+            await self.transfer.close()
+            self.endpoints.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 

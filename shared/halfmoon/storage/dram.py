@@ -31,6 +31,11 @@ class ShmTier(StorageTier):
     def segment(self) -> str:
         return self._shm.name
 
+    @property
+    def segment_view(self) -> memoryview:
+        """The whole segment, for registering it with one-sided paths (RDMA, Mooncake)."""
+        return self._buf
+
     # ---- in-place protocol -------------------------------------------------------------
     def reserve(self, key: bytes, size: int, offset: int | None = None) -> Extent:
         """Room for ``key`` (at ``offset`` when the cache-manager chose it), invisible until ``commit``."""

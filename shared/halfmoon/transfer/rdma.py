@@ -24,6 +24,7 @@ from types import ModuleType
 import msgspec
 
 from halfmoon.transfer.chooser import Opener
+from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.local_memory import LocalMemory
 from halfmoon.transfer.onesided import OneSidedPath, OneSidedTransport
 from halfmoon.transfer.rdma_plan import (
@@ -169,6 +170,14 @@ class VerbsSegment:
         return msgspec.structs.replace(local, segment_addr=self.region.addr, segment_rkey=rkey,
                                        segment_size=self.region.length)
 
+    def accept_wire(self, client: bytes) -> bytes:
+        """``accept`` for the block server's CONNECT: msgpack endpoints in and out."""
+        try:
+            endpoint = msgspec.msgpack.decode(client, type=RdmaEndpoint)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"not an RDMA endpoint: {exc}") from None
+        return msgspec.msgpack.encode(self.accept(endpoint))
+
     def close(self) -> None:
         for obj in self._qps:
             obj.close()  # type: ignore[attr-defined]
@@ -236,10 +245,21 @@ class VerbsPath(OneSidedPath):
 Exchange = Callable[[TcpTransport, RdmaEndpoint], Awaitable[RdmaEndpoint]]
 
 
+async def exchange_over_control(control: TcpTransport, local: RdmaEndpoint) -> RdmaEndpoint:
+    """The client's half of CONNECT: send our endpoint over the node's control connection, get its."""
+    answer = await control.request(Request(Op.CONNECT, endpoint=msgspec.msgpack.encode(local)))
+    if not answer.ok:
+        raise TransferError(f"{control.address}: {answer.error}")
+    try:
+        return msgspec.msgpack.decode(answer.endpoint, type=RdmaEndpoint)
+    except msgspec.DecodeError as exc:
+        raise TransferError(f"{control.address}: bad RDMA endpoint in CONNECT answer: {exc}") from None
+
+
 def rdma_opener(device: VerbsDevice, exchange: Exchange) -> Opener:
     """The chooser's opener for nodes that offer RDMA. ``exchange`` sends this end's endpoint over
-    the node's control connection and returns the node's (its ``VerbsSegment.accept`` answer);
-    the block server needs a control op for it (see docs/POOL.md)."""
+    the node's control connection and returns the node's (its ``VerbsSegment.accept`` answer):
+    ``exchange_over_control``, the CONNECT op."""
 
     async def open_(address: str, control: TcpTransport, info: dict) -> OneSidedTransport:
         qp, cq, local = device.queue_pair()

@@ -1,5 +1,6 @@
 """Transfer node: this node's slice of the KVCache pool (DRAM segment, NVMe directory, S3 prefix)
-served to peers over TCP and, for same-host clients, straight from shared memory."""
+served to peers over TCP, for same-host clients straight from shared memory, and one-sided over
+RDMA or Mooncake's transfer engine where ``data_paths`` names them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import OrderBatch, OrderResults
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.service.base import Service
-from halfmoon.service.config import ServiceConfig
+from halfmoon.service.data_plane import DataPlaneConfig, OneSidedEndpoints
 from halfmoon.storage.base import TierUnavailable
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
@@ -24,7 +25,7 @@ from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
-class TransferConfig(ServiceConfig):
+class TransferConfig(DataPlaneConfig):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on for block reads/writes"})
     advertise_host: str = field(default="", metadata={"help": "address peers use (default: --host)"})
     port: int = field(default=0, metadata={"help": "TCP port (0: any free port)"})
@@ -57,7 +58,8 @@ class TransferService(Service[TransferConfig]):
         super().__init__(config, tracer_provider)
         self.store: NodeStore | None = None
         self.server: BlockServer | None = None
-        self.peers = TransferClient(same_host=False, keys=self.cluster_keys)
+        self.endpoints: OneSidedEndpoints | None = None
+        self.peers: TransferClient | None = None  # to other nodes, for copy orders
 
     @property
     def address(self) -> str:
@@ -81,15 +83,19 @@ class TransferService(Service[TransferConfig]):
             except TierUnavailable as exc:  # the pool still serves from DRAM and NVMe
                 self.log.warning("S3 tier unavailable at start", extra={"error": str(exc)})
         self.store = NodeStore(ShmTier(cfg.dram_bytes), nvme, s3)
+        self.endpoints = OneSidedEndpoints(cfg, cfg.advertise_host or cfg.host)
+        offered = self.endpoints.offer(self.store.dram.segment_view)
+        self.peers = self.endpoints.client(self.cluster_keys, same_host=False)
         self.server = BlockServer(self.store, cfg.host, cfg.port, node_id=self.instance_id, keys=self.cluster_keys,
-                                  max_connections=cfg.max_connections, idle_timeout_s=cfg.idle_timeout_s)
+                                  max_connections=cfg.max_connections, idle_timeout_s=cfg.idle_timeout_s,
+                                  offers=offered.offers, accept=offered.accept)
         await self.server.start()
         await self.serve(self.subjects.transfer_orders(self.instance_id), codecs.ORDER_BATCH, self._on_orders,
                          span_name="transfer.orders")
         self.log.info("serving blocks", extra={"address": self.address})
 
     async def _on_orders(self, batch: OrderBatch) -> OrderResults:
-        assert self.store is not None and self.server is not None
+        assert self.store is not None and self.server is not None and self.peers is not None
         ok = []
         for wire in batch.orders:
             order = order_from_wire(wire)
@@ -101,6 +107,9 @@ class TransferService(Service[TransferConfig]):
     async def close(self) -> None:
         if self.server is not None:
             await self.server.stop()
-        await self.peers.close()
+        if self.peers is not None:
+            await self.peers.close()
+        if self.endpoints is not None:
+            self.endpoints.close()
         if self.store is not None:
             await self.store.close()
