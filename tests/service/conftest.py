@@ -41,11 +41,11 @@ class Cluster(NamedTuple):
 @contextlib.asynccontextmanager
 async def running(nats_server, namespace: str, model_dir: Path, layerwise: bool,  # type: ignore[no-untyped-def]
                   num_nodes: int = 1, node_paths: str = "shm,tcp", worker_paths: str = "shm,tcp",
-                  ) -> AsyncIterator[Cluster]:
+                  **worker_options: Any) -> AsyncIterator[Cluster]:
     common: dict[str, Any] = dict(nats_url=nats_server.url, namespace=namespace, heartbeat_interval_s=0.1,
                                   cluster_secret=SECRET)
     worker = dict(common, model_dir=str(model_dir), kv_cache_bytes=8 << 20, layerwise_handoff=layerwise,
-                  dtype="float32", data_paths=worker_paths)  # compared with the float32 engine
+                  dtype="float32", data_paths=worker_paths, **worker_options)  # compared with the float32 engine
     cm = CacheManagerService(CacheManagerConfig(**common))
     nodes = tuple(TransferService(TransferConfig(**common, dram_bytes=16 << 20, data_paths=node_paths))
                   for _ in range(num_nodes))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from halfmoon.core.block_format import BlockLayout, decode_block, encode_block
+from halfmoon.core.block_format import BlockLayout, encode_block
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import (
     ContextLengthError,
@@ -24,7 +24,9 @@ from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.context import context_limit
+from halfmoon.engine.hooks import LayerHooks
 from halfmoon.engine.layer_export import LayerExport, LayerSink
+from halfmoon.engine.layer_import import LayerImport, LayerSource, ReadyKV
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
@@ -91,8 +93,9 @@ class LLMEngine:
         self.cache = PagedKVCache(hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads,
                                   head_dim, config.torch_dtype, config.torch_device)
         self.runner = ModelRunner(self.model, self.cache, self.blocks)
+        self.layer_import = LayerImport()
         self.layer_export = LayerExport(self.layout, config.block_size)
-        self.runner.layer_hook = self.layer_export
+        self.runner.layer_hook = LayerHooks(self.layer_import, self.layer_export)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
         self.sampler = Sampler()
@@ -136,14 +139,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
-                    kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False,
+                    kv_layers: LayerSource | None = None, kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False,
                     layer_sink: LayerSink | None = None, stream_from_block: int = 0) -> None:
         """Queue a request.
 
         ``output_token_ids`` continues a request whose first tokens were produced elsewhere
         (a prefill instance). ``kv_blocks`` are payloads (see ``export_kv``) holding KV of
         consecutive blocks from block ``kv_start_block`` on, fetched from the pool; they are
-        used when the local prefix cache reaches that block, and not recomputed.
+        used when the local prefix cache reaches that block, and not recomputed. ``kv_layers``
+        is such KV still arriving, layer by layer (engine/layer_import.py); give one or the other.
         ``block_keys`` are the content keys of the prompt's full blocks: matching ones are
         reused from the local prefix cache, and computed ones are cached there.
         ``prefill_only`` stops after the first sampled token and keeps the KV for
@@ -161,11 +165,13 @@ class LLMEngine:
             raise InvalidRequestError("more block keys than full prompt blocks")
         seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys),
                        seed=self.request_seed())
-        if kv_blocks:
-            seq.kv_import = torch.cat([decode_block(self.layout, block) for block in kv_blocks], dim=2)
-            seq.kv_import_start = kv_start_block
-            if kv_start_block * size + seq.kv_import.shape[2] >= seq.num_tokens:
+        if kv_blocks and kv_layers is not None:
+            raise InvalidRequestError("give kv_blocks or kv_layers, not both")
+        source = ReadyKV(self.layout, kv_blocks) if kv_blocks else kv_layers
+        if source is not None:
+            if kv_start_block * size + source.num_tokens >= seq.num_tokens:
                 raise InvalidRequestError("imported KV must leave at least the last token to compute")
+            seq.kv_import, seq.kv_import_start = source, kv_start_block
         self._arrivals += 1
         seq.hold_kv = prefill_only
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
@@ -199,6 +205,9 @@ class LLMEngine:
         if request is None:
             raise UnknownRequestError(request_id)
         self.layer_export.forget(request_id)
+        if request.seq.kv_import is not None:  # never scheduled: its transfers can stop
+            request.seq.kv_import.close()
+            request.seq.kv_import = None
         request.seq.hold_kv = False
         if request.seq.status is SequenceStatus.FINISHED:
             self.blocks.free(request.seq)
@@ -223,12 +232,20 @@ class LLMEngine:
             return []
         began = time.perf_counter()
         for chunk in chunks:
-            self._load_import(chunk.seq)
+            self._expect_import(chunk.seq)
         logits = self.runner.forward(chunks)
+        failed = self.layer_import.finish()
+        for seq in failed:  # its KV is incomplete: none of this step's work on it counts
+            self.scheduler.recompute(seq)
         sampling = [c.seq for c in chunks if c.samples]
+        if failed:  # logits has one row per sampling chunk: keep the others' rows
+            kept = [i for i, seq in enumerate(sampling) if seq not in failed]
+            logits, sampling = logits[kept], [sampling[i] for i in kept]
         sampled = self.sampler(logits, sampling) if sampling else None
         per_token = (time.perf_counter() - began) / sum(c.num_tokens for c in chunks)
         for chunk in chunks:
+            if chunk.seq in failed:
+                continue
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
             chunk.seq.compute_s += per_token * chunk.num_tokens
             self.blocks.register_computed(chunk.seq)
@@ -237,14 +254,17 @@ class LLMEngine:
         return [self._append(seq, token, logprob)
                 for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs)]
 
-    def _load_import(self, seq: Sequence) -> None:
-        """Copy the part of the imported KV the local cache did not cover into the sequence's blocks."""
-        if seq.kv_import is not None and seq.kv_load_from is not None:
-            size = self.config.block_size
-            offset = seq.kv_load_from - seq.kv_import_start * size
-            self.cache.load_blocks(seq.block_table[seq.kv_load_from // size:], seq.kv_import[:, :, offset:])
-            self.blocks.register_computed(seq)
-        seq.kv_import = seq.kv_load_from = None
+    def _expect_import(self, seq: Sequence) -> None:
+        """Have the imported KV the local cache did not cover copied in, layer by layer, as the step runs."""
+        if seq.kv_import is None:
+            return
+        if seq.kv_load_from is None:  # the local cache covered it all
+            seq.kv_import.close()
+            seq.kv_import = None
+            return
+        size = self.config.block_size
+        offset = seq.kv_load_from - seq.kv_import_start * size
+        self.layer_import.expect(seq, seq.block_table[seq.kv_load_from // size:], offset)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> RequestOutput:
         request = self._requests[seq.request_id]

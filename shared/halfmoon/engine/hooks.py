@@ -24,3 +24,18 @@ class LayerHook(ABC):
 
     def after_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
         return None
+
+
+class LayerHooks(LayerHook):
+    """Several hooks, called in order around each layer."""
+
+    def __init__(self, *hooks: LayerHook) -> None:
+        self.hooks = hooks
+
+    def before_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
+        for hook in self.hooks:
+            hook.before_layer(layer, chunks, cache)
+
+    def after_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
+        for hook in self.hooks:
+            hook.after_layer(layer, chunks, cache)

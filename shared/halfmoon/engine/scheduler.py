@@ -83,7 +83,7 @@ class Scheduler:
         size = self.blocks.block_size
         covered = self.blocks.reuse_prefix(seq) * size
         if seq.kv_import is not None and seq.kv_import_start * size <= covered:
-            end = seq.kv_import_start * size + seq.kv_import.shape[2]
+            end = seq.kv_import_start * size + seq.kv_import.num_tokens
             if end > covered:
                 seq.kv_load_from, covered = covered, end
         seq.num_computed_tokens = covered
@@ -98,6 +98,12 @@ class Scheduler:
                 return False
         self.blocks.allocate_slots(seq, num_tokens)
         return True
+
+    def recompute(self, seq: Sequence) -> None:
+        """Start a running ``seq`` over, first in line (its imported KV did not all arrive)."""
+        self._preempt(seq)
+        self.num_preemptions -= 1  # not for want of room
+        seq.num_cached_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

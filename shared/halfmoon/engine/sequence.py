@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-import torch
+from typing import TYPE_CHECKING
+
 from halfmoon.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from halfmoon.engine.layer_import import LayerSource
 
 
 class SequenceStatus(Enum):
@@ -36,7 +40,7 @@ class Sequence:
         self.block_runs: list[list[int]] = []  # block_table as [first block, count] runs of consecutive ids
         self.block_keys = block_keys  # content keys of the prompt's full blocks, for the local prefix cache
         self.num_registered = 0  # leading full blocks already published to the local prefix cache
-        self.kv_import: torch.Tensor | None = None  # KV fetched elsewhere: [layers, 2, tokens, heads, dim]
+        self.kv_import: LayerSource | None = None  # KV fetched elsewhere, imported layer by layer
         self.kv_import_start = 0  # block index where kv_import begins
         self.kv_load_from: int | None = None  # token position to copy kv_import from, set at admission
         self.status = SequenceStatus.WAITING

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from halfmoon.core.block_format import BlockLayout, Sealer, Verifier
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
-from halfmoon.protocol.cache import Lookup, PutEnd, PutPlan, PutStart, Release
+from halfmoon.protocol.cache import Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
@@ -26,16 +26,21 @@ from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import BlockHook, TransferError
 
+if TYPE_CHECKING:  # NOTE: only workers hold engines; the pool protocol itself needs no torch
+    from halfmoon.engine.layer_import import LayerSource
+
 CACHE_TIMEOUT_S = 2.0
 FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
 
 
 class Fetched(NamedTuple):
-    """The verified cached prefix: payloads and where each came from, and the lease to release."""
+    """The cached prefix: payloads and where each came from, and the lease to release. Verified,
+    unless ``layers`` is the source still reading them layer by layer (service/prefix_layers.py)."""
 
-    payloads: list[memoryview]
+    payloads: list[memoryview] | list[bytearray]
     locations: list[BlockLocation]
     lease_id: str | None
+    layers: LayerSource | None = None
 
 
 class PoolClient:
@@ -44,17 +49,35 @@ class PoolClient:
         self.transfer = transfer
         self.layout = layout
 
-    async def fetch_prefix(self, keys: Sequence[bytes]) -> Fetched:
-        """Longest prefix of ``keys`` that is cached, readable and intact."""
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult | None:
+        """The cached prefix of ``keys``, leased (None when the cache-manager did not answer)."""
         if not keys:
-            return Fetched([], [], None)
+            return None
         svc = self.service
         try:
-            found = await svc.request(svc.subjects.cache("lookup"), Lookup(keys=tuple(keys)),
-                                      codecs.CACHE_LOOKUP_RESULT, CACHE_TIMEOUT_S)
+            return await svc.request(svc.subjects.cache("lookup"), Lookup(keys=tuple(keys)),
+                                     codecs.CACHE_LOOKUP_RESULT, CACHE_TIMEOUT_S)
         except FAILURES as exc:
             svc.log.warning("pool lookup failed; computing the whole prompt", extra={"error": str(exc)})
-            return Fetched([], [], None)
+            return None
+
+    async def ranged(self, locations: Sequence[BlockLocation]) -> bool:
+        """Whether every block is in DRAM on a node this process reaches through byte ranges."""
+        if any(loc.tier is not Tier.DRAM for loc in locations):
+            return False
+        try:
+            return all([(await self.transfer.transport(a)).ranged for a in {loc.address for loc in locations}])
+        except FAILURES:
+            return False
+
+    async def fetch_prefix(self, keys: Sequence[bytes]) -> Fetched:
+        """Longest prefix of ``keys`` that is cached, readable and intact."""
+        found = await self.lookup(keys)
+        return await self.read_prefix(found) if found is not None else Fetched([], [], None)
+
+    async def read_prefix(self, found: LookupResult) -> Fetched:
+        """Read a looked-up prefix whole, each block from its first replica that delivers it intact."""
+        svc = self.service
         first = await self.read([hit.replicas[0] for hit in found.hits])
         payloads: list[memoryview] = []
         locations: list[BlockLocation] = []

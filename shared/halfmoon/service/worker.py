@@ -52,6 +52,9 @@ class WorkerConfig(DataPlaneConfig):
     local_prefix_cache: bool = field(default=True, metadata={"help": "keep computed blocks in the engine for reuse"})
     layerwise_handoff: bool = field(default=True, metadata={
         "help": "prefill ships each layer's KV as it is computed (else all layers after the last one)"})
+    layerwise_prefix: bool = field(default=True, metadata={
+        "help": "a prefix cached in the pool loads layer by layer while the new tokens compute, where its "
+                "nodes move byte ranges (else it is read whole first)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

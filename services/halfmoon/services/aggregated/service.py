@@ -45,7 +45,8 @@ class AggregatedService(PrefillService):
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
-                                                      kv_blocks=prefix.fetched.payloads, kv_start_block=prefix.local,
+                                                      kv_blocks=[] if prefix.fetched.layers else prefix.fetched.payloads,
+                                                      kv_layers=prefix.fetched.layers, kv_start_block=prefix.local,
                                                       block_keys=self.prompt_keys(req, prefix.keys)):
                     first = cached is None
                     if cached is None:

@@ -17,6 +17,7 @@ from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.service.layer_writer import LayerWriter
 from halfmoon.service.pool_client import Fetched
+from halfmoon.service.prefix_layers import PrefixLayers
 from halfmoon.service.rpc import RECONNECT_GRACE_S
 from halfmoon.service.streaming import token_event
 from halfmoon.service.worker import EngineWorker, WorkerConfig
@@ -69,10 +70,23 @@ class PrefillService(EngineWorker):
         # Local prefix cache first (it keys prompt blocks only); the pool supplies what follows it.
         prompt_blocks = reusable[: len(req.prompt_token_ids) // self.config.block_size]
         local = await self.engine.call(lambda e: e.cached_prefix_blocks(prompt_blocks)) if self.local_cache else 0
-        fetched = await self.pool.fetch_prefix(reusable[local:])
+        fetched = await self.fetch_pooled(reusable[local:])
         METRICS.cache_hit_blocks.labels(self.role.value).inc(local + len(fetched.payloads))
         METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - local - len(fetched.payloads))
         return Prefix(keys, local, fetched)
+
+    async def fetch_pooled(self, keys: list[bytes]) -> Fetched:
+        """The pool's part of the prefix: read layer by layer during the compute where its nodes move
+        byte ranges (``layerwise_prefix``), else whole before it."""
+        found = await self.pool.lookup(keys)
+        if found is None:
+            return Fetched([], [], None)
+        first = [hit.replicas[0] for hit in found.hits]
+        if not (first and self.config.layerwise_prefix and await self.pool.ranged(first)):
+            return await self.pool.read_prefix(found)
+        layers = PrefixLayers(self.pool.layout, first, self.config.block_size, self.transfer, self.tracer, self.log)
+        layers.start()
+        return Fetched(layers.payloads, first, found.lease_id, layers)
 
     def prompt_keys(self, req: PrefillRequest, keys: list[bytes]) -> list[bytes]:
         """The keys the engine caches the prompt's full blocks under (none without a local cache)."""
@@ -101,7 +115,7 @@ class PrefillService(EngineWorker):
         shipping = asyncio.create_task(writer.run(req.tenant))  # its put_start overlaps the compute
         try:
             try:
-                first = await self._compute(req, keys, local, fetched.payloads, writer)
+                first = await self._compute(req, keys, local, fetched, writer)
             except EngineError as exc:
                 await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
                                       req.attempt)
@@ -129,18 +143,20 @@ class PrefillService(EngineWorker):
             await self.pool.release(fetched.lease_id)
 
     async def _compute(self, req: PrefillRequest, keys: list[bytes], local: int,
-                       pooled: list[memoryview], writer: LayerWriter) -> RequestOutput:
+                       fetched: Fetched, writer: LayerWriter) -> RequestOutput:
         assert self.engine is not None
         with self.tracer.start_as_current_span("prefill.compute") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
             span.set_attribute("halfmoon.prompt_tokens", len(req.prompt_token_ids))
             span.set_attribute("halfmoon.blocks_hit_local", local)
-            span.set_attribute("halfmoon.blocks_hit", local + len(pooled))
+            span.set_attribute("halfmoon.blocks_hit", local + len(fetched.payloads))
+            span.set_attribute("halfmoon.prefix_layerwise", fetched.layers is not None)
             outputs = []
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
-                                                      kv_blocks=pooled, kv_start_block=local,
+                                                      kv_blocks=[] if fetched.layers else fetched.payloads,
+                                                      kv_layers=fetched.layers, kv_start_block=local,
                                                       block_keys=self.prompt_keys(req, keys), prefill_only=True,
                                                       layer_sink=writer.sink, stream_from_block=writer.first_block):
                     outputs.append(out)

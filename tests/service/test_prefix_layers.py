@@ -1,0 +1,52 @@
+"""A prefix cached in the pool loads into prefill's engine layer by layer while the new tokens
+compute (service/prefix_layers.py), on the real services and transfer node; a layer that fails
+its MAC makes prefill recompute, never use it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from halfmoon.service.pool_client import Fetched
+
+from tests.service.conftest import Cluster, expected_tokens, running, serve
+
+
+def capture_fetches(cluster: Cluster) -> list[Fetched]:
+    fetched: list[Fetched] = []
+    fetch = cluster.prefill.fetch_pooled
+
+    async def spy(keys: Any) -> Fetched:
+        fetched.append(await fetch(keys))
+        return fetched[-1]
+
+    cluster.prefill.fetch_pooled = spy  # type: ignore[method-assign]
+    return fetched
+
+
+class TestPrefixFromThePool:
+    async def test_a_pooled_prefix_loads_layer_by_layer_and_the_output_is_unchanged(  # type: ignore[no-untyped-def]
+            self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:
+        # no local prefix cache: the second request's prefix can only come from the pool
+        async with running(nats_server, namespace, tiny_model_dir, True, local_prefix_cache=False) as cluster:
+            expected = expected_tokens(tiny_model_dir)
+            assert await serve(nc, namespace, cluster, "r-first") == expected  # its blocks go to the pool
+            fetched = capture_fetches(cluster)
+            assert await serve(nc, namespace, cluster, "r-again") == expected
+            (again,) = fetched
+            assert len(again.locations) == 2 and again.layers is not None  # both full blocks, layer by layer
+            assert await again.layers.wait()  # every layer arrived and passed its MAC
+
+    async def test_a_corrupt_layer_in_the_pool_is_recomputed_not_used(  # type: ignore[no-untyped-def]
+            self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:
+        async with running(nats_server, namespace, tiny_model_dir, True, local_prefix_cache=False) as cluster:
+            expected = expected_tokens(tiny_model_dir)
+            assert await serve(nc, namespace, cluster, "r-first") == expected
+            dram = cluster.node.store.dram  # type: ignore[union-attr]
+            for key, extent in dram.inventory():  # flip the last byte of every block: its last layer
+                with dram.view(key) as view:
+                    view[extent.size - 1] ^= 0xFF
+            fetched = capture_fetches(cluster)
+            assert await serve(nc, namespace, cluster, "r-again") == expected
+            (again,) = fetched
+            assert again.layers is not None and not await again.layers.wait()
