@@ -46,22 +46,25 @@ class TestAggregatedPrefixReuse:
         rng = random.Random(5)
         prefix = [rng.randrange(3, 2000) for _ in range(80)]
         name = model_name(cluster)
-        async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client:
-            usages = []
-            for tail in ([7, 8, 9], [10, 11, 12, 13]):
-                reply = await client.post("/v1/completions", json={"model": name, "prompt": prefix + tail,
-                                                                   "max_tokens": 4, "temperature": 0})
-                assert reply.status_code == 200, reply.text
-                usages.append(reply.json()["usage"])
-        assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 80 // 16 * 16
         nc = await admin_nats(cluster)
+
+        async def pool_blocks() -> int:
+            return (await request(nc, Subjects("e2e").cache("stats"), StatsRequest(), codecs.CACHE_STATS, 10)).blocks
+
         try:
-            deadline = asyncio.get_running_loop().time() + 20
-            stats = await request(nc, Subjects("e2e").cache("stats"), StatsRequest(), codecs.CACHE_STATS, 10)
-            while stats.blocks < 80 // 16 and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.2)
-                stats = await request(nc, Subjects("e2e").cache("stats"), StatsRequest(), codecs.CACHE_STATS, 10)
+            async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client:
+                usages, before = [], await pool_blocks()
+                for tail in ([7, 8, 9], [10, 11, 12, 13]):
+                    reply = await client.post("/v1/completions", json={"model": name, "prompt": prefix + tail,
+                                                                       "max_tokens": 4, "temperature": 0})
+                    assert reply.status_code == 200, reply.text
+                    usages.append(reply.json()["usage"])
+                    # the prompt's blocks are stored while the answer streams, and may land after it ends
+                    deadline = asyncio.get_running_loop().time() + 20
+                    while await pool_blocks() < before + 80 // 16:
+                        assert asyncio.get_running_loop().time() < deadline, "the prompt's full blocks were not stored"
+                        await asyncio.sleep(0.1)
         finally:
             await nc.close()
-        assert stats.blocks >= 80 // 16  # the prompt's full blocks were stored
+        assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 80 // 16 * 16
