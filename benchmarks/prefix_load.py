@@ -39,21 +39,44 @@ from rich.table import Table
 from benchmarks.inproc import model_or_default, nats_server
 
 SECRET = "prefix-load-benchmark-0123456789"
-ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+TWO_TOKENS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # the second from decode
 
 
 async def ttft(nc: Any, ns: str, prefill: PrefillService, decode: DecodeService, prompt: list[int], rid: str) -> float:
-    subjects, first = Subjects(ns), asyncio.Event()
-    sub = await nc.subscribe(subjects.stream(rid), cb=lambda msg: first.set())  # type: ignore[arg-type, return-value]
+    """Time to the first token; returns once the request is done."""
+    subjects, first, done = Subjects(ns), asyncio.Event(), asyncio.Event()
+
+    async def on_event(msg: Any) -> None:
+        first.set()
+        if getattr(codecs.STREAM.decode(msg.data), "finish_reason", None) is not None:
+            done.set()
+
+    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
     start = time.perf_counter()
     await request(nc, subjects.prefill_submit(prefill.instance_id),
-                  PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=ONE_TOKEN,
+                  PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=TWO_TOKENS,
                                  decode_instance=decode.instance_id, stream_subject=subjects.stream(rid),
                                  deadline=time.time() + 300), codecs.SUBMIT_REPLY, 30)
     await asyncio.wait_for(first.wait(), 300)
     elapsed = time.perf_counter() - start
+    await asyncio.wait_for(done.wait(), 300)
     await sub.unsubscribe()
     return elapsed
+
+
+async def until_pooled(prefill: PrefillService, prefix: list[int]) -> None:
+    """Until the pool holds every full block of ``prefix`` (the cold request commits them after its hand-off)."""
+    assert prefill.engine is not None
+    keys = prefill.engine.kv_spec.hasher(None).keys(prefix)[: len(prefix) // prefill.config.block_size]
+    deadline = time.monotonic() + 60
+    while True:
+        found = await prefill.pool.lookup(keys)
+        if found is not None:
+            await prefill.pool.release(found.lease_id)
+            if len(found.hits) == len(keys):
+                return
+        assert time.monotonic() < deadline, "the cold request's blocks never reached the pool"
+        await asyncio.sleep(0.02)
 
 
 async def run(model: str, prefix_tokens: int, new_tokens: int, rounds: int) -> dict[str, list[float]]:
@@ -88,6 +111,7 @@ async def run(model: str, prefix_tokens: int, new_tokens: int, rounds: int) -> d
                 layerwise = i % 2 == 1
                 prefix = draw(prefix_tokens)
                 cold = await ttft(nc, ns, prefill, decode, prefix + draw(new_tokens), f"cold-{i}")
+                await until_pooled(prefill, prefix)
                 prefill.config = dataclasses.replace(prefill.config, layerwise_prefix=layerwise)
                 reads = len(read_s)
                 warm = await ttft(nc, ns, prefill, decode, prefix + draw(new_tokens), f"warm-{i}")

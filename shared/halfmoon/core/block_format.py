@@ -209,6 +209,37 @@ def verify_layer(layout: BlockLayout, payload: Payload, layer: int, key: bytes) 
         return False
 
 
+class LayerVerifier:
+    """Checks one block layer by layer as its bytes land (a layer-wise reader). Its MAC key is
+    derived once, from the salt in the header that arrives with layer 0; the payload's bytes must
+    stay where they are (a preallocated buffer being filled)."""
+
+    def __init__(self, layout: BlockLayout, payload: bytearray, key: bytes, num_tokens: int) -> None:
+        self.layout, self.payload, self.key, self.num_tokens = layout, payload, key, num_tokens
+        self._mac: AESGCM | None = None
+
+    def intact(self, layer: int) -> bool:
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
+        if self._mac is None:
+            try:
+                if _checked(self.layout, self.payload).num_tokens != self.num_tokens:
+                    return False
+            except KVFormatError:
+                return False
+            self._mac = _block_mac(self.layout, self.payload, self.key)
+        size, base, view = self.layout.layer_nbytes(self.num_tokens), self.layout.header_nbytes, memoryview(self.payload)
+        tag = self._mac.encrypt(layer.to_bytes(12, "little"), b"", view[base + layer * size : base + (layer + 1) * size])
+        return hmac.compare_digest(bytes(view[FIXED.size + layer * TAG_BYTES : FIXED.size + (layer + 1) * TAG_BYTES]), tag)
+
+    def body(self) -> torch.Tensor:
+        """The block's KV as ``[layers, 2, tokens, heads, dim]``, a view of the payload: layers that have
+        not landed (or not passed ``intact``) hold whatever the buffer holds."""
+        body = memoryview(self.payload)[self.layout.header_nbytes :]
+        return _as_tensor(self.layout, body, (self.layout.num_layers, 2, self.num_tokens, self.layout.num_kv_heads,
+                                              self.layout.head_dim))
+
+
 def _as_tensor(layout: BlockLayout, body: memoryview, shape: tuple[int, ...]) -> torch.Tensor:
     if not len(body):
         return torch.empty(shape, dtype=layout.dtype)

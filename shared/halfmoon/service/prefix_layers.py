@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
-from halfmoon.core.block_format import BlockLayout, decode_block, verify_layer
+from halfmoon.core.block_format import BlockLayout, LayerVerifier
 from halfmoon.core.layer_plan import layer_ranges
 from halfmoon.engine.layer_import import LayerSource, LayerUnavailable
 from halfmoon.protocol.work import BlockLocation
@@ -41,6 +41,9 @@ class PrefixLayers(LayerSource):
         self.layout, self.blocks, self.block_size = layout, list(blocks), block_size
         self.transfer, self.tracer, self.log, self.wait_s = transfer, tracer, log, wait_s
         self.payloads = [bytearray(loc.size) for loc in self.blocks]
+        self._checks = [LayerVerifier(layout, payload, loc.key or b"", block_size)
+                        for payload, loc in zip(self.payloads, self.blocks)]
+        self._bodies = [check.body() for check in self._checks]  # views: filled in as layers land
         self._arrived = 0  # leading layers in and verified
         self._failure = ""
         self._changed = threading.Condition()
@@ -83,8 +86,8 @@ class PrefixLayers(LayerSource):
             views = await (await self.transfer.transport(address)).read_ranges(ranges)
             for target, view in zip(targets, views):
                 target[:] = view
-        for index, loc in enumerate(self.blocks):
-            if not verify_layer(self.layout, self.payloads[index], layer, loc.key or b""):
+        for index, check in enumerate(self._checks):
+            if not check.intact(layer):
                 raise LayerUnavailable(f"block {index} layer {layer} failed its MAC")
 
     def _advance(self, arrived: int, failure: str) -> None:
@@ -98,7 +101,7 @@ class PrefixLayers(LayerSource):
                 raise LayerUnavailable(f"prefix layer {layer} did not arrive within {self.wait_s} s")
             if self._arrived <= layer:
                 raise LayerUnavailable(f"prefix layer {layer} lost: {self._failure}")
-        return torch.cat([decode_block(self.layout, p)[layer] for p in self.payloads], dim=1)
+        return torch.cat([body[layer] for body in self._bodies], dim=1)
 
     def close(self) -> None:
         if self._task is not None and self._loop is not None and not self._task.done():
