@@ -36,6 +36,7 @@ from benchmarks.pool_throughput import (
 )
 from halfmoon.storage.segment import AttachedSegment
 from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.direct import DirectTransport
 from halfmoon.transfer.local_memory import address_of
 from halfmoon.transfer.mooncake import (
     MooncakeEngine,
@@ -81,10 +82,16 @@ async def shape_cases(address: str, raw: Raw, offer: MooncakeOffer | None, engin
     def memcpy() -> None:
         np.copyto(dest_array, src)
 
+    direct = (await client.paths(address))[0].transport
+    assert isinstance(direct, DirectTransport), "the node is not on this host: no shared-memory path"
+    extents = await direct.locate(keys, caps)  # what a pool lookup answers with each replica
+
     cases: dict[str, Case] = {
         "tcp get": (lambda: tcp.read(keys, caps=caps, into=dest), lambda: raw.get(dest), "raw socket"),
         "tcp put": (lambda: tcp.write(keys, payloads, caps=caps), lambda: raw.put(payloads), "raw socket"),
         "shm get": (lambda: shm.read(keys, caps=caps, into=dest), memcpy, "memcpy"),
+        "shm get (extents from a lookup)": (lambda: shm.read(keys, caps=caps, into=dest, extents=extents), memcpy,
+                                            "memcpy"),
         "shm put": (lambda: shm.write(keys, payloads, caps=caps), memcpy, "memcpy"),
     }
     closers: list[object] = [tcp]

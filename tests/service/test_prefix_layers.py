@@ -50,3 +50,19 @@ class TestPrefixFromThePool:
             assert await serve(nc, namespace, cluster, "r-again") == expected
             (again,) = fetched
             assert again.layers is not None and not await again.layers.wait()
+
+    async def test_a_whole_read_goes_where_the_lookup_said_without_asking_the_node(  # type: ignore[no-untyped-def]
+            self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:
+        from halfmoon.transfer.framing import Op
+
+        async with running(nats_server, namespace, tiny_model_dir, True, local_prefix_cache=False,
+                           layerwise_prefix=False) as cluster:
+            expected = expected_tokens(tiny_model_dir)
+            assert await serve(nc, namespace, cluster, "r-first") == expected
+            server = cluster.node.server
+            assert server is not None
+            fetched, locates = capture_fetches(cluster), server.requests[Op.LOCATE]
+            assert await serve(nc, namespace, cluster, "r-again") == expected
+            (again,) = fetched
+            assert again.layers is None and len(again.payloads) == 2  # read whole, before the compute
+            assert server.requests[Op.LOCATE] == locates  # the lookup's extents were used as they are

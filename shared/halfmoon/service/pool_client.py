@@ -22,8 +22,10 @@ from halfmoon.protocol.cache import Lookup, LookupResult, PutEnd, PutPlan, PutSt
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.service.base import Service
+from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient
+from halfmoon.transfer.framing import MISSING
 from halfmoon.transfer.transport import BlockHook, TransferError
 
 if TYPE_CHECKING:  # NOTE: only workers hold engines; the pool protocol itself needs no torch
@@ -106,10 +108,14 @@ class PoolClient:
         for node, indexes in by_node.items():
             keys = [replicas[i].key or b"" for i in indexes]
             verifier = Verifier(self.layout, keys)
+            # NOTE: where the pool said the bytes are, so a same-host or one-sided read asks the node
+            # nothing; a block that moved since fails its MAC below, like any other damage
+            extents = [Extent(r.offset, r.size) if r.tier is Tier.DRAM else Extent(0, MISSING)
+                       for r in (replicas[i] for i in indexes)]
             try:
                 transport = await self.transfer.transport(node)
                 views = await transport.read(keys, caps=[replicas[i].capability for i in indexes], missing_ok=True,
-                                             check=verifier)
+                                             extents=extents, check=verifier)
             except FAILURES as exc:
                 self.service.log.warning("KV source unreachable", extra={"node": node, "error": str(exc)})
                 continue
