@@ -18,54 +18,27 @@ import asyncio
 import random
 import statistics
 import tempfile
-import time
 from typing import Any
 
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.stream import TokenEvent
-from halfmoon.protocol.subjects import Subjects
-from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service import ServiceHost, request
+from halfmoon.service import ServiceHost
 from halfmoon.service.worker import WorkerConfig
-from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
+from halfmoon.services.cache_manager.service import (
+    CacheManagerConfig,
+    CacheManagerService,
+)
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.inproc import model_or_default, nats_server
+from benchmarks.inproc import model_or_default, nats_server, timed_request
 
 SECRET = "cpp-prefill-benchmark-0123456789abcdef"
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-async def one_round(nc: Any, ns: str, head: PrefillService, decode: DecodeService, prompt: list[int], rid: str,
-                    pipeline: tuple[str, ...]) -> tuple[float, list[int]]:
-    """TTFT (s) and the output tokens."""
-    subjects, done, tokens, first = Subjects(ns), asyncio.Event(), [], []
-
-    async def on_event(msg: Any) -> None:
-        event = codecs.STREAM.decode(msg.data)
-        assert isinstance(event, TokenEvent), event
-        if not first:
-            first.append(time.perf_counter())
-        tokens.extend(event.token_ids)
-        if event.finish_reason is not None:
-            done.set()
-
-    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
-    started = time.perf_counter()
-    await request(nc, subjects.prefill_submit(head.instance_id),
-                  PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=GREEDY,
-                                 decode_instance=decode.instance_id, stream_subject=subjects.stream(rid),
-                                 deadline=time.time() + 600, pipeline=pipeline), codecs.SUBMIT_REPLY, 30)
-    await asyncio.wait_for(done.wait(), 600)
-    await sub.unsubscribe()
-    return first[0] - started, tokens
 
 
 async def run(model: str, prompt_tokens: int, chunk: int, rounds: int) -> dict[str, list[float]]:
@@ -92,8 +65,9 @@ async def run(model: str, prompt_tokens: int, chunk: int, rounds: int) -> dict[s
             for i in range(2 * rounds + 2):  # the first pair warms up
                 mode = "2-stage" if i % 2 else "single"
                 prompt = [rng.randrange(10, 200) for _ in range(prompt_tokens)]
-                ttft, tokens = await one_round(nc, ns, head, decode, prompt, f"bench-{i}",
-                                               (tail.instance_id,) if mode == "2-stage" else ())
+                ttft, tokens = await timed_request(nc, ns, head.instance_id, decode.instance_id, prompt,
+                                                   f"bench-{i}", GREEDY,
+                                                   (tail.instance_id,) if mode == "2-stage" else ())
                 assert tokens == reference.generate([prompt], GREEDY)[0], f"round {i} ({mode}): tokens differ"
                 if i >= 2:
                     results[mode].append(ttft)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
+from halfmoon.protocol import codecs
+from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.protocol.stream import TokenEvent
+from halfmoon.protocol.subjects import Subjects
+from halfmoon.protocol.work import PrefillRequest
+from halfmoon.service import request
 
 
 @contextlib.contextmanager
@@ -34,3 +43,29 @@ def model_or_default(model: str | None, tmp: str) -> str:
     from halfmoon.cli.model_tools import make_tiny_model
 
     return str(make_tiny_model(Path(tmp) / "model", hidden_size=512, layers=16, heads=8, kv_heads=8))
+
+
+async def timed_request(nc: Any, ns: str, prefill: str, decode: str, prompt: list[int], rid: str,
+                        sampling: SamplingParams, pipeline: tuple[str, ...] = ()) -> tuple[float, list[int]]:
+    """Submit ``prompt`` to instance ``prefill`` (handing off to ``decode``), as the gateway would; the
+    time to its first token (s) and every output token, once the request is done."""
+    subjects, done, tokens, first = Subjects(ns), asyncio.Event(), [], []
+
+    async def on_event(msg: Any) -> None:
+        event = codecs.STREAM.decode(msg.data)
+        assert isinstance(event, TokenEvent), event
+        if not first:
+            first.append(time.perf_counter())
+        tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            done.set()
+
+    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
+    started = time.perf_counter()
+    await request(nc, subjects.prefill_submit(prefill),
+                  PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=sampling,
+                                 decode_instance=decode, stream_subject=subjects.stream(rid),
+                                 deadline=time.time() + 600, pipeline=pipeline), codecs.SUBMIT_REPLY, 30)
+    await asyncio.wait_for(done.wait(), 600)
+    await sub.unsubscribe()
+    return first[0] - started, tokens

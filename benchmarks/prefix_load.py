@@ -22,13 +22,13 @@ import tempfile
 import time
 from typing import Any
 
-from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.subjects import Subjects
-from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service import ServiceHost, request
+from halfmoon.service import ServiceHost
 from halfmoon.service.worker import WorkerConfig
-from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
+from halfmoon.services.cache_manager.service import (
+    CacheManagerConfig,
+    CacheManagerService,
+)
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
@@ -36,32 +36,10 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from benchmarks.inproc import model_or_default, nats_server
+from benchmarks.inproc import model_or_default, nats_server, timed_request
 
 SECRET = "prefix-load-benchmark-0123456789"
 TWO_TOKENS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # the second from decode
-
-
-async def ttft(nc: Any, ns: str, prefill: PrefillService, decode: DecodeService, prompt: list[int], rid: str) -> float:
-    """Time to the first token; returns once the request is done."""
-    subjects, first, done = Subjects(ns), asyncio.Event(), asyncio.Event()
-
-    async def on_event(msg: Any) -> None:
-        first.set()
-        if getattr(codecs.STREAM.decode(msg.data), "finish_reason", None) is not None:
-            done.set()
-
-    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
-    start = time.perf_counter()
-    await request(nc, subjects.prefill_submit(prefill.instance_id),
-                  PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=TWO_TOKENS,
-                                 decode_instance=decode.instance_id, stream_subject=subjects.stream(rid),
-                                 deadline=time.time() + 300), codecs.SUBMIT_REPLY, 30)
-    await asyncio.wait_for(first.wait(), 300)
-    elapsed = time.perf_counter() - start
-    await asyncio.wait_for(done.wait(), 300)
-    await sub.unsubscribe()
-    return elapsed
 
 
 async def until_pooled(prefill: PrefillService, prefix: list[int]) -> None:
@@ -105,16 +83,18 @@ async def run(model: str, prefix_tokens: int, new_tokens: int, rounds: int) -> d
             prefill.pool.read_prefix = timed_read  # type: ignore[method-assign]
             nc = await nats.connect(url)
             rng = random.Random(0)
-            draw = lambda n: [rng.randrange(10, 2000) for _ in range(n)]  # noqa: E731
+            draw = lambda n: [rng.randrange(10, 2000) for _ in range(n)]
             out: dict[str, list[float]] = {"whole": [], "layer-wise": [], "cold": [], "whole read": []}
             for i in track(range(2 * rounds + 2), description="cold, then warm (whole / layer-wise)"):
                 layerwise = i % 2 == 1
                 prefix = draw(prefix_tokens)
-                cold = await ttft(nc, ns, prefill, decode, prefix + draw(new_tokens), f"cold-{i}")
+                cold, _ = await timed_request(nc, ns, prefill.instance_id, decode.instance_id,
+                                              prefix + draw(new_tokens), f"cold-{i}", TWO_TOKENS)
                 await until_pooled(prefill, prefix)
                 prefill.config = dataclasses.replace(prefill.config, layerwise_prefix=layerwise)
                 reads = len(read_s)
-                warm = await ttft(nc, ns, prefill, decode, prefix + draw(new_tokens), f"warm-{i}")
+                warm, _ = await timed_request(nc, ns, prefill.instance_id, decode.instance_id,
+                                              prefix + draw(new_tokens), f"warm-{i}", TWO_TOKENS)
                 assert (len(read_s) == reads) == layerwise, "the warm prefix did not load as configured"
                 if i >= 2:  # the first pair warms up
                     out["cold"].append(cold)
