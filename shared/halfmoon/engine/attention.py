@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from halfmoon.engine.decode_kernel import DecodeBatch, DecodeKernel
 
 
 class PagedKVCache:
@@ -70,10 +71,12 @@ class SeqAttention(NamedTuple):
 
 
 class AttentionBatch(NamedTuple):
-    """Where this step's tokens go (``slots[t]`` for flattened token ``t``) and what each sequence reads."""
+    """Where this step's tokens go (``slots[t]`` for flattened token ``t``) and what each sequence reads;
+    ``decode`` the step's one-query sequences for the batched decode kernel (None: SDPA for all)."""
 
     slots: torch.Tensor
     seqs: list[SeqAttention]
+    decode: DecodeBatch | None = None
 
 
 def _context(cache: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -85,11 +88,17 @@ def _context(cache: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.T
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """``q`` is ``[tokens, heads, dim]`` in flattened step order; returns ``[tokens, heads * dim]``."""
+                    batch: AttentionBatch, scale: float, kernel: DecodeKernel | None = None) -> torch.Tensor:
+    """``q`` is ``[tokens, heads, dim]`` in flattened step order; returns ``[tokens, heads * dim]``.
+    With ``kernel`` and ``batch.decode``, every one-query sequence is served by one kernel call."""
     kv_heads, dim = k_cache.shape[0], q.shape[-1]
-    outs = []
+    decoded = kernel(q, k_cache, v_cache, batch.decode, scale) if kernel and batch.decode is not None else None
+    outs, next_decoded = [], 0
     for seq in batch.seqs:
+        if seq.query_len == 1 and decoded is not None:
+            outs.append(decoded[next_decoded:next_decoded + 1])
+            next_decoded += 1
+            continue
         k, v = _context(k_cache, seq.spans), _context(v_cache, seq.spans)
         if seq.query_len == 1:
             # One query sees every key: its heads sharing a KV head become that head's query rows,

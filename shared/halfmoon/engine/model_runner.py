@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 import torch
 from halfmoon.engine.attention import AttentionBatch, PagedKVCache, SeqAttention, paged_attention
 from halfmoon.engine.block_manager import BlockManager
+from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.scheduler import ScheduledChunk
 from halfmoon.engine.weights import Projection, serving_layers
@@ -48,6 +49,7 @@ class ModelRunner:
         if self.lm_head.packed and head.weight is not model.get_input_embeddings().weight:
             model.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
         self.layer_hook = LayerHook()
+        self.decode_kernel = decode_kernel() if self.device.type == "cpu" else None
 
     def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         """Token ids, positions, attention layout and the rows whose logits are sampled."""
@@ -72,7 +74,8 @@ class ModelRunner:
         # One host-to-device copy for everything per-token.
         packed = torch.tensor([ids, positions, slots], dtype=torch.long).to(self.device)
         last = torch.tensor(sampled, dtype=torch.long).to(self.device)
-        return packed[0], packed[1], AttentionBatch(packed[2], seqs), last
+        decode = DecodeBatch.of(seqs) if self.decode_kernel is not None else None
+        return packed[0], packed[1], AttentionBatch(packed[2], seqs, decode), last
 
     @torch.inference_mode()
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
@@ -113,7 +116,7 @@ class ModelRunner:
             self.layer_hook.before_layer(index, chunks, self.cache)
             self.cache.write(index, batch.slots, k, v)
             k_cache, v_cache = self.cache.layer(index)
-            out = paged_attention(q, k_cache, v_cache, batch, layer.scaling)
+            out = paged_attention(q, k_cache, v_cache, batch, layer.scaling, self.decode_kernel)
             self.layer_hook.after_layer(index, chunks, self.cache)
             hidden = residual + layer.o(out)
             gate_up = layer.gate_up(layer.post_norm(hidden))
