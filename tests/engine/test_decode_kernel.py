@@ -53,6 +53,21 @@ class TestAgainstSdpa:
         assert fast.shape == slow.shape == (len(batch.slots), heads * dim)
         torch.testing.assert_close(fast.float(), slow.float(), atol=tolerance, rtol=tolerance)
 
+    def test_engines_on_several_threads_may_call_it_at_once(self, kernel) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(seed: int) -> bool:
+            gen = torch.Generator().manual_seed(seed)
+            k_cache, v_cache = torch.randn(3, 2048, 64, generator=gen), torch.randn(3, 2048, 64, generator=gen)
+            batch = batch_of([((0, 300 + seed),), ((500, 1500 + seed),)])
+            q = torch.randn(len(batch.slots), 9, 64, generator=gen)
+            expected = paged_attention(q, k_cache, v_cache, batch._replace(decode=None), 0.125)
+            return all(torch.allclose(paged_attention(q, k_cache, v_cache, batch, 0.125, kernel), expected, atol=1e-5)
+                       for _ in range(20))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(one, range(8)))
+
     def test_shapes_it_does_not_take_are_left_to_sdpa(self, kernel) -> None:
         batch = batch_of([((0, 10),)])
         assert kernel(torch.randn(1, 34, 8), torch.randn(2, 16, 8), torch.randn(2, 16, 8), batch.decode, 1.0) is None

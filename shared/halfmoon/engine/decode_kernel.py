@@ -68,7 +68,6 @@ class DecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.decode_attention
         self._run.restype = ctypes.c_int
-        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
                  scale: float) -> torch.Tensor | None:
@@ -78,15 +77,14 @@ class DecodeKernel:
         n, heads, dim = queries.shape
         kv_heads, slots, _ = k_cache.shape
         threads = torch.get_num_threads()
-        need = threads * (heads // kv_heads) * batch.max_context
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
+        # NOTE: per call: engines in one process (a test cluster) call one kernel from several threads
+        scratch = torch.empty(threads * (heads // kv_heads) * batch.max_context, dtype=torch.float32)
         out = torch.empty_like(queries)
         pointer = ctypes.c_void_p
         failed = self._run(DTYPES[q.dtype], pointer(queries.data_ptr()), pointer(k_cache.data_ptr()),
                            pointer(v_cache.data_ptr()), pointer(out.data_ptr()), n, heads, kv_heads, dim,
                            ctypes.c_long(slots), pointer(batch.spans.data_ptr()), pointer(batch.offsets.data_ptr()),
-                           ctypes.c_float(scale), pointer(self._scratch.data_ptr()),
+                           ctypes.c_float(scale), pointer(scratch.data_ptr()),
                            ctypes.c_long(batch.max_context), threads)
         return None if failed else out.view(n, heads * dim)
 
