@@ -11,6 +11,7 @@ else is read whole before the compute (``PoolClient.fetch_prefix``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import defaultdict
@@ -105,7 +106,8 @@ class PrefixLayers(LayerSource):
 
     def close(self) -> None:
         if self._task is not None and self._loop is not None and not self._task.done():
-            self._loop.call_soon_threadsafe(self._task.cancel)
+            with contextlib.suppress(RuntimeError):  # the loop already closed (shutdown): nothing left to stop
+                self._loop.call_soon_threadsafe(self._task.cancel)
 
     async def wait(self) -> bool:
         """Until the reads end (the engine is done with this source); whether every layer arrived."""
