@@ -161,11 +161,13 @@ class TestDecodeStalled:
 
 class TestNatsRestarted:
     def test_a_short_outage_cuts_no_stream(self, cluster: LocalCluster) -> None:
-        resumes = gateway_counter(cluster, "halfmoon_stream_resumes_total")
         # long streams: the outage certainly falls inside generation, where tokens stop arriving
         outcomes, at = under_load(cluster, lambda: restart_nats(cluster, down_s=3.0), after=4, max_tokens=240)
         assert_nothing_lost(outcomes)
-        assert gateway_counter(cluster, "halfmoon_stream_resumes_total") > resumes  # quiet streams asked to re-send
+        # streams were cut by the outage: they started before it and ended after NATS was back
+        assert [o for o in outcomes if o.status == "ok" and o.started < at and o.ended > at + 3.0]
+        # (whether a stream had to be asked to re-send depends on which side reconnected first: the
+        # resume path has its own tests)
         engines = {f"{role}-{i}" for role in ("prefill", "decode") for i in range(2)}
         assert engines <= set(heartbeats(cluster, 1.0))  # nobody was declared dead and left
 

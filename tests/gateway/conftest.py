@@ -18,7 +18,7 @@ async def conductor(nats_server, namespace) -> AsyncIterator[ConductorService]:
         nats_url=nats_server.url,
         namespace=namespace,
         heartbeat_interval_s=0.1,
-        instance_timeout_s=0.5,
+        instance_timeout_s=1.5,  # 15 beats: a loaded CI machine delayed some past 0.5 s (a live instance then looked dead)
         sweep_interval_s=0.05,
         retry_after_s=2.0,
     )
