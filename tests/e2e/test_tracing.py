@@ -12,8 +12,10 @@ from halfmoon.telemetry.jsonl import read_spans
 from tests.e2e.conftest import AUTH, model_name
 
 
-def spans_of_request(cluster: LocalCluster, request_id: str, deadline_s: float = 30.0) -> list[dict]:
-    """Poll the span file until the request's trace holds every request-path service (or fail)."""
+def spans_of_request(cluster: LocalCluster, request_id: str, deadline_s: float = 30.0,
+                     names: frozenset[str] = frozenset()) -> list[dict]:
+    """Poll the span file until the request's trace holds every request-path service and the spans
+    ``names`` (or fail): each service exports its spans in its own batches, some after the reply."""
     end = time.monotonic() + deadline_s
     services: set[str] = set()
     while time.monotonic() < end:
@@ -23,10 +25,10 @@ def spans_of_request(cluster: LocalCluster, request_id: str, deadline_s: float =
             trace_id = roots[0]["trace_id"]
             ours = [s for s in spans if s["trace_id"] == trace_id]
             services = {s["service"] for s in ours}
-            if services >= set(REQUEST_PATH):
+            if services >= set(REQUEST_PATH) and names <= {s["name"] for s in ours}:
                 return ours
         time.sleep(0.2)
-    raise AssertionError(f"trace of {request_id} only has spans from {sorted(services)}")
+    raise AssertionError(f"trace of {request_id} only has spans from {sorted(services)}, wanted {sorted(names)} too")
 
 
 class TestOneTracePerRequest:
@@ -35,7 +37,8 @@ class TestOneTracePerRequest:
                            json={"model": model_name(cluster_2p2d), "prompt": "trace me " * 10, "max_tokens": 6,
                                  "temperature": 0})
         assert reply.status_code == 200
-        spans = spans_of_request(cluster_2p2d, reply.headers["x-request-id"])
+        expected = frozenset({"prefill.compute", "prefill.kv_write", "decode.kv_read", "decode.generate"})
+        spans = spans_of_request(cluster_2p2d, reply.headers["x-request-id"], names=expected)
         by_id = {s["span_id"]: s for s in spans}
         roots = [s for s in spans if s["parent_id"] is None]
         assert len(roots) == 1 and roots[0]["service"] == "gateway"
@@ -43,8 +46,7 @@ class TestOneTracePerRequest:
             if span["parent_id"] is not None:
                 parent = by_id[span["parent_id"]]
                 assert parent["start_ns"] <= span["start_ns"]
-        names = {s["name"] for s in spans}
-        assert {"prefill.compute", "prefill.kv_write", "decode.kv_read", "decode.generate"} <= names
+        assert expected <= {s["name"] for s in spans}
         transfer = [s for s in spans if s["service"] == "transfer"]
         assert {by_id[s["parent_id"]]["service"] for s in transfer} >= {"prefill", "decode"}
 
