@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
 from halfmoon.core.block_format import BlockLayout, encode_block
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import (
