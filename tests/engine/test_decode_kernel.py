@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from halfmoon.engine import decode_kernel as kernels
+from halfmoon.engine import native
 from halfmoon.engine.attention import AttentionBatch, SeqAttention, paged_attention
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.protocol.sampling import SamplingParams
@@ -88,14 +89,18 @@ class TestEngine:
 
 class TestFallback:
     def test_switched_off_or_without_a_compiler_it_is_none(self, monkeypatch, tmp_path: Path) -> None:
-        decode_kernel.cache_clear()
+        def fresh() -> kernels.DecodeKernel | None:
+            decode_kernel.cache_clear()
+            native.library.cache_clear()
+            return decode_kernel()
+
         try:
             monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "0")
-            assert decode_kernel() is None
-            decode_kernel.cache_clear()
+            assert fresh() is None
             monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "1")
             monkeypatch.setenv("CC", "no-such-compiler")
             monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path))
-            assert decode_kernel() is None and not list(tmp_path.iterdir())
+            assert fresh() is None and not list(tmp_path.iterdir())
         finally:
-            decode_kernel.cache_clear()
+            monkeypatch.undo()
+            fresh()

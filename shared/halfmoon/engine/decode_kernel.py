@@ -5,37 +5,24 @@ few microseconds of work. At batch 8 those calls are a third of a decode step. T
 (``kernels/decode_attention.c``) serves every decode sequence of a step in one call, with the
 sequences and KV heads spread over torch's own OpenMP threads.
 
-It is built with the system's C compiler (``$CC``, else ``cc``) for this CPU and cached under
-``$HALFMOON_KERNEL_DIR`` (default ``~/.cache/halfmoon/kernels``), keyed by its source, flags,
-compiler and CPU. It is used for CPU tensors in float32 or bfloat16. Without a compiler, when the
-build fails, or with ``HALFMOON_DECODE_KERNEL=0``, attention stays on SDPA (logged once).
+It is built on first use (engine/native.py) and used for CPU tensors in float32 or bfloat16. Without
+a compiler, when the build fails, or with ``HALFMOON_DECODE_KERNEL=0``, attention stays on SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from halfmoon.engine import native
 
 if TYPE_CHECKING:
     from halfmoon.engine.attention import SeqAttention
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
-# fast-math without finite-math-only: the kernel starts its running maxima at -FLT_MAX, never relies on inf
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-         "-fopenmp", "-shared", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-log = logging.getLogger(__name__)
 
 
 class DecodeBatch(NamedTuple):
@@ -92,42 +79,5 @@ class DecodeKernel:
 @cache
 def decode_kernel() -> DecodeKernel | None:
     """The kernel, built or taken from the cache; None where it cannot be (the reason is logged once)."""
-    if os.environ.get("HALFMOON_DECODE_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        return DecodeKernel(ctypes.CDLL(str(_built())))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("decode attention kernel unavailable, using SDPA: %s", exc)
-        return None
-
-
-def _built() -> Path:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise RuntimeError("no C compiler (set CC, or install gcc)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode() + version.encode() + _cpu().encode()).hexdigest()
-    folder = Path(os.environ.get("HALFMOON_KERNEL_DIR") or Path.home() / ".cache" / "halfmoon" / "kernels")
-    target = folder / f"decode_attention-{key[:16]}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:  # NOTE: built aside, then renamed: concurrent builds agree
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                text=True, timeout=300)
-        if result.returncode:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)
-    return target
-
-
-def _cpu() -> str:
-    """What -march=native depends on: the CPU's model and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        import platform
-
-        return platform.processor()
+    library = native.library("decode_attention", "HALFMOON_DECODE_KERNEL")
+    return DecodeKernel(library) if library is not None else None

@@ -14,9 +14,9 @@ from halfmoon.engine.attention import AttentionBatch, PagedKVCache, SeqAttention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.hooks import LayerHook
+from halfmoon.engine.layer_ops import layer_ops
 from halfmoon.engine.scheduler import ScheduledChunk
 from halfmoon.engine.weights import Projection, serving_layers
-from transformers.models.llama.modeling_llama import rotate_half
 
 
 def _spans(runs: list[list[int]], block_size: int, context: int) -> tuple[tuple[int, int], ...]:
@@ -50,6 +50,7 @@ class ModelRunner:
             model.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
         self.layer_hook = LayerHook()
         self.decode_kernel = decode_kernel() if self.device.type == "cpu" else None
+        self.layer_ops = layer_ops(self.device)
 
     def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         """Token ids, positions, attention layout and the rows whose logits are sampled."""
@@ -103,23 +104,25 @@ class ModelRunner:
         cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
         tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        ops = self.layer_ops
+        normed = ops.norm(self.layers[layers.start].input_norm, hidden)
         for index in layers:
             layer = self.layers[index]
-            residual = hidden
-            qkv = layer.qkv(layer.input_norm(hidden)).view(tokens, heads + 2 * kv_heads, self.head_dim)
+            qkv = layer.qkv(normed).view(tokens, heads + 2 * kv_heads, self.head_dim)
             if layer.q_norm is not None:
                 qkv = torch.cat([layer.q_norm(qkv[:, :heads]), layer.k_norm(qkv[:, heads:heads + kv_heads]),
                                  qkv[:, heads + kv_heads:]], dim=1)
-            qk = qkv[:, :heads + kv_heads]  # one rotation for the query and key heads together
-            qk = qk * cos + rotate_half(qk) * sin
+            qk = ops.rotate(qkv[:, :heads + kv_heads], cos, sin)  # one rotation for the query and key heads
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
             self.layer_hook.before_layer(index, chunks, self.cache)
             self.cache.write(index, batch.slots, k, v)
             k_cache, v_cache = self.cache.layer(index)
             out = paged_attention(q, k_cache, v_cache, batch, layer.scaling, self.decode_kernel)
             self.layer_hook.after_layer(index, chunks, self.cache)
-            hidden = residual + layer.o(out)
-            gate_up = layer.gate_up(layer.post_norm(hidden))
-            half = gate_up.shape[-1] // 2
-            hidden = hidden + layer.down(layer.act(gate_up[:, :half]) * gate_up[:, half:])
+            hidden, normed = ops.add_norm(layer.post_norm, hidden, layer.o(out))
+            mlp = layer.down(ops.act_mul(layer.act, layer.gate_up(normed)))
+            if index + 1 < layers.stop:
+                hidden, normed = ops.add_norm(self.layers[index + 1].input_norm, hidden, mlp)
+            else:
+                hidden = hidden + mlp
         return hidden

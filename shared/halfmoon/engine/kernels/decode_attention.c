@@ -11,20 +11,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
-
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
-}
 
 static inline void load_row(int bf16, const void *base, long index, int dim, float *out) {
     if (bf16) {

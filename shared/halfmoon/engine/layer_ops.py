@@ -1,0 +1,112 @@
+"""The elementwise math of a decoder layer: RMSNorm, residual adds, rotary embedding, SiLU-and-multiply.
+
+In PyTorch each is several operators (RMSNorm alone converts to float32, squares, averages, scales and
+converts back), each a pass over the step's rows and, at a decode step's few rows, mostly dispatch.
+On a CPU in bfloat16 a C kernel (``kernels/layer_ops.c``) does each in one pass, rounding every
+intermediate through bfloat16 where PyTorch stores one, so the result is what transformers' modules
+compute. Elsewhere (float32, CUDA, modules it does not know, no C compiler,
+``HALFMOON_LAYER_OPS_KERNEL=0``) the modules themselves run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+from halfmoon.engine import native
+from transformers.models.llama.modeling_llama import rotate_half
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+# Norms whose forward is LlamaRMSNorm's: float32 mean of squares, rsqrt, scale, weight times bfloat16.
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+SILUS = frozenset({"SiLU", "SiLUActivation"})
+
+
+class LayerOps:
+    """Contract: every method returns what the given transformers module (or the reference formula)
+    returns for the same input, bit for bit; inputs are ``[tokens, ...]`` rows of the step."""
+
+    def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    def add_norm(self, module: torch.nn.Module, residual: torch.Tensor,
+                 delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + delta, module(residual + delta))``; ``residual`` is left as it was."""
+        total = residual + delta
+        return total, module(total)
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``qk`` ``[tokens, heads, dim]`` by ``cos``/``sin`` ``[tokens, 1, dim]``;
+        may write into ``qk``, whose storage the caller gives up."""
+        return qk * cos + rotate_half(qk) * sin
+
+    def act_mul(self, act: Activation, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` for ``gate_up`` ``[tokens, 2 * half]``, the gate half first."""
+        half = gate_up.shape[-1] // 2
+        return act(gate_up[:, :half]) * gate_up[:, half:]
+
+
+class NativeLayerOps(LayerOps):
+    """The C kernel's one-pass forms, for CPU bfloat16 rows of the norms and activation it knows."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rms_norm, self._rotary, self._silu_mul = library.rms_norm, library.rotary, library.silu_mul
+        for function in (self._rms_norm, self._rotary, self._silu_mul):
+            function.restype = None
+
+    def _norm_into(self, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                   total: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(x)
+        rows, dim = x.shape
+        self._rms_norm(_ptr(x), _ptr(residual), _ptr(total), _ptr(module.weight), _ptr(out), ctypes.c_long(rows),
+                       dim, ctypes.c_float(module.variance_epsilon), torch.get_num_threads())
+        return out
+
+    def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not (_fits(x) and _known_norm(module)):
+            return super().norm(module, x)
+        return self._norm_into(module, x, None, None)
+
+    def add_norm(self, module: torch.nn.Module, residual: torch.Tensor,
+                 delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (_fits(residual) and _fits(delta) and _known_norm(module)):
+            return super().add_norm(module, residual, delta)
+        total = torch.empty_like(residual)
+        return total, self._norm_into(module, delta, residual, total)
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        tokens, heads, dim = qk.shape
+        if (qk.dtype != torch.bfloat16 or qk.device.type != "cpu" or qk.stride(2) != 1 or qk.stride(1) != dim
+                or dim % 2 or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != qk.dtype):
+            return super().rotate(qk, cos, sin)
+        self._rotary(_ptr(qk), ctypes.c_long(qk.stride(0)), _ptr(cos), _ptr(sin), ctypes.c_long(tokens), heads,
+                     dim, torch.get_num_threads())
+        return qk
+
+    def act_mul(self, act: Activation, gate_up: torch.Tensor) -> torch.Tensor:
+        if not _fits(gate_up) or type(act).__name__ not in SILUS:
+            return super().act_mul(act, gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(_ptr(gate_up), _ptr(out), ctypes.c_long(rows), ctypes.c_long(width // 2),
+                       torch.get_num_threads())
+        return out
+
+
+def layer_ops(device: torch.device) -> LayerOps:
+    """The kernel's forms on a CPU where the kernel builds, else the modules'."""
+    library = native.library("layer_ops", "HALFMOON_LAYER_OPS_KERNEL") if device.type == "cpu" else None
+    return NativeLayerOps(library) if library is not None else LayerOps()
+
+
+def _known_norm(module: torch.nn.Module) -> bool:
+    return type(module).__name__ in RMS_NORMS and _fits(module.weight[None])
+
+
+def _fits(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+
+
+def _ptr(x: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(x.data_ptr() if x is not None else None)

@@ -1,0 +1,133 @@
+"""The C kernel's one-pass layer math against transformers' modules, on bfloat16 rows of several
+sizes; the fallbacks to the modules; and an engine's logits with the kernel on and off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from halfmoon.engine import layer_ops as ops_module
+from halfmoon.engine import native
+from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps, layer_ops
+from halfmoon.protocol.sampling import SamplingParams
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+from tests.engine.conftest import make_engine, random_prompts
+
+BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 values
+ROWS = [1, 7, 300]
+
+
+@pytest.fixture(scope="module")
+def native_ops() -> NativeLayerOps:
+    ops = layer_ops(torch.device("cpu"))
+    if not isinstance(ops, NativeLayerOps):
+        pytest.skip("no C compiler here: the engine uses the modules (the fallback is tested below)")
+    return ops
+
+
+def rows_of(rows: int, width: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return (torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def rms_norm(dim: int) -> LlamaRMSNorm:
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    norm.weight.data = rows_of(1, dim, seed=dim, scale=1.0)[0]
+    return norm.to(torch.bfloat16)
+
+
+def assert_within_an_ulp_rarely(fast: torch.Tensor, slow: torch.Tensor) -> None:
+    """The norm's mean of squares is summed in another order than PyTorch's: a row's scale may differ
+    in its last float32 bit, which moves an element by one bfloat16 step, rarely."""
+    differ = fast != slow
+    assert differ.float().mean() < 0.01
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=BF16_ULP, atol=0.0)
+
+
+class TestAgainstTheModules:
+    @pytest.mark.parametrize("rows", ROWS)
+    def test_rms_norm(self, native_ops, rows) -> None:
+        norm, x = rms_norm(576), rows_of(rows, 576, seed=rows)
+        assert_within_an_ulp_rarely(native_ops.norm(norm, x), norm(x))
+
+    @pytest.mark.parametrize("rows", ROWS)
+    def test_add_then_norm(self, native_ops, rows) -> None:
+        norm, residual, delta = rms_norm(576), rows_of(rows, 576, seed=1), rows_of(rows, 576, seed=2)
+        before = residual.clone()
+        total, normed = native_ops.add_norm(norm, residual, delta)
+        assert torch.equal(total, residual + delta)
+        assert torch.equal(residual, before)
+        assert_within_an_ulp_rarely(normed, norm(residual + delta))
+
+    @pytest.mark.parametrize("rows", ROWS)
+    def test_rotary_on_a_view_of_the_fused_projection(self, native_ops, rows) -> None:
+        heads, kv_heads, dim = 9, 3, 64
+        rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, head_dim=dim))
+        qkv = rows_of(rows, (heads + 2 * kv_heads) * dim, seed=rows).view(rows, heads + 2 * kv_heads, dim)
+        cos, sin = rotary(qkv, torch.arange(1000, 1000 + rows)[None])
+        cos, sin = cos.to(torch.bfloat16)[0, :, None, :], sin.to(torch.bfloat16)[0, :, None, :]
+        expected = LayerOps().rotate(qkv[:, :heads + kv_heads], cos, sin)
+        values = qkv[:, heads + kv_heads:].clone()
+        rotated = native_ops.rotate(qkv[:, :heads + kv_heads], cos, sin)
+        assert torch.equal(rotated, expected)
+        assert torch.equal(qkv[:, heads + kv_heads:], values)  # the value heads are not touched
+
+    @pytest.mark.parametrize("rows", ROWS)
+    def test_silu_and_multiply(self, native_ops, rows) -> None:
+        gate_up = rows_of(rows, 2 * 1536, seed=rows, scale=6.0)
+        gate_up[0, :8] = torch.tensor([-100.0, -90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0])  # exp's range ends
+        silu = ACT2FN["silu"]
+        assert torch.equal(native_ops.act_mul(silu, gate_up), LayerOps().act_mul(silu, gate_up))
+
+
+class TestFallback:
+    def test_what_the_kernel_does_not_know_is_left_to_the_modules(self, native_ops) -> None:
+        x = rows_of(5, 64, seed=3)
+        layer_norm = torch.nn.LayerNorm(64).to(torch.bfloat16)
+        assert torch.equal(native_ops.norm(layer_norm, x), layer_norm(x))
+        norm32 = rms_norm(64).float()
+        assert torch.equal(native_ops.norm(norm32, x.float()), norm32(x.float()))
+        gelu = torch.nn.GELU()
+        assert torch.equal(native_ops.act_mul(gelu, x), LayerOps().act_mul(gelu, x))
+
+    def test_switched_off_or_without_a_compiler_it_is_the_modules(self, monkeypatch, tmp_path: Path) -> None:
+        try:
+            monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "0")
+            native.library.cache_clear()
+            assert type(layer_ops(torch.device("cpu"))) is LayerOps
+            monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "1")
+            monkeypatch.setenv("CC", "no-such-compiler")
+            monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path))
+            native.library.cache_clear()
+            assert type(ops_module.layer_ops(torch.device("cpu"))) is LayerOps and not list(tmp_path.iterdir())
+        finally:
+            monkeypatch.undo()
+            native.library.cache_clear()
+
+
+def greedy_with_logprobs(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    results: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id][0].extend(out.new_token_ids)
+            results[out.request_id][1].extend(out.new_logprobs)
+    return list(results.values())
+
+
+class TestEngine:
+    def test_bfloat16_tokens_and_logprobs_with_the_kernel_match_the_modules(self, native_ops, tiny_llama: Path) -> None:
+        prompts = random_prompts(1000, [5, 40, 77], seed=4)
+        with_kernel = make_engine(tiny_llama, dtype="bfloat16")
+        assert isinstance(with_kernel.runner.layer_ops, NativeLayerOps)
+        without = make_engine(tiny_llama, dtype="bfloat16")
+        without.runner.layer_ops = LayerOps()
+        fast, slow = greedy_with_logprobs(with_kernel, prompts), greedy_with_logprobs(without, prompts)
+        for (fast_tokens, fast_logprobs), (slow_tokens, slow_logprobs) in zip(fast, slow, strict=True):
+            assert fast_tokens == slow_tokens
+            torch.testing.assert_close(torch.tensor(fast_logprobs), torch.tensor(slow_logprobs), rtol=0.05, atol=0.05)
