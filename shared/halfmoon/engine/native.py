@@ -58,7 +58,7 @@ def built(source: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # NOTE: built aside, then renamed: concurrent builds agree
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(source), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(source), "-lm"], check=False, capture_output=True,
                                 text=True, timeout=300)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
