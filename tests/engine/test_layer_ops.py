@@ -120,6 +120,17 @@ def greedy_with_logprobs(engine, prompts: list[list[int]]) -> list[tuple[list[in
     return list(results.values())
 
 
+class TestBuild:
+    def test_every_kernel_is_built_once_into_the_cache(self, native_ops, monkeypatch, tmp_path: Path) -> None:
+        monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path))
+        first = native.build_all()
+        assert sorted(path.name.split("-")[0] for path in first) == sorted(
+            source.stem for source in native.KERNELS.glob("*.c"))
+        stamps = [path.stat().st_mtime_ns for path in first]
+        assert native.build_all() == first and [path.stat().st_mtime_ns for path in first] == stamps
+        assert sorted(tmp_path.iterdir()) == sorted(first)  # no leftovers of the builds
+
+
 class TestEngine:
     def test_bfloat16_tokens_and_logprobs_with_the_kernel_match_the_modules(self, native_ops, tiny_llama: Path) -> None:
         prompts = random_prompts(1000, [5, 40, 77], seed=4)

@@ -5,6 +5,7 @@ and cached under ``$HALFMOON_KERNEL_DIR`` (default ``~/.cache/halfmoon/kernels``
 source, flags, compiler and CPU. The kernels run on the OpenMP runtime torch has already loaded
 (libgomp.so.1), so torch and they share one thread pool. Without a compiler, when a build fails,
 or when its switch variable is ``0``, a kernel is None and its caller keeps to PyTorch (logged once).
+``python -m halfmoon.engine.native`` builds them all ahead and prints where they are.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def built(source: Path) -> Path:
     return target
 
 
+def build_all() -> list[Path]:
+    """Every kernel in the cache, built where missing: what an image or a shared directory can hold ahead."""
+    return [built(source) for source in sorted(KERNELS.glob("*.c"))]
+
+
 def _cpu() -> str:
     """What -march=native depends on: the CPU's model and flags."""
     try:
@@ -76,3 +82,8 @@ def _cpu() -> str:
         import platform
 
         return platform.processor()
+
+
+if __name__ == "__main__":
+    for path in build_all():
+        print(path)
