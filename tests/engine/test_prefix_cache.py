@@ -80,3 +80,36 @@ class TestImportAfterLocal:
         assert cached == 64
         expected, _ = run(make_engine(tiny_llama), "cold", prompt)
         assert tokens == expected
+
+
+class TestLookupDuringAStep:
+    def test_the_prefix_lookup_does_not_wait_for_the_engine_thread(self, tiny_llama: Path) -> None:
+        """A request that arrived during a step must be added before the next step begins: its prefix
+        lookup may not queue behind the step in progress (then the next one would start without it)."""
+        import asyncio
+        import threading
+
+        from halfmoon.engine.async_engine import AsyncEngine
+
+        async def scenario() -> tuple[int, int, bool]:
+            engine = await AsyncEngine.start(lambda: make_engine(tiny_llama))
+            try:
+                prompt = random_prompts(1000, [70], seed=8)[0]
+                keys = BlockHasher(16, engine.kv_spec.model_fingerprint).keys(prompt)
+                async for _ in engine.generate("warm", prompt, GREEDY, block_keys=keys):
+                    pass
+                busy, free = threading.Event(), threading.Event()
+                stalled = asyncio.ensure_future(engine.call(lambda e: (busy.set(), free.wait(30))))
+                await asyncio.to_thread(busy.wait, 30)  # the engine thread is now held, as by a long step
+                held = engine.cached_prefix_blocks(keys)
+                partial = engine.cached_prefix_blocks(keys[:2] + [b"not-cached"] + keys[3:])
+                waiting = not stalled.done()
+                free.set()
+                await stalled
+                return held, partial, waiting
+            finally:
+                engine.shutdown()
+
+        held, partial, engine_was_held = asyncio.run(scenario())
+        assert engine_was_held
+        assert (held, partial) == (70 // 16, 2)

@@ -37,7 +37,8 @@ class AsyncEngine:
     ``generate`` yields the request's RequestOutputs as steps produce them and ends after
     the finished one; an engine error while adding surfaces from the first ``anext``. A
     caller that stops iterating early must ``abort``. ``call(fn)`` runs ``fn(engine)`` on
-    the engine thread between steps (KV export, release). ``stats()``, ``kv_spec``, ``layout`` and
+    the engine thread between steps (KV export, release). ``cached_prefix_blocks`` is the one read
+    that does not wait for the step in progress. ``stats()``, ``kv_spec``, ``layout`` and
     ``model_name`` may be read from any thread: the stats are a snapshot taken on the engine
     thread after every step and command, the rest never change. ``run_stage``, ``stage_payloads`` and
     ``release_stage`` run one pipeline stage of a request (engine/stage.py) between steps.
@@ -159,6 +160,15 @@ class AsyncEngine:
             yield item
             if item.finished:
                 return
+
+    def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
+        """How many leading blocks of ``block_keys`` the local prefix cache holds, read now on the caller's
+        thread. Going through ``call`` would wait for the step in progress, and the request, added after
+        the next step had begun, would wait for that one too. The answer is a hint: the engine reuses
+        only what its cache still holds when it schedules the request, and uses KV imported from a block
+        on only where that reuse reaches it (scheduler ``_reuse``); the rest it computes."""
+        # NOTE: each key is one dict membership test, atomic against the engine thread's changes.
+        return self._engine.cached_prefix_blocks(block_keys)
 
     async def run_stage(self, chunk: StageChunk) -> StageResult:
         """Run one chunk of a request through a range of layers (a pipeline stage); EngineError when refused."""

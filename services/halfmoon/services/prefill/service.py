@@ -69,7 +69,7 @@ class PrefillService(EngineWorker):
         reusable = keys[: (context - 1) // self.config.block_size]
         # Local prefix cache first (it keys prompt blocks only); the pool supplies what follows it.
         prompt_blocks = reusable[: len(req.prompt_token_ids) // self.config.block_size]
-        local = await self.engine.call(lambda e: e.cached_prefix_blocks(prompt_blocks)) if self.local_cache else 0
+        local = self.engine.cached_prefix_blocks(prompt_blocks) if self.local_cache else 0
         fetched = await self.fetch_pooled(reusable[local:])
         METRICS.cache_hit_blocks.labels(self.role.value).inc(local + len(fetched.payloads))
         METRICS.cache_miss_blocks.labels(self.role.value).inc(len(reusable) - local - len(fetched.payloads))
