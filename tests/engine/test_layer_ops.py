@@ -131,6 +131,20 @@ class TestBuild:
         assert sorted(tmp_path.iterdir()) == sorted(first)  # no leftovers of the builds
 
 
+    def test_a_cache_other_users_can_write_to_is_refused(self, native_ops, monkeypatch, tmp_path: Path) -> None:
+        monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path))
+        built = native.build_all()
+        tmp_path.chmod(0o777)  # anyone could have swapped a library in
+        with pytest.raises(RuntimeError, match="writable by other users"):
+            native.build_all()
+        tmp_path.chmod(0o755)
+        built[0].chmod(0o666)
+        with pytest.raises(RuntimeError, match="writable by other users"):
+            native.build_all()
+        built[0].chmod(0o755)
+        assert native.build_all() == built
+
+
 class TestEngine:
     def test_bfloat16_tokens_and_logprobs_with_the_kernel_match_the_modules(self, native_ops, tiny_llama: Path) -> None:
         prompts = random_prompts(1000, [5, 40, 77], seed=4)

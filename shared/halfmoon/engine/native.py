@@ -56,8 +56,9 @@ def built(source: Path) -> Path:
     folder = Path(os.environ.get("HALFMOON_KERNEL_DIR") or Path.home() / ".cache" / "halfmoon" / "kernels")
     target = folder / f"{source.stem}-{key[:16]}.so"
     if target.exists():
-        return target
+        return _trusted(target)
     folder.mkdir(parents=True, exist_ok=True)
+    _trusted(folder)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # NOTE: built aside, then renamed: concurrent builds agree
         out = Path(tmp) / target.name
         result = subprocess.run([compiler, *FLAGS, "-o", str(out), str(source), "-lm"], check=False, capture_output=True,
@@ -66,6 +67,16 @@ def built(source: Path) -> Path:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
         os.replace(out, target)
     return target
+
+
+def _trusted(path: Path) -> Path:
+    """``path`` (and, for a library, its folder), unless another user could have put or changed it there:
+    a library loaded from the cache runs as this process."""
+    for item in (path, path.parent) if path.is_file() else (path,):
+        info = item.stat()
+        if info.st_mode & 0o022 or info.st_uid not in (os.getuid(), 0):
+            raise RuntimeError(f"{item} is writable by other users or owned by another: not loading kernels from it")
+    return path
 
 
 def build_all() -> list[Path]:
