@@ -70,11 +70,12 @@ def built(source: Path) -> Path:
 
 
 def _trusted(path: Path) -> Path:
-    """``path`` (and, for a library, its folder), unless another user could have put or changed it there:
-    a library loaded from the cache runs as this process."""
+    """``path`` (and, for a library, its folder), unless any user could have put or changed it there: a
+    library loaded from the cache runs as this process. (Group-writable passes: with per-user groups, the
+    usual umask 002, the group is the owner alone.)"""
     for item in (path, path.parent) if path.is_file() else (path,):
         info = item.stat()
-        if info.st_mode & 0o022 or info.st_uid not in (os.getuid(), 0):
+        if info.st_mode & 0o002 or info.st_uid not in (os.getuid(), 0):
             raise RuntimeError(f"{item} is writable by other users or owned by another: not loading kernels from it")
     return path
 
