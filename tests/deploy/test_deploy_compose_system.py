@@ -44,16 +44,26 @@ class Instance:
         return self.log.read_text(errors="replace")[-3000:]
 
 
+def distinct_port(taken: set[int]) -> int:
+    """A free port no other process of this system was given: a port released by ``free_port`` can be
+    handed out again, and two services on one port left one of them dead while the other answered its
+    health check (seen once in CI: prefill failed to bind, decode's /health answered for it)."""
+    while (port := free_port()) in taken:
+        pass
+    taken.add(port)
+    return port
+
+
 def local_env(
     compose_env: dict[str, str], nats_url: str, s3_url: str, namespace: str, model_dir: Path, nvme_root: Path,
-    secrets: Path,
+    secrets: Path, taken: set[int],
 ) -> dict[str, str]:
     """The service's compose environment with container names and ports replaced by loopback ones."""
     env = dict(compose_env)
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # no Jaeger here
     assert env["HALFMOON_NATS_URL"] == "nats://nats:4222"
     assert env["HALFMOON_METRICS_HOST"] == "0.0.0.0"
-    env.update(HALFMOON_NATS_URL=nats_url, HALFMOON_NAMESPACE=namespace, HALFMOON_METRICS_PORT=str(free_port()),
+    env.update(HALFMOON_NATS_URL=nats_url, HALFMOON_NAMESPACE=namespace, HALFMOON_METRICS_PORT=str(distinct_port(taken)),
                HALFMOON_METRICS_HOST="127.0.0.1")  # loopback only on this machine
     assert env["HALFMOON_SECRETS_DIR"] == "/secrets"
     env["HALFMOON_SECRETS_DIR"] = str(secrets)
@@ -66,7 +76,7 @@ def local_env(
         env["HALFMOON_NVME_ROOT"] = str(nvme_root)
     if "HALFMOON_HOST" in env:
         assert env["HALFMOON_HOST"] == "0.0.0.0"
-        env.update(HALFMOON_HOST="127.0.0.1", HALFMOON_PORT=str(free_port()))  # loopback only on this machine
+        env.update(HALFMOON_HOST="127.0.0.1", HALFMOON_PORT=str(distinct_port(taken)))  # loopback only on this machine
     return env
 
 
@@ -107,12 +117,13 @@ def compose_system(
         aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
     ).create_bucket(Bucket=env_of(compose["services"]["transfer"])["HALFMOON_S3_BUCKET"])  # the s3-bucket job
     system: dict[str, list[Instance]] = {}
+    taken: set[int] = set()
     try:
         for spec in SERVICES:
             svc = compose["services"][spec.name]
             for replica in range(REPLICAS.get(spec.name, 1)):
                 env = local_env(env_of(svc), nats_url, s3_server.endpoint_url, namespace, tiny_model_dir,
-                                tmp_path / "nvme", secrets)
+                                tmp_path / "nvme", secrets, taken)
                 health = [sys.executable if a == "python" else a for a in svc["healthcheck"]["test"][1:]]
                 if spec.name == "gateway":
                     health = [a.replace("127.0.0.1:8000/", f"127.0.0.1:{env['HALFMOON_PORT']}/") for a in health]
