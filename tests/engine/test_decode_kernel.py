@@ -90,7 +90,6 @@ class TestEngine:
 class TestFallback:
     def test_switched_off_or_without_a_compiler_it_is_none(self, monkeypatch, tmp_path: Path) -> None:
         def fresh() -> kernels.DecodeKernel | None:
-            decode_kernel.cache_clear()
             native.library.cache_clear()
             return decode_kernel()
 

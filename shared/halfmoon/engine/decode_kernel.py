@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from functools import cache
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -76,8 +75,8 @@ class DecodeKernel:
         return None if failed else out.view(n, heads * dim)
 
 
-@cache
 def decode_kernel() -> DecodeKernel | None:
-    """The kernel, built or taken from the cache; None where it cannot be (the reason is logged once)."""
+    """The kernel, built or taken from the cache (native.library keeps it loaded); None where it cannot be
+    (the reason is logged once)."""
     library = native.library("decode_attention", "HALFMOON_DECODE_KERNEL")
     return DecodeKernel(library) if library is not None else None

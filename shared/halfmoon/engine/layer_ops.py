@@ -101,7 +101,9 @@ def layer_ops(device: torch.device) -> LayerOps:
 
 
 def _known_norm(module: torch.nn.Module) -> bool:
-    return type(module).__name__ in RMS_NORMS and _fits(module.weight[None])
+    weight = module.weight
+    return (type(module).__name__ in RMS_NORMS and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.is_contiguous())
 
 
 def _fits(x: torch.Tensor) -> bool:
