@@ -62,6 +62,36 @@ class TestExportImport:
         assert (chunk.start, chunk.num_tokens) == (48, 1)
 
 
+class TestPromptExportWithTheFirstToken:
+    """An aggregated request keeps generating after its prompt: the first output carries the prompt's full
+    blocks, taken before a short answer can end and free them."""
+
+    @pytest.mark.parametrize(("length", "start"), [(45, 0), (45, 1), (48, 2), (15, 0)])
+    def test_the_first_output_holds_the_prompt_blocks_from_start(self, tiny_llama: Path, length: int,
+                                                                 start: int) -> None:
+        engine, exporter = make_engine(tiny_llama), make_engine(tiny_llama)
+        (prompt,) = random_prompts(engine.vocab_size, [length], seed=length)
+        prefill(exporter, "p", prompt)
+        expected = [bytes(b) for b in exporter.export_kv("p")[start:length // 16]]
+        one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        engine.add_request("a", prompt, one_token, export_prompt_from=start)
+        outputs = []
+        while engine.has_unfinished():  # 32-token chunks: 45 tokens take two steps
+            outputs.extend(engine.step())
+        (out,) = outputs
+        assert out.finished  # its KV is freed now: only the output still has it
+        assert [bytes(p) for p in out.prompt_kv] == expected
+
+    def test_later_outputs_carry_none(self, tiny_llama: Path) -> None:
+        engine = make_engine(tiny_llama)
+        (prompt,) = random_prompts(engine.vocab_size, [40], seed=2)
+        engine.add_request("a", prompt, GREEDY, export_prompt_from=0)
+        outputs = []
+        while engine.has_unfinished():
+            outputs.extend(engine.step())
+        assert [len(o.prompt_kv) for o in outputs] == [2] + [0] * (len(outputs) - 1)
+
+
 class TestBlockPayload:
     def test_each_layer_is_readable_alone(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama)

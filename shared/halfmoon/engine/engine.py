@@ -50,6 +50,7 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int
     num_output_tokens: int
     compute_s: float = 0.0  # the request's share of every step so far, by the tokens each step computed for it
+    prompt_kv: Seq[bytearray] = ()  # add_request's export_prompt_from: the prompt's full blocks from there on
 
 
 @dataclass
@@ -57,6 +58,7 @@ class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     prefill_only: bool
+    export_prompt_from: int | None = None
 
 
 class EngineStats(NamedTuple):
@@ -139,7 +141,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
                     kv_layers: LayerSource | None = None, kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False,
-                    layer_sink: LayerSink | None = None, stream_from_block: int = 0) -> None:
+                    layer_sink: LayerSink | None = None, stream_from_block: int = 0,
+                    export_prompt_from: int | None = None) -> None:
         """Queue a request.
 
         ``output_token_ids`` continues a request whose first tokens were produced elsewhere
@@ -152,7 +155,9 @@ class LLMEngine:
         ``prefill_only`` stops after the first sampled token and keeps the KV for
         ``export_kv`` until ``release``. ``layer_sink`` (prefill-only requests) receives blocks
         ``stream_from_block`` onwards layer by layer as the last prompt chunk computes them
-        (engine/layer_export.py).
+        (engine/layer_export.py). With ``export_prompt_from``, the first output carries the payloads of
+        the prompt's full blocks from that block on (``RequestOutput.prompt_kv``), taken before the
+        request can finish and free them.
         """
         tokens = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
@@ -174,7 +179,7 @@ class LLMEngine:
         self._arrivals += 1
         seq.hold_kv = prefill_only
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
-        self._requests[request_id] = _Request(seq, detok, prefill_only)
+        self._requests[request_id] = _Request(seq, detok, prefill_only, export_prompt_from)
         if layer_sink is not None:
             self.layer_export.watch(request_id, stream_from_block, layer_sink)
         self.scheduler.add(seq)
@@ -273,6 +278,10 @@ class LLMEngine:
         num_out = len(seq.output_token_ids)
         text, reason = self.token_ending(request.detokenizer, params, token, num_out, seq.num_tokens,
                                          request.prefill_only)
+        prompt_kv: list[bytearray] = []
+        if request.export_prompt_from is not None:
+            prompt_kv = self._payloads(seq, request.export_prompt_from, seq.num_computed_tokens // self.config.block_size)
+            request.export_prompt_from = None
         if reason is not None:
             seq.finish_reason = reason
             self.layer_export.forget(seq.request_id)  # every layer went out in this step
@@ -280,7 +289,7 @@ class LLMEngine:
             if not seq.hold_kv:
                 del self._requests[seq.request_id]
         return RequestOutput(seq.request_id, [token], [logprob], text, reason is not None, reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, num_out, seq.compute_s)
+                             seq.num_prompt_tokens, seq.num_cached_tokens, num_out, seq.compute_s, prompt_kv)
 
     def token_ending(self, detokenizer: IncrementalDetokenizer, params: SamplingParams, token: int, num_out: int,
                      num_tokens: int, prefill_only: bool) -> tuple[str, str | None]:
@@ -294,17 +303,20 @@ class LLMEngine:
         return (text + detokenizer.flush() if reason not in (None, PREFILL_DONE) else text), reason
 
     # ------------------------------------------------------------------ KV I/O
-    def export_kv(self, request_id: str) -> list[bytes]:
+    def export_kv(self, request_id: str) -> list[bytearray]:
         """Payloads of the request's computed KV, ``block_size`` tokens each (the last may be partial)."""
         request = self._requests.get(request_id)
         if request is None:
             raise UnknownRequestError(request_id)
-        seq, size = request.seq, self.config.block_size
+        return self._payloads(request.seq, 0, -(-request.seq.num_computed_tokens // self.config.block_size))
+
+    def _payloads(self, seq: Sequence, first: int, end: int) -> list[bytearray]:
+        """Pool-format payloads of the computed KV in blocks ``first`` to ``end`` (exclusive)."""
+        size = self.config.block_size
         payloads = []
-        for index in range(-(-seq.num_computed_tokens // size)):
+        for index in range(first, end):
             tokens = min(size, seq.num_computed_tokens - index * size)
-            kv = self.cache.blocks([seq.block_table[index]], tokens)
-            payloads.append(encode_block(self.layout, kv))
+            payloads.append(encode_block(self.layout, self.cache.blocks([seq.block_table[index]], tokens)))
         return payloads
 
     def release(self, request_id: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence as Seq
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.engine import RequestOutput
@@ -26,28 +27,36 @@ class GeneratedKV:
         self.stored = stored
         self._task: asyncio.Task[None] | None = None
 
-    def progress(self, out: RequestOutput, every: int = STORE_EVERY_BLOCKS) -> None:
-        """Note ``out``'s tokens; store once ``every`` new full blocks are computed (1: every one now)."""
+    def progress(self, out: RequestOutput) -> None:
+        """Note ``out``'s tokens; store once ``STORE_EVERY_BLOCKS`` new full blocks are computed. Payloads the engine exported with the output (``prompt_kv``) are stored at once, even if it ended."""
         self.tokens.extend(out.new_token_ids)
+        if out.prompt_kv:
+            # NOTE: the first output is the only one with prompt_kv, so no store is in flight yet.
+            end = self.stored + len(out.prompt_kv)
+            self._task = asyncio.create_task(self._store(self.stored, end, list(self.tokens), out.prompt_kv))
+            self.stored = end
+            return
         if out.finished:
             return  # the engine has freed its KV
         # The newest sampled token has no KV yet: everything before it is computed.
         computed_blocks = (len(self.tokens) - 1) // self.size
-        if computed_blocks - self.stored >= every and (self._task is None or self._task.done()):
+        if computed_blocks - self.stored >= STORE_EVERY_BLOCKS and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._store(self.stored, computed_blocks, list(self.tokens)))
             self.stored = computed_blocks
 
-    async def _store(self, start: int, end: int, tokens: list[int]) -> None:
+    async def _store(self, start: int, end: int, tokens: list[int], payloads: Seq[bytearray] = ()) -> None:
+        """Store blocks ``start`` to ``end``: ``payloads`` if given (from ``start`` on), else exported now."""
         worker, rid = self.worker, self.request_id
         assert worker.engine is not None
-        try:
-            payloads = await worker.engine.call(lambda e: e.export_kv(rid))
-        except EngineError:
-            return  # finished or preempted meanwhile: nothing to store now
-        keys = worker.engine.kv_spec.hasher(self.tenant_salt).keys(tokens)
-        end = min(end, len(keys), len(payloads))
-        if end > start:
-            await worker.pool.store(keys[start:end], payloads[start:end], first_position=start)
+        if not payloads:
+            try:
+                payloads = (await worker.engine.call(lambda e: e.export_kv(rid)))[start:end]
+            except EngineError:
+                return  # finished or preempted meanwhile: nothing to store now
+        keys = worker.engine.kv_spec.hasher(self.tenant_salt).keys(tokens)[start:end]
+        count = min(len(keys), len(payloads))
+        if count:
+            await worker.pool.store(keys[:count], payloads[:count], first_position=start)
 
     async def close(self, wait: bool) -> None:
         """Let the store in flight finish (the request ended) or drop it (the request was cancelled)."""

@@ -14,7 +14,7 @@ from halfmoon.core.errors import EngineError
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service.generated_kv import STORE_EVERY_BLOCKS, GeneratedKV
+from halfmoon.service.generated_kv import GeneratedKV
 from halfmoon.service.streaming import token_event
 from halfmoon.services.prefill.service import Prefix, PrefillService
 
@@ -35,8 +35,9 @@ class AggregatedService(PrefillService):
     async def _generate(self, req: PrefillRequest, prefix: Prefix, started: float) -> None:
         assert self.engine is not None
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
+        reused = prefix.local + len(prefix.fetched.payloads)
         saver = GeneratedKV(self, req.request_id, req.tenant_salt, [*req.prompt_token_ids, *req.output_token_ids],
-                            prefix.local + len(prefix.fetched.payloads))
+                            reused)
         cached: int | None = None
         with self.tracer.start_as_current_span("aggregated.generate") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
@@ -47,13 +48,16 @@ class AggregatedService(PrefillService):
                                                       output_token_ids=req.output_token_ids,
                                                       kv_blocks=[] if prefix.fetched.layers else prefix.fetched.payloads,
                                                       kv_layers=prefix.fetched.layers, kv_start_block=prefix.local,
-                                                      block_keys=self.prompt_keys(req, prefix.keys)):
+                                                      block_keys=self.prompt_keys(req, prefix.keys),
+                                                      # taken on the engine thread: a short answer may end, and
+                                                      # its KV be freed, before a later export could run
+                                                      export_prompt_from=reused):
                     first = cached is None
                     if cached is None:
                         cached = out.num_cached_tokens
                         self.record_ttft(time.perf_counter() - started)
-                    # the prompt's blocks go to the pool as soon as they are computed; generated ones in batches
-                    saver.progress(out, every=1 if first else STORE_EVERY_BLOCKS)
+                    # the prompt's blocks (out.prompt_kv) go to the pool at once; generated ones in batches
+                    saver.progress(out)
                     await self.publish_event(req.stream_subject, token_event(out, req.sampling, self.instance_id,
                                                                              cached, req.attempt))
                     if first:
