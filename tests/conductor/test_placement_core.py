@@ -8,7 +8,8 @@ from halfmoon.protocol import Heartbeat, Load, Placed, RejectReason, Role, Sampl
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection, place_pair
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView
-from halfmoon.services.conductor.service import placement_stages
+from halfmoon.protocol.work import WorkDone, WorkOutcome
+from halfmoon.services.conductor.service import FirstTokenWatch, placement_stages
 
 REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=4, sampling=SamplingParams(), deadline=0.0)
 
@@ -198,3 +199,37 @@ class TestPipelinePlacement:
         ledger.done("r", "p1", Cleared.COMPLETED, 11.0)  # the stage's WorkDone
         ledger.done("r", "p0", Cleared.COMPLETED, 11.0)
         assert [s.instance_id for s in ledger.stages("r")] == ["d0"]
+
+
+class TestFirstTokenWatch:
+    """The conductor learns each of its placements' delivered TTFT from the prefill instance's WorkDone."""
+
+    @staticmethod
+    def done(instance: str, outcome: WorkOutcome = WorkOutcome.COMPLETED, request: str = "r") -> WorkDone:
+        return WorkDone(request_id=request, instance_id=instance, outcome=outcome)
+
+    def test_the_prefill_instance_completing_gives_model_and_delivered(self):
+        watch = FirstTokenWatch()
+        watch.expect("r", "p0", model_ttft_s=0.4, now=10.0)
+        assert watch.done(self.done("p0"), now=10.5) == (0.4, pytest.approx(0.5))
+        assert watch.done(self.done("p0"), now=11.0) is None and len(watch) == 0  # once
+
+    def test_other_instances_and_failures_give_nothing(self):
+        watch = FirstTokenWatch()
+        watch.expect("r", "p1", model_ttft_s=0.4, now=10.0)
+        assert watch.done(self.done("p0"), now=10.5) is None and len(watch) == 1  # an earlier attempt's
+        assert watch.done(self.done("p1", WorkOutcome.FAILED), now=10.6) is None and len(watch) == 0
+
+    def test_a_new_attempt_replaces_the_old(self):
+        watch = FirstTokenWatch()
+        watch.expect("r", "p0", model_ttft_s=0.4, now=10.0)
+        watch.expect("r", "p1", model_ttft_s=0.9, now=12.0)
+        assert watch.done(self.done("p0"), now=12.1) is None
+        assert watch.done(self.done("p1"), now=13.0) == (0.9, pytest.approx(1.0))
+
+    def test_at_most_limit_are_held_and_the_oldest_go(self):
+        watch = FirstTokenWatch(limit=2)
+        for i in range(3):
+            watch.expect(f"r{i}", "p0", model_ttft_s=0.1, now=float(i))
+        assert len(watch) == 2 and watch.done(self.done("p0", request="r0"), now=5.0) is None
+        assert watch.done(self.done("p0", request="r2"), now=5.0) is not None

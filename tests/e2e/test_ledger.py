@@ -112,6 +112,9 @@ class TestQueueEstimatesDrain:
         assert 200 in codes, codes
 
         assert wait_drained(cluster, 30) == {k: 0.0 for k in outstanding(cluster)}
+        # every served request's first token taught the TTFT calibration; an idle system stays idle after it
+        samples = conductor_metrics(cluster)[("halfmoon_conductor_ttft_calibration", (("parameter", "samples"),))]
+        assert samples == codes.count(200)
         after = await placement(cluster, 200, seed=1)
         assert isinstance(after, ScheduleAccepted), after
         assert after.predicted_ttft_ms is not None

@@ -42,6 +42,10 @@ class TestOneTracePerRequest:
         by_id = {s["span_id"]: s for s in spans}
         roots = [s for s in spans if s["parent_id"] is None]
         assert len(roots) == 1 and roots[0]["service"] == "gateway"
+        # the conductor's TTFT prediction and the TTFT delivered against it, from the placement on
+        root = roots[0]["attributes"]
+        assert root["halfmoon.ttft.predicted_ms"] > 0
+        assert 0 < root["halfmoon.ttft.delivered_ms"] < (roots[0]["end_ns"] - roots[0]["start_ns"]) / 1e6
         for span in spans:
             if span["parent_id"] is not None:
                 parent = by_id[span["parent_id"]]

@@ -27,7 +27,8 @@ class PrefillChoice(NamedTuple):
     """Where to prefill, the predicted TTFT split in parts, and which blocks to pull from whom.
 
     ``prefix_blocks`` counts the reused prefix (local plus pulled); pulling replicates the
-    blocks on the chosen instance, which is how hot blocks spread.
+    blocks on the chosen instance, which is how hot blocks spread. ``ttft_s`` is the sum of the parts
+    until the scheduler calibrates it to the TTFTs delivered.
     """
 
     instance_id: str

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from halfmoon.policy.admission import MIN_RETRY_AFTER_S, AdmissionPolicy
+from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.cpp import CppPlan, CppPolicy
 from halfmoon.policy.decode import DecodeChoice
 from halfmoon.policy.prefill import PrefillChoice, PrefillPolicy
@@ -22,7 +23,8 @@ class ScheduleDecision(NamedTuple):
     """Accepted: ``prefill`` is set and ``decode`` may be None (choose at hand-off).
     Rejected: ``reason`` says why and ``retry_after_s`` feeds the 429 Retry-After header.
     ``pipeline`` is set when the prompt is prefilled by a CPP pipeline; ``prefill`` then carries
-    the pipeline's predicted times and its first stage."""
+    the pipeline's predicted times and its first stage. ``prefill.ttft_s`` is calibrated to the TTFTs
+    delivered lately (policy/calibration.py); ``model_ttft_s`` is the cost model's own prediction."""
 
     accepted: bool
     reason: str
@@ -30,21 +32,25 @@ class ScheduleDecision(NamedTuple):
     prefill: PrefillChoice | None
     decode: DecodeChoice | None
     pipeline: CppPlan | None = None
+    model_ttft_s: float = 0.0
 
 
 class KVCentricScheduler:
     """Prefill choice, then the TTFT-SLO check (Algorithm 1 line 18), then decode admission.
 
-    Contract: pure; the caller applies the decision (enqueue, pull blocks, reserve decode).
+    Contract: pure apart from ``calibration``, which the caller feeds with delivered TTFTs; the caller
+    applies the decision (enqueue, pull blocks, reserve decode).
     """
 
     def __init__(
-        self, prefill: PrefillPolicy, admission: AdmissionPolicy, slo: SLO = SLO(), cpp: CppPolicy | None = None
+        self, prefill: PrefillPolicy, admission: AdmissionPolicy, slo: SLO = SLO(), cpp: CppPolicy | None = None,
+        calibration: TTFTCalibration | None = None,
     ) -> None:
         self.prefill = prefill
         self.admission = admission
         self.slo = slo
         self.cpp = cpp
+        self.calibration = calibration
 
     def schedule(
         self,
@@ -62,10 +68,13 @@ class KVCentricScheduler:
             if pipeline is not None:
                 choice = choice._replace(ttft_s=pipeline.ttft_s, queue_s=pipeline.queue_s,
                                          prefill_s=pipeline.prefill_s, transfer_s=pipeline.transfer_s)
+        model_ttft = choice.ttft_s
+        if self.calibration is not None:
+            choice = choice._replace(ttft_s=self.calibration.correct(model_ttft, now))
         if choice.ttft_s > self.slo.ttft_s:
             wait = max(MIN_RETRY_AFTER_S, choice.ttft_s - self.slo.ttft_s)
-            return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline)
+            return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s)
         if not verdict.accepted:
-            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, None, pipeline)
-        return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline)
+            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, None, pipeline, model_ttft)
+        return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline, model_ttft)

@@ -127,6 +127,9 @@ class Metrics:
         self.conductor_outstanding_work = Gauge(
             "halfmoon_conductor_outstanding_work_seconds", "predicted prefill work placed on an instance and not "
             "done, per the conductor's ledger", ["instance"], registry=r)
+        self.ttft_calibration = Gauge(
+            "halfmoon_conductor_ttft_calibration", "the conductor's fit of delivered TTFT = intercept + slope x "
+            "the cost model's TTFT (parameter: intercept_seconds, slope, samples)", ["parameter"], registry=r)
         self.ledger_cleared = Gauge(
             "halfmoon_conductor_ledger_cleared", "ledger entries cleared since the conductor started, by how",
             ["how"], registry=r)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from halfmoon.core.kv_spec import KVSpec
+from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
@@ -26,9 +27,11 @@ class KVCentricPlacement(PlacementPolicy):
     context is its used KV blocks (heartbeat) in tokens.
     """
 
-    def __init__(self, make_scheduler: Callable[[KVSpec], KVCentricScheduler], index: LiveBlockIndex) -> None:
+    def __init__(self, make_scheduler: Callable[[KVSpec], KVCentricScheduler], index: LiveBlockIndex,
+                 calibration: TTFTCalibration | None = None) -> None:
         self.make_scheduler = make_scheduler
         self.index = index
+        self.calibration = calibration
         self.spec: KVSpec | None = None
         self.scheduler: KVCentricScheduler | None = None
         self._before_spec = LeastLoaded()
@@ -82,4 +85,4 @@ class KVCentricPlacement(PlacementPolicy):
             decode, key=lambda v: (max(v.load.running, v.outstanding.count), v.instance_id)).instance_id
         pipeline = decision.pipeline.stages[1:] if decision.pipeline else ()
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
-                         chosen.transfer_s + chosen.prefill_s, pipeline)
+                         chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from halfmoon.core.kv_spec import KVSpec
+from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
 from halfmoon.services.conductor.registry import InstanceView
 
@@ -22,6 +23,7 @@ class Placement(NamedTuple):
     reused_tokens: int = 0  # prompt tokens the chosen prefill instance is expected to reuse
     prefill_s: float = 0.0  # predicted prefill work (transfer and compute) it adds to that instance
     pipeline: tuple[str, ...] = ()  # CPP: the prefill instances running the later layers with ``prefill``
+    model_ttft_ms: float | None = None  # the cost model's TTFT before calibration (what calibration learns from)
 
 
 class Rejection(NamedTuple):
@@ -44,6 +46,14 @@ class PlacementPolicy(ABC):
         Raises :class:`KVSpecMismatch` when ``instance_id`` disagrees with the identity already
         adopted; the caller then refuses that instance. Policies that ignore block keys accept all.
         """
+
+    calibration: TTFTCalibration | None = None  # set by policies that predict TTFTs
+
+    def observe_ttft(self, model_ttft_s: float, delivered_s: float, now: float) -> None:
+        """A request placed with ``model_ttft_s`` (``Placement.model_ttft_ms``) got its first token after
+        ``delivered_s``: the calibration of later predictions learns from it."""
+        if self.calibration is not None:
+            self.calibration.record(model_ttft_s, delivered_s, now)
 
     @abstractmethod
     def place(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.admission import make_admission
+from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.cpp import CppPolicy, CppSettings
 from halfmoon.policy.cost import CostModels, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
 from halfmoon.policy.decode import SloAwareDecode
@@ -32,6 +33,8 @@ class PolicySettings:
     decode_step_per_seq_s: float = field(default=0.0005, metadata={
         "help": "prior growth of the decode step per sequence in the batch"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
+    ttft_calibration_s: float = field(default=120.0, metadata={
+        "help": "calibrate predicted TTFTs to those delivered in the last this many seconds (0: off)"})
     cpp_stages: int = field(default=0, metadata={
         "help": "chunked pipeline-parallel prefill over this many prefill instances (0: off)"})
     cpp_min_tokens: int = field(default=8192, metadata={"help": "shortest prompt a pipeline may prefill"})
@@ -48,6 +51,8 @@ class PolicySettings:
         SLO(self.ttft_slo_s, self.tbt_slo_s)
         if min(self.prefill_tokens_per_s, self.decode_step_s, self.transfer_bytes_per_s) <= 0:
             raise ValueError("cost priors must be positive")
+        if self.ttft_calibration_s < 0:
+            raise ValueError(f"ttft_calibration_s must be >= 0, got {self.ttft_calibration_s}")
         if self.decode_step_per_seq_s < 0:
             raise ValueError(f"decode_step_per_seq_s must be >= 0, got {self.decode_step_per_seq_s}")
         if self.cpp_stages:
@@ -66,6 +71,7 @@ def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBloc
     prior = PrefillCostModel((0.0, 1.0 / settings.prefill_tokens_per_s, 0.0, 0.0))
     fitter = OnlineFitter(PrefillCostModel.fit, prior)
     slo = SLO(settings.ttft_slo_s, settings.tbt_slo_s)
+    calibration = TTFTCalibration(settings.ttft_calibration_s) if settings.ttft_calibration_s else None
 
     def make_scheduler(spec: KVSpec) -> KVCentricScheduler:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
@@ -73,6 +79,7 @@ def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBloc
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
                                   make_admission(settings.admission, SloAwareDecode(cost.decode, slo)), slo,
-                                  CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None)
+                                  CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,
+                                  calibration)
 
-    return KVCentricPlacement(make_scheduler, index), index, fitter
+    return KVCentricPlacement(make_scheduler, index, calibration), index, fitter

@@ -78,6 +78,7 @@ class ConductorService(Service[ConductorConfig]):
         self.policy = policy or built
         self._sweeper: asyncio.Task[None] | None = None
         self._refused: set[str] = set()  # instances whose KV spec disagrees (logged once each)
+        self.first_tokens = FirstTokenWatch()
 
     def load(self) -> Load:
         return Load(running=len(self.table))
@@ -110,12 +111,18 @@ class ConductorService(Service[ConductorConfig]):
 
     async def _on_work_done(self, done: WorkDone, _headers: Mapping[str, str]) -> None:
         self.ledger.done(done.request_id, done.instance_id, _CLEARED[done.outcome], time.monotonic())
+        # NOTE: an instance reports its prefill part done as it sends the first token (prefill before the
+        # hand-off, aggregated right after the token), so this is the TTFT delivered, from the placement.
+        observed = self.first_tokens.done(done, time.time())
+        if observed is not None:
+            self.policy.observe_ttft(*observed, now=time.time())
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         # NOTE: a cancel naming an attempt precedes that request's next placement, which replaces the
         # entries anyway; acting on it could clear the new placement if the two arrive out of order.
         if cancel.attempt is None:
             self.ledger.end(cancel.request_id, time.monotonic())
+            self.first_tokens.forget(cancel.request_id)
 
     def _record_ledger(self, metrics: Metrics) -> None:
         metrics.conductor_outstanding.clear()
@@ -126,6 +133,12 @@ class ConductorService(Service[ConductorConfig]):
             metrics.conductor_outstanding_work.labels(iid).set(held.work_s)
         for how, total in self.ledger.cleared.items():
             metrics.ledger_cleared.labels(how.value).set(total)
+        calibration = self.policy.calibration
+        if calibration is not None:
+            fit = calibration.fit(time.time())
+            for parameter, value in (("intercept_seconds", fit.intercept), ("slope", fit.slope),
+                                     ("samples", len(calibration))):
+                metrics.ttft_calibration.labels(parameter).set(value)
 
     async def _on_kv_events(self, events: KVEvents, _headers: Mapping[str, str]) -> None:
         self.block_index.apply(events.instance_id, events.stored, events.evicted, events.snapshot)
@@ -197,6 +210,8 @@ class ConductorService(Service[ConductorConfig]):
                         decode_ttl_s=self.config.ledger_ttl_s + 2 * (ttft_s + request.sampling.max_tokens
                                                                      * self.config.tbt_slo_s))
         self.ledger.place(request.request_id, placement_stages(placed, time.monotonic()), time.monotonic())
+        if choice.model_ttft_ms is not None:
+            self.first_tokens.expect(request.request_id, choice.prefill, choice.model_ttft_ms / 1000, time.time())
         await self.publish(self.subjects.placed, placed)
         return ScheduleAccepted(
             request_id=request.request_id,
@@ -219,6 +234,37 @@ class ConductorService(Service[ConductorConfig]):
         views = [v._replace(outstanding=self.ledger.outstanding(v.instance_id)) for v in self.table.candidates(role)]
         kept = [v for v in views if v.instance_id not in exclude]
         return kept or views
+
+
+class FirstTokenWatch:
+    """This conductor's placements awaiting their first token, with the TTFT the cost model predicted.
+    At most ``limit`` are held (the oldest go first): one whose outcome never arrives is forgotten."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._waiting: dict[str, tuple[str, float, float]] = {}  # request -> (prefill instance, model s, placed at)
+
+    def expect(self, request_id: str, prefill_instance: str, model_ttft_s: float, now: float) -> None:
+        self._waiting.pop(request_id, None)  # a new attempt replaces the old one, and is the newest
+        self._waiting[request_id] = (prefill_instance, model_ttft_s, now)
+        if len(self._waiting) > self.limit:
+            del self._waiting[next(iter(self._waiting))]
+
+    def done(self, done: WorkDone, now: float) -> tuple[float, float] | None:
+        """(model TTFT, delivered TTFT) when ``done`` is the placed prefill instance completing its part."""
+        waiting = self._waiting.get(done.request_id)
+        if waiting is None or waiting[0] != done.instance_id:
+            return None  # not placed here, or an instance of an earlier attempt
+        del self._waiting[done.request_id]
+        if done.outcome is not WorkOutcome.COMPLETED:
+            return None
+        return waiting[1], now - waiting[2]
+
+    def forget(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
 
 _CLEARED = {WorkOutcome.COMPLETED: Cleared.COMPLETED, WorkOutcome.FAILED: Cleared.FAILED,

@@ -188,7 +188,7 @@ class Generation:
                     self._event("migration", **{"halfmoon.reason": f"submit failed: {exc}"})
                     continue
                 raise GenerationError(code, f"prefill did not take the request: {exc}") from exc
-            self.placement, self._handed_off, self._placed_at = placement, False, time.monotonic()
+            self.placement, self._handed_off, self._placed_at = placement, False, placed_at
             self._event("placed", **{"halfmoon.prefill": placement.prefill_instance,
                                      "halfmoon.decode": placement.decode_instance,
                                      "halfmoon.resume_index": len(self.order.tokens)})
@@ -323,7 +323,11 @@ class Generation:
         """The first token's delivered TTFT against the conductor's prediction for the placement that made it."""
         p = self.placement
         if not self._prediction_recorded and p is not None and p.predicted_ttft_ms is not None:
-            METRICS.record_ttft_prediction(p.predicted_ttft_ms / 1000, now - self._placed_at)
+            delivered_s = now - self._placed_at
+            METRICS.record_ttft_prediction(p.predicted_ttft_ms / 1000, delivered_s)
+            if self.span is not None and self.span.is_recording():  # one request's error, read from its trace
+                self.span.set_attributes({"halfmoon.ttft.predicted_ms": p.predicted_ttft_ms,
+                                          "halfmoon.ttft.delivered_ms": round(delivered_s * 1000, 3)})
         self._prediction_recorded = True
 
     def _note_holder(self, event: TokenEvent) -> None:
