@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from halfmoon.cli.up import engine_counts, layout_hint, shape, user_settings
+from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import instances
 
 
@@ -38,7 +39,17 @@ class TestLayoutHint:
 
 
 class TestUserSettings:
-    def test_the_callers_settings_reach_every_service_but_per_instance_ones_do_not(self):
+    def test_the_callers_settings_reach_every_instance_but_per_instance_ones_stay_the_launchers(self, tmp_path):
         environ = {"HALFMOON_DTYPE": "float32", "HALFMOON_TTFT_SLO_S": "5", "HALFMOON_INSTANCE_ID": "mine",
-                   "HALFMOON_READY_FILE": "/tmp/x", "HOME": "/root"}
-        assert user_settings(environ) == {"HALFMOON_DTYPE": "float32", "HALFMOON_TTFT_SLO_S": "5"}
+                   "HALFMOON_READY_FILE": "/tmp/x", "HALFMOON_METRICS_PORT": "9100", "HOME": "/root"}
+        settings = user_settings(environ)
+        assert "HOME" not in settings
+        cluster = LocalCluster(tmp_path / "model", tmp_path / "run", {"prefill": 2, "decode": 1},
+                               metrics=True, env=settings)
+        envs = [cluster.env_for(spec, iid) for spec, iid in cluster.plan]
+        for (spec, iid), env in zip(cluster.plan, envs):
+            assert env["HALFMOON_DTYPE"] == "float32" and env["HALFMOON_TTFT_SLO_S"] == "5"
+            assert env["HALFMOON_INSTANCE_ID"] == iid
+            assert env["HALFMOON_READY_FILE"] == str(cluster.ready_file(iid))
+            assert env.get("HALFMOON_METRICS_PORT") != "9100", spec.name
+        assert len({env["HALFMOON_INSTANCE_ID"] for env in envs}) == len(envs)

@@ -22,16 +22,10 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
     return DEFAULT_MODEL
 
 
-# Set per instance by the launcher: a user's value would give every instance the same one.
-PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
-    "INSTANCE_ID", "READY_FILE", "METRICS_PORT", "METRICS_HOST", "PORT", "NVME_DIR", "TRACE_FILE", "NATS_URL",
-    "NAMESPACE", "MODEL_DIR", "CLUSTER_SECRET"))
-
-
 def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """The HALFMOON_* settings in the caller's environment that every service should get (e.g.
-    ``HALFMOON_DTYPE=float32 halfmoon up``), minus what the launcher sets per instance."""
-    return {k: v for k, v in environ.items() if k.startswith("HALFMOON_") and k not in PER_INSTANCE_SETTINGS}
+    """The HALFMOON_* settings in the caller's environment, for every service (e.g. ``HALFMOON_DTYPE=float32
+    halfmoon up``); LocalCluster drops those it sets per instance (ids, ports, ready files)."""
+    return {k: v for k, v in environ.items() if k.startswith("HALFMOON_")}
 
 
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
