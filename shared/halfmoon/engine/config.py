@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -11,6 +12,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+log = logging.getLogger(__name__)
 
 
 @cache
@@ -60,6 +62,9 @@ class EngineConfig:
             raise ValueError("cache sizes and max_model_len must not be negative")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError("prefill_chunk_size must not exceed max_num_batched_tokens")
+        if self.dtype == "bfloat16" and self.torch_device.type == "cpu" and not cpu_has_bf16():
+            log.warning("dtype bfloat16 on a CPU without AVX512-BF16 or AMX: every matmul is emulated, several "
+                        "times slower than float32 (dtype auto picks float32 here)")
 
     @property
     def resolved_dtype(self) -> str:
