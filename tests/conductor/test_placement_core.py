@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import pytest
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
-from halfmoon.protocol import Heartbeat, Load, Placed, RejectReason, Role, SamplingParams, ScheduleRequest
-from halfmoon.services.conductor.kv_index import LiveBlockIndex
-from halfmoon.services.conductor.placement import LeastLoaded, Placement, Rejection, place_pair
-from halfmoon.services.conductor.registry import InstanceTable, InstanceView
+from halfmoon.protocol import (
+    Heartbeat,
+    Load,
+    Placed,
+    RejectReason,
+    Role,
+    SamplingParams,
+    ScheduleRequest,
+)
 from halfmoon.protocol.work import WorkDone, WorkOutcome
+from halfmoon.services.conductor.kv_index import LiveBlockIndex
+from halfmoon.services.conductor.placement import (
+    LeastLoaded,
+    Placement,
+    Rejection,
+    place_pair,
+)
+from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
+from halfmoon.services.conductor.registry import InstanceTable, InstanceView
 from halfmoon.services.conductor.service import FirstTokenWatch, placement_stages
 
 REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=4, sampling=SamplingParams(), deadline=0.0)
@@ -233,3 +248,25 @@ class TestFirstTokenWatch:
             watch.expect(f"r{i}", "p0", model_ttft_s=0.1, now=float(i))
         assert len(watch) == 2 and watch.done(self.done("p0", request="r0"), now=5.0) is None
         assert watch.done(self.done("p0", request="r2"), now=5.0) is not None
+
+
+class TestCalibrationSetting:
+    SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_layers=4, num_kv_heads=2,
+                  head_dim=16)
+
+    def test_off_by_default(self):
+        placement, _, _ = build_placement(PolicySettings())
+        placement.adopt(self.SPEC, "prefill-0")
+        assert placement.calibration is None and placement.scheduler.calibration is None
+
+    def test_when_set_the_placement_feeds_the_calibration_its_scheduler_reads(self):
+        placement, _, _ = build_placement(PolicySettings(ttft_calibration_s=120.0))
+        placement.adopt(self.SPEC, "prefill-0")
+        assert placement.calibration is not None and placement.scheduler.calibration is placement.calibration
+        for i in range(8):
+            placement.observe_ttft(0.5 + i * 0.25, 2 * (0.5 + i * 0.25), now=float(i))
+        assert placement.scheduler.calibration.correct(1.0, now=8.0) == pytest.approx(2.0)
+
+    def test_a_negative_horizon_is_refused(self):
+        with pytest.raises(ValueError, match="ttft_calibration_s"):
+            PolicySettings(ttft_calibration_s=-1.0).check_policy()

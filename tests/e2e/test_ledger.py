@@ -28,7 +28,8 @@ PRIOR_TOKENS_PER_S = 1000  # pessimistic for this model: a 600-token prompt is p
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     env = {"HALFMOON_TTFT_SLO_S": str(TTFT_SLO_S), "HALFMOON_PREFILL_TOKENS_PER_S": str(PRIOR_TOKENS_PER_S),
-           "HALFMOON_LEDGER_GRACE_S": "1.0", "HALFMOON_METRICS_PORT": "-1"}
+           "HALFMOON_LEDGER_GRACE_S": "1.0", "HALFMOON_METRICS_PORT": "-1",
+           "HALFMOON_TTFT_CALIBRATION_S": "120"}
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-ledger"), env=env, prefill=1, decode=1)
     yield cluster
     cluster.stop()

@@ -23,9 +23,11 @@ def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
 
 
 def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """The HALFMOON_* settings in the caller's environment, for every service (e.g. ``HALFMOON_DTYPE=float32
-    halfmoon up``); LocalCluster drops those it sets per instance (ids, ports, ready files)."""
-    return {k: v for k, v in environ.items() if k.startswith("HALFMOON_")}
+    """The HALFMOON_* settings in the caller's environment that every service should get (e.g.
+    ``HALFMOON_DTYPE=float32 halfmoon up``), minus what the launcher sets per instance."""
+    from halfmoon.deploy.local import PER_INSTANCE_SETTINGS
+
+    return {k: v for k, v in environ.items() if k.startswith("HALFMOON_") and k not in PER_INSTANCE_SETTINGS}
 
 
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:

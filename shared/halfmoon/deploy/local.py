@@ -71,7 +71,8 @@ def log_tail(path: Path, lines: int = 12) -> list[str]:
         return []
 
 
-# Set by the launcher for each instance; a caller's value (``env``) would give every instance the same one.
+# What env_for sets for each instance (``env`` may override them, as tests do; `halfmoon up` keeps a user's
+# value of these out, which would give every instance the same one).
 PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
     "INSTANCE_ID", "READY_FILE", "METRICS_PORT", "METRICS_HOST", "PORT", "NVME_DIR", "TRACE_FILE", "NATS_URL",
     "NAMESPACE", "MODEL_DIR", "CLUSTER_SECRET"))
@@ -152,7 +153,7 @@ class LocalCluster:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
         if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
             env.update(HALFMOON_METRICS_PORT="-1", HALFMOON_METRICS_HOST="127.0.0.1")  # -1: any free port
-        env.update({k: v for k, v in self.extra_env.items() if k not in PER_INSTANCE_SETTINGS})
+        env.update(self.extra_env)
         return env
 
     def start(self, timeout: float = 180.0, progress: Callable[[str], None] = lambda _m: None) -> None:

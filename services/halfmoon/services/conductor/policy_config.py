@@ -33,8 +33,9 @@ class PolicySettings:
     decode_step_per_seq_s: float = field(default=0.0005, metadata={
         "help": "prior growth of the decode step per sequence in the batch"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
-    ttft_calibration_s: float = field(default=120.0, metadata={
-        "help": "calibrate predicted TTFTs to those delivered in the last this many seconds (0: off)"})
+    ttft_calibration_s: float = field(default=0.0, metadata={
+        "help": "calibrate predicted TTFTs to those delivered in the last this many seconds, e.g. 120 "
+                "(0: off, the default; docs/BENCHMARKS.md, Predictions and admission)"})
     cpp_stages: int = field(default=0, metadata={
         "help": "chunked pipeline-parallel prefill over this many prefill instances (0: off)"})
     cpp_min_tokens: int = field(default=8192, metadata={"help": "shortest prompt a pipeline may prefill"})
