@@ -50,9 +50,10 @@ def _halfmoon(name: str, flags: tuple[str, ...], extra: dict[str, str]) -> Serve
     return lambda m, d, _a, s: HalfmoonServer(m, d, name, flags, {**s, **extra})
 
 
+LAYOUTS: dict[str, tuple[str, ...]] = {"halfmoon": (), "halfmoon-aggregated": ("--aggregated", "1")}
 SERVERS: dict[str, ServerFactory] = {
     **{layout + suffix: _halfmoon(layout + suffix, flags, extra)
-       for layout, flags in (("halfmoon", ()), ("halfmoon-aggregated", ("--aggregated", "1")))
+       for layout, flags in LAYOUTS.items()
        for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-calibrated", CALIBRATED))},
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
 }
@@ -73,6 +74,18 @@ FIGURES = (
     ("TTFT prediction |error| p50", "trace", ("prediction_error", "p50"), False),
     ("TTFT prediction |error| p90", "trace", ("prediction_error", "p90"), False),
 )
+
+
+def add_variant(spec: str) -> str:
+    """``NAME=LAYOUT:SETTING=VALUE[,SETTING=VALUE...]``: one more Halfmoon server, a layout with its own
+    settings on top of the shared ones; returns NAME."""
+    name, _, rest = spec.partition("=")
+    layout, _, settings = rest.partition(":")
+    if not name or layout not in LAYOUTS or name in SERVERS:
+        raise ValueError(f"--variant {spec!r}: want NEW_NAME=LAYOUT:SETTING=VALUE,... with LAYOUT in {sorted(LAYOUTS)}")
+    extra = dict(item.split("=", 1) for item in settings.split(",") if item)
+    SERVERS[name] = _halfmoon(name, LAYOUTS[layout], extra)
+    return name
 
 
 def model_dir(arg: str | None, console: Console) -> Path:
@@ -185,6 +198,9 @@ def main() -> None:
     parser.add_argument("--baseline", default="vllm", help="the server the ratios are taken against")
     parser.add_argument("--halfmoon-setting", action="append", default=[], metavar="NAME=VALUE",
                         help="HALFMOON_NAME=VALUE for every Halfmoon service (repeat; e.g. TTFT_SLO_S=10)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=LAYOUT:SETTING=VALUE,...",
+                        help="one more Halfmoon server to name in --servers (repeat; e.g. "
+                             "agg-chunk128=halfmoon-aggregated:PREFILL_CHUNK_SIZE=128)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=4)
@@ -214,6 +230,11 @@ def main() -> None:
     loads = workloads(args)
     slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
     results: dict[str, dict[str, Any]] = {}
+    for spec in args.variant:
+        try:
+            add_variant(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
     names = args.servers.split(",")
     if unknown := set(names) - SERVERS.keys():
         parser.error(f"unknown servers {sorted(unknown)}; choose from {sorted(SERVERS)}")
