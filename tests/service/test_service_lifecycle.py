@@ -5,13 +5,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 
 import pytest
-from halfmoon.protocol import Ack, CancelRequest, ErrorCode, InstanceDown, Load, RemoteError, Role, codecs
+from halfmoon.protocol import (
+    Ack,
+    CancelRequest,
+    ErrorCode,
+    InstanceDown,
+    Load,
+    RemoteError,
+    Role,
+    codecs,
+)
 from halfmoon.protocol.base import ErrorReply, Message
 from halfmoon.service import Service, ServiceConfig, ServiceHost, request
-from halfmoon.service.logs import JsonFormatter
+from halfmoon.service.logs import JsonFormatter, TextFormatter
 
 
 class Echo(Service[ServiceConfig]):
@@ -186,3 +196,25 @@ class TestJsonLogs:
         assert entry["msg"] == "placed r1" and entry["service"] == "conductor"
         assert entry["instance"] == "p0"  # extras win over the static tag of the same name
         assert entry["level"] == "INFO" and entry["ts"].endswith("Z") and "\n" not in line
+
+
+class TestTextLogLines:
+    def record(self, **extra: object) -> logging.LogRecord:
+        return logging.makeLogRecord({"name": "halfmoon.conductor", "levelno": logging.INFO, "levelname": "INFO",
+                                      "msg": "rejected", **extra})
+
+    def test_the_fields_passed_in_extra_end_the_line(self):
+        line = TextFormatter("conductor", "c-1").format(
+            self.record(request_id="cmpl-1", reason="overloaded", why="ttft_slo (predicted TTFT 7.63s)"))
+        assert line.endswith(' halfmoon.conductor: rejected request_id=cmpl-1 reason=overloaded '
+                             'why="ttft_slo (predicted TTFT 7.63s)"')
+        assert " INFO conductor/c-1 " in line
+
+    def test_a_line_without_fields_is_the_message_alone_and_a_traceback_follows_the_fields(self):
+        assert TextFormatter("gateway", "g-0").format(self.record()).endswith("halfmoon.conductor: rejected")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            record = self.record(request_id="r", exc_info=sys.exc_info())
+        first, *rest = TextFormatter("gateway", "g-0").format(record).split("\n")
+        assert first.endswith("rejected request_id=r") and rest[0].startswith("Traceback")
