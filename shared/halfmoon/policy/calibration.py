@@ -14,6 +14,9 @@ overload bigger than any measured is not extrapolated into rejections. Samples o
 are forgotten, so a calibration learned under one load cannot outlive it (rejected requests deliver no
 samples, and would otherwise keep it).
 
+Off by default (the conductor's ``ttft_calibration_s``): measured on two runs it did not make predictions
+better or admission kinder (docs/BENCHMARKS.md, Predictions and admission).
+
 Pure: no I/O and no clock (``now`` is any monotonic seconds, the same clock for both calls).
 """
 
