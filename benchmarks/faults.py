@@ -20,7 +20,15 @@ from typing import NamedTuple
 
 import httpx
 from halfmoon.cli.model_tools import make_tiny_model
-from halfmoon.deploy.drills import gateway_counter, restart, restart_nats, stopped, under_load, wait_live
+from halfmoon.deploy.drills import (
+    gateway_counter,
+    kill_while_streaming,
+    restart,
+    restart_nats,
+    stopped,
+    under_load,
+    wait_live,
+)
 from halfmoon.deploy.local import LocalCluster
 
 API_KEY = "sk-faults-0123456789abcdef"
@@ -38,7 +46,11 @@ class Fault(NamedTuple):
     recover: Callable[[LocalCluster], set[str]]  # restart what was lost; the instances to wait for
 
 
-def _kill(victim: str) -> Fault:
+def _kill(victim: str, mid_stream: bool = False) -> Fault:
+    """``mid_stream``: killed once it streams a token, so it dies holding a request to migrate."""
+    if mid_stream:
+        return Fault(f"SIGKILL {victim} mid-stream", lambda c: kill_while_streaming(c, victim),
+                     lambda c: (restart(c, victim), {victim})[1])
     return Fault(f"SIGKILL {victim}", lambda c: c.kill(victim), lambda c: (restart(c, victim), {victim})[1])
 
 
@@ -48,7 +60,7 @@ def _stall(c: LocalCluster) -> None:
 
 
 FAULTS = {
-    "decode": _kill("decode-0"),
+    "decode": _kill("decode-0", mid_stream=True),
     "prefill": _kill("prefill-0"),
     "conductor": _kill("conductor-0"),
     "cache-manager": _kill("cache-manager-0"),

@@ -20,6 +20,7 @@ from halfmoon.deploy.drills import (
     StreamingLoad,
     gateway_counter,
     heartbeats,
+    kill_while_streaming,
     restart,
     restart_nats,
     stopped,
@@ -96,8 +97,8 @@ class TestDecodeKilled:
     def test_in_flight_streams_migrate_to_the_other_decode(self, cluster: LocalCluster) -> None:
         before = gateway_counter(cluster, "halfmoon_migrations_total")
         try:
-            # long streams: of the three in flight, decode-0 certainly holds one when it dies
-            outcomes, _ = under_load(cluster, lambda: cluster.kill("decode-0"), max_tokens=240)
+            # long streams, and decode-0 is killed streaming one of them: there is always one to migrate
+            outcomes, _ = under_load(cluster, lambda: kill_while_streaming(cluster, "decode-0"), max_tokens=240)
         finally:  # the module's later drills need both decode instances
             restart(cluster, "decode-0")
             wait_live(cluster, {"decode-0"})

@@ -25,6 +25,7 @@ from halfmoon.deploy.local import LocalCluster, wait_for_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import Heartbeat
+from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
 
 Status = Literal["ok", "error", "lost"]
@@ -147,6 +148,27 @@ def restart(cluster: LocalCluster, instance_id: str) -> None:
     """Start a stopped or killed instance again (any id of a known service: ``transfer-1`` adds one)."""
     spec = next(s for s in SERVICES if instance_id.rsplit("-", 1)[0] == s.name)
     cluster.start_instance(spec, instance_id)
+
+
+def kill_while_streaming(cluster: LocalCluster, instance_id: str, timeout: float = 60.0) -> None:
+    """SIGKILL ``instance_id`` as soon as it streams a token: it certainly holds a request when it dies."""
+    async def watch() -> None:
+        nc = await operator_nats(cluster)
+        streaming = asyncio.Event()
+
+        async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+            event = codecs.STREAM.decode(msg.data)
+            if isinstance(event, TokenEvent) and event.instance_id == instance_id:
+                streaming.set()
+
+        try:
+            await nc.subscribe(Subjects(cluster.namespace).stream_any, cb=on_event)
+            await asyncio.wait_for(streaming.wait(), timeout)
+        finally:
+            await nc.close()
+
+    asyncio.run(watch())
+    cluster.kill(instance_id)
 
 
 @contextmanager
