@@ -255,12 +255,12 @@ class TestCalibrationSetting:
                   head_dim=16)
 
     def test_off_by_default(self):
-        placement, _, _ = build_placement(PolicySettings())
+        placement = build_placement(PolicySettings()).policy
         placement.adopt(self.SPEC, "prefill-0")
         assert placement.calibration is None and placement.scheduler.calibration is None
 
     def test_when_set_the_placement_feeds_the_calibration_its_scheduler_reads(self):
-        placement, _, _ = build_placement(PolicySettings(ttft_calibration_s=120.0))
+        placement = build_placement(PolicySettings(ttft_calibration_s=120.0)).policy
         placement.adopt(self.SPEC, "prefill-0")
         assert placement.calibration is not None and placement.scheduler.calibration is placement.calibration
         for i in range(8):
@@ -270,3 +270,48 @@ class TestCalibrationSetting:
     def test_a_negative_horizon_is_refused(self):
         with pytest.raises(ValueError, match="ttft_calibration_s"):
             PolicySettings(ttft_calibration_s=-1.0).check_policy()
+
+
+class TestLearnedDecodeCost:
+    """TBT admission judges an instance by the steps decoding instances report (prefill chunks sharing an
+    aggregated instance's steps included), not by the configured prior alone."""
+
+    PROMPT = tuple(range(3, 40))
+    REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=len(PROMPT), prompt_token_ids=PROMPT,
+                              sampling=SamplingParams(), deadline=0.0)
+
+    def aggregated(self, running: int, used_blocks: int) -> list[InstanceView]:
+        load = Load(running=running, total_kv_blocks=1000, free_kv_blocks=1000 - used_blocks)
+        return [InstanceView("agg-0", Role.AGGREGATED, "agg-0", load, False)]
+
+    def test_slow_reported_steps_turn_requests_away_and_a_small_batch_still_gets_them(self):
+        built = build_placement(PolicySettings(tbt_slo_s=0.25))
+        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
+        busy = self.aggregated(running=4, used_blocks=100)
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], busy, now=0.0), Placement)  # prior: 12 ms
+        assert built.decode_cost is not None
+        for batch in range(1, 9):  # as an AVX2 CPU ran them: about 50 ms per sequence with chunks interleaved
+            for kv_tokens in (500, 4000):
+                built.decode_cost.record(batch, kv_tokens, 0.02 + 0.05 * batch + 1e-6 * kv_tokens)
+        refused = place_pair(built.policy, self.REQUEST, [], [], busy, now=0.0)
+        assert isinstance(refused, Rejection) and refused.reason is RejectReason.OVERLOADED, refused
+        assert "decode" in refused.message and refused.retry_after_s is not None and refused.retry_after_s >= 1
+        # five sequences predicted 0.27 s a step, over the 0.25 s SLO; two are 0.12 s
+        quiet = self.aggregated(running=1, used_blocks=10)
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], quiet, now=0.0), Placement)
+
+    def test_least_loaded_placement_learns_nothing(self):
+        built = build_placement(PolicySettings(placement="least-loaded"))
+        assert built.prefill_cost is None and built.decode_cost is None
+
+    def test_an_idle_instance_is_never_refused_for_tbt(self):
+        # a slow spell (a CPU hog beside the engine) soured the model: even one sequence is over the SLO
+        built = build_placement(PolicySettings(tbt_slo_s=0.25))
+        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
+        assert built.decode_cost is not None
+        for batch in range(1, 9):
+            for kv_tokens in (500, 4000):
+                built.decode_cost.record(batch, kv_tokens, 0.3 + 0.05 * batch)
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(1, 10), now=0.0), Rejection)
+        # refusing the idle instance too would stop the steps that can correct the model
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(0, 0), now=0.0), Placement)

@@ -116,6 +116,12 @@ class TestQueueEstimatesDrain:
         # every served request's first token taught the TTFT calibration; an idle system stays idle after it
         samples = conductor_metrics(cluster)[("halfmoon_conductor_ttft_calibration", (("parameter", "samples"),))]
         assert samples == codes.count(200)
+        # the decode instance's heartbeats reported the steps it ran: the decode cost model learned from them
+        decode_samples = ("halfmoon_conductor_cost_model", (("figure", "samples"), ("model", "decode")))
+        deadline = time.monotonic() + 15
+        while conductor_metrics(cluster).get(decode_samples, 0) < 1:
+            assert time.monotonic() < deadline, "no decode step sample reached the conductor"
+            await asyncio.sleep(0.2)
         after = await placement(cluster, 200, seed=1)
         assert isinstance(after, ScheduleAccepted), after
         assert after.predicted_ttft_ms is not None

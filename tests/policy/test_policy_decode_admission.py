@@ -39,6 +39,16 @@ class TestSloAwareDecode:
         decode = SloAwareDecode(cost.decode, SLO_50MS)
         assert decode.choose([busy("a", 40, 40_000), busy("b", 35, 30_000)], 1_000) is None
 
+    def test_an_idle_instance_qualifies_over_slo_only_when_asked(self, cost):
+        # one request of 100,000 context tokens: 10 + 1 + 100 = 111 ms, over 50 ms even alone
+        idle, running = busy("a", 0, 0), busy("b", 1, 1_000)
+        assert SloAwareDecode(cost.decode, SLO_50MS).choose([idle], 100_000) is None
+        lenient = SloAwareDecode(cost.decode, SLO_50MS, idle_qualifies=True)
+        assert lenient.choose([idle, running], 100_000).instance_id == "a"
+        assert lenient.choose([running], 100_000) is None  # a batch it would slow is still protected
+        # judged at a later time: idle then (its work ends at 5) qualifies too
+        assert lenient.choose([busy("c", 2, 2_000, ends_at=5.0)], 100_000, at=6.0) is not None
+
 
 class TestAdmission:
     def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):

@@ -29,6 +29,7 @@ from halfmoon.protocol import (
     ScheduleRejected,
     ScheduleRequest,
     ResumeRequest,
+    StepSample,
     TokenEvent,
     Usage,
     WorkDone,
@@ -163,7 +164,8 @@ CASES = [
             instance_id="d0",
             role=Role.DECODE,
             address="halfmoon.v1.decode.d0.submit",
-            load=Load(queue_len=1, running=4, free_kv_blocks=100, total_kv_blocks=128, tbt_ms=20.0),
+            load=Load(queue_len=1, running=4, free_kv_blocks=100, total_kv_blocks=128, tbt_ms=20.0,
+                      steps=StepSample(steps=12, batch=3.5, kv_tokens=1800.0, seconds=0.021)),
             timestamp=1.5,
             interval_s=0.5,
             draining=True,
@@ -266,6 +268,16 @@ class TestTypedDecodeErrors:
             codecs.STREAM.decode(msgspec.msgpack.encode(raw))
         assert info.value.code is ErrorCode.MALFORMED
         assert "logprobs" in info.value.message
+
+    def test_a_heartbeat_with_an_impossible_step_sample_is_malformed(self):
+        beat = next(m for _, m in CASES if isinstance(m, Heartbeat) and m.load.steps is not None)
+        raw = msgspec.msgpack.decode(codecs.HEARTBEAT.encode(beat))
+        for bad in ({"steps": 0}, {"seconds": -0.1}, {"batch": float("nan")}):
+            raw["load"]["steps"] = {**raw["load"]["steps"], **bad}
+            with pytest.raises(ProtocolError) as info:
+                codecs.HEARTBEAT.decode(msgspec.msgpack.encode(raw))
+            assert info.value.code is ErrorCode.MALFORMED
+            raw["load"]["steps"] = msgspec.msgpack.decode(codecs.HEARTBEAT.encode(beat))["load"]["steps"]
 
     def test_error_converts_to_reply(self):
         reply = ProtocolError(ErrorCode.UNKNOWN_KIND, "x").to_reply()

@@ -24,11 +24,14 @@ _STOP = object()
 
 
 class StepTiming(NamedTuple):
-    """One engine step: when it ended, how long it took, how many sequences it advanced."""
+    """One engine step: when it ended, how long it took, how many sequences it advanced, how many of
+    those were decoding (past their first token), and how many KV blocks were in use after it."""
 
     ended: float
     seconds: float
     num_outputs: int
+    num_decoding: int = 0
+    kv_blocks: int = 0
 
 
 class AsyncEngine:
@@ -108,7 +111,10 @@ class AsyncEngine:
         started = time.perf_counter()
         outputs = self._engine.step()
         if self._on_step is not None:
-            self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs)))
+            stats = self._engine.stats()
+            decoding = sum(1 for out in outputs if out.num_output_tokens > 1)
+            self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs), decoding,
+                                     stats.total_blocks - stats.free_blocks))
         for out in outputs:
             self._deliver(out.request_id, out)
             if out.finished:

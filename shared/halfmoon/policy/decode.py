@@ -26,14 +26,19 @@ class SloAwareDecode:
     by id taking everything.
     ``at=None`` judges the batch running now; a time judges the work expected to be running
     then (for prediction-based early rejection). Returns None when none qualify.
+    ``idle_qualifies``: an instance with nothing running qualifies whatever its predicted TBT (when the
+    cost model is learned from the steps instances run, refusing idle ones would stop the steps
+    that could correct a model soured by a slow spell).
     """
 
-    def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0) -> None:
+    def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
+                 idle_qualifies: bool = False) -> None:
         if headroom <= 0:
             raise ValueError(f"headroom must be positive, got {headroom}")
         self.cost = cost
         self.slo = slo
         self.headroom = headroom
+        self.idle_qualifies = idle_qualifies
 
     def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> float:
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
@@ -52,9 +57,9 @@ class SloAwareDecode:
             if not self.fits(inst, context_tokens, at):
                 continue
             tbt = self.predicted_tbt(inst, context_tokens, at)
-            if tbt > limit:
-                continue
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
+            if tbt > limit and not (self.idle_qualifies and batch == 0):
+                continue
             load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + tbt / self.slo.tbt_s
             key = (round(load, 6), batch, tbt, inst.id)
             if best is None or key < best:

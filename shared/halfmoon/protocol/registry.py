@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 import msgspec
@@ -20,6 +21,22 @@ class Role(StrEnum):
     TRANSFER = "transfer"
 
 
+class StepSample(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine steps that emitted tokens since the previous heartbeat, averaged: a step advancing
+    ``batch`` sequences while the KV cache held ``kv_tokens`` took ``seconds`` (prefill chunks that
+    shared those steps included). What the conductor's decode cost model learns from."""
+
+    steps: int
+    batch: float
+    kv_tokens: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        averages = (self.batch, self.kv_tokens, self.seconds)
+        if self.steps < 1 or not all(math.isfinite(a) and a >= 0 for a in averages):
+            raise ValueError("a step sample needs steps >= 1 and finite, non-negative averages")
+
+
 class Load(msgspec.Struct, frozen=True, kw_only=True):
     """What an instance reports about its load; fields a role does not have stay at 0/None.
 
@@ -35,6 +52,7 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     accepted_total: int = 0
+    steps: StepSample | None = None  # decoding instances, when a step emitted tokens since the last beat
 
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:

@@ -87,8 +87,12 @@ class Service(ABC, Generic[C]):
         return None
 
     def load(self) -> Load:
-        """Current load figures for the heartbeat; must be cheap and never block."""
+        """Current load figures (heartbeats, metrics scrapes); must be cheap and never block."""
         return Load()
+
+    def heartbeat_load(self) -> Load:
+        """``load()`` plus what is reported once per heartbeat (an engine's steps since the last)."""
+        return self.load()
 
     @abstractmethod
     async def start(self) -> None:

@@ -143,7 +143,7 @@ class ServiceHost:
             instance_id=svc.instance_id,
             role=svc.role,
             address=svc.address,
-            load=svc.load(),
+            load=svc.heartbeat_load(),
             timestamp=time.time(),
             interval_s=svc.config.heartbeat_interval_s,
             draining=svc.draining,

@@ -11,6 +11,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import msgspec
 import nats
 
 from halfmoon.core.kv_spec import KVSpec
@@ -19,7 +20,7 @@ from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
-from halfmoon.protocol.registry import Load, Role
+from halfmoon.protocol.registry import Load, Role, StepSample
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.service.base import Service
@@ -72,15 +73,35 @@ class WorkerConfig(DataPlaneConfig):
 
 
 class LoadMeter:
-    """Recent step timings, turned into the load figures a heartbeat carries."""
+    """Recent step timings, turned into the load figures a heartbeat carries.
 
-    def __init__(self, window: int = 64) -> None:
+    ``on_step`` runs on the engine thread and ``load`` on the event loop: they share only deques,
+    whose appends and pops are atomic."""
+
+    def __init__(self, block_size: int, window: int = 64) -> None:
+        self.block_size = block_size
         self.ttft_ms: collections.deque[float] = collections.deque(maxlen=window)
         self.step_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)
 
     def on_step(self, timing: StepTiming) -> None:
         if timing.num_outputs:
             self.step_ms.append(timing.seconds * 1000)
+        if timing.num_decoding:
+            self._unreported.append(timing)
+
+    def take_steps(self) -> StepSample | None:
+        """The steps since the last call that advanced a decoding sequence, averaged (None when there were
+        none): the time between tokens those sequences saw, prefill chunks sharing the step included."""
+        taken = []
+        while self._unreported:
+            taken.append(self._unreported.popleft())
+        if not taken:
+            return None
+        n = len(taken)
+        return StepSample(steps=n, batch=sum(t.num_decoding for t in taken) / n,
+                          kv_tokens=sum(t.kv_blocks for t in taken) * self.block_size / n,
+                          seconds=sum(t.seconds for t in taken) / n)
 
     def load(self, engine: AsyncEngine, in_flight: int, accepted_total: int) -> Load:
         """Running: sequences in the engine's batch; queued: every other request taken and not done
@@ -113,7 +134,7 @@ class EngineWorker(Service[WorkerConfig]):
 
     def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
         super().__init__(config, tracer_provider)
-        self.meter = LoadMeter()
+        self.meter = LoadMeter(config.block_size)
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -147,6 +168,9 @@ class EngineWorker(Service[WorkerConfig]):
 
     def load(self) -> Load:
         return self.meter.load(self.engine, len(self._busy), self._accepted) if self.engine else Load()
+
+    def heartbeat_load(self) -> Load:
+        return msgspec.structs.replace(self.load(), steps=self.meter.take_steps())
 
     async def start(self) -> None:
         config = self.config.engine_config()

@@ -130,6 +130,10 @@ class Metrics:
         self.ttft_calibration = Gauge(
             "halfmoon_conductor_ttft_calibration", "the conductor's fit of delivered TTFT = intercept + slope x "
             "the cost model's TTFT (parameter: intercept_seconds, slope, samples)", ["parameter"], registry=r)
+        self.cost_model = Gauge(
+            "halfmoon_conductor_cost_model", "what the conductor's learned cost models predict at a reference point "
+            "(figure: seconds for a 1,024-token prefill or for a decode step of 16 sequences holding 16,384 tokens) "
+            "and how many measurements they hold", ["model", "figure"], registry=r)
         self.ledger_cleared = Gauge(
             "halfmoon_conductor_ledger_cleared", "ledger entries cleared since the conductor started, by how",
             ["how"], registry=r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.admission import make_admission
@@ -64,23 +65,34 @@ class PolicySettings:
                            self.ttft_slo_s if self.cpp_rescue_only else 0.0)
 
 
-def build_placement(settings: PolicySettings) -> tuple[PlacementPolicy, LiveBlockIndex, OnlineFitter | None]:
-    """The placement policy, the block index it reads, and the prefill cost fitter to feed."""
+class BuiltPlacement(NamedTuple):
+    """The placement policy, the block index it reads, and the cost fitters to feed (None: it predicts
+    nothing). ``decode_cost`` learns from the steps decoding instances report, prefill chunks sharing
+    an aggregated instance's steps included, so its TBT admission sees that interference."""
+
+    policy: PlacementPolicy
+    index: LiveBlockIndex
+    prefill_cost: OnlineFitter | None = None
+    decode_cost: OnlineFitter | None = None
+
+
+def build_placement(settings: PolicySettings) -> BuiltPlacement:
     index = LiveBlockIndex()
     if settings.placement == "least-loaded":
-        return LeastLoaded(), index, None
-    prior = PrefillCostModel((0.0, 1.0 / settings.prefill_tokens_per_s, 0.0, 0.0))
-    fitter = OnlineFitter(PrefillCostModel.fit, prior)
+        return BuiltPlacement(LeastLoaded(), index)
+    fitter = OnlineFitter(PrefillCostModel.fit, PrefillCostModel((0.0, 1.0 / settings.prefill_tokens_per_s, 0.0, 0.0)))
+    decode_fitter = OnlineFitter(DecodeCostModel.fit, DecodeCostModel(
+        (settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8)))
     slo = SLO(settings.ttft_slo_s, settings.tbt_slo_s)
     calibration = TTFTCalibration(settings.ttft_calibration_s) if settings.ttft_calibration_s else None
 
     def make_scheduler(spec: KVSpec) -> KVCentricScheduler:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
-                          decode=DecodeCostModel((settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8)),
+                          decode=decode_fitter,  # type: ignore[arg-type]
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
-                                  make_admission(settings.admission, SloAwareDecode(cost.decode, slo)), slo,
+                                  make_admission(settings.admission, SloAwareDecode(cost.decode, slo, idle_qualifies=True)), slo,
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,
                                   calibration)
 
-    return KVCentricPlacement(make_scheduler, index, calibration), index, fitter
+    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration), index, fitter, decode_fitter)

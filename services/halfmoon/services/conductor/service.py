@@ -74,8 +74,9 @@ class ConductorService(Service[ConductorConfig]):
         self.table = InstanceTable(config.instance_timeout_s)
         self.ledger = WorkLedger(config.ledger_grace_s)
         self._unscrape: Callable[[], None] = lambda: None
-        built, self.block_index, self.prefill_cost = build_placement(config)
-        self.policy = policy or built
+        built = build_placement(config)
+        self.block_index, self.prefill_cost, self.decode_cost = built.index, built.prefill_cost, built.decode_cost
+        self.policy = policy or built.policy
         self._sweeper: asyncio.Task[None] | None = None
         self._refused: set[str] = set()  # instances whose KV spec disagrees (logged once each)
         self.first_tokens = FirstTokenWatch()
@@ -134,6 +135,11 @@ class ConductorService(Service[ConductorConfig]):
             metrics.conductor_outstanding_work.labels(iid).set(held.work_s)
         for how, total in self.ledger.cleared.items():
             metrics.ledger_cleared.labels(how.value).set(total)
+        for name, fitter, predicted in (("prefill", self.prefill_cost, lambda f: f.predict(1024, 0)),
+                                        ("decode", self.decode_cost, lambda f: f.predict(16, 16384))):
+            if fitter is not None:
+                metrics.cost_model.labels(name, "seconds").set(predicted(fitter))
+                metrics.cost_model.labels(name, "samples").set(len(fitter))
         calibration = self.policy.calibration
         if calibration is not None:
             fit = calibration.fit(time.time())
@@ -164,6 +170,9 @@ class ConductorService(Service[ConductorConfig]):
                     self.log.error("instance refused: its KV blocks would not match the others'",
                                    extra={"instance": heartbeat.instance_id, "why": str(exc)})
                 return
+        steps = heartbeat.load.steps
+        if steps is not None and self.decode_cost is not None and heartbeat.role in (Role.DECODE, Role.AGGREGATED):
+            self.decode_cost.record(steps.batch, steps.kv_tokens, steps.seconds)
         now = time.monotonic()
         self.ledger.reconcile(heartbeat.instance_id, heartbeat.load.queue_len + heartbeat.load.running, now)
         if self.table.observe(heartbeat, now):
