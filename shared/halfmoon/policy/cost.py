@@ -135,9 +135,9 @@ class OnlineFitter:
 
     ``record`` keeps the last ``window`` samples; ``predict`` uses the prior model, rescaled to the
     measurements (by the median ratio of measured to prior-predicted time, each sample weighted by
-    its prior-predicted time) from ``min_scale_samples`` on, until a least-squares fit takes over (from ``min_samples``, refreshed every ``refit_every``
-    records). A refit that fails keeps the previous model. The fit only covers what was measured:
-    samples whose first variable (prompt tokens, batch size) takes fewer than ``min_distinct`` values
+    its prior-predicted time) from ``min_scale_samples`` on, until a least-squares fit takes over
+    (from ``min_samples``, refreshed every ``refit_every`` records). A refit that fails keeps the
+    previous model. The fit only covers what was measured: samples whose first variable (prompt tokens, batch size) takes fewer than ``min_distinct`` values
     or spans less than a factor of 2 do not replace the model (a polynomial fitted on prompts of 23
     to 25 tokens predicted a minute for 85), and beyond twice the largest measured value the
     rescaled prior answers. The rescaling is what makes a prior guessed for another machine (8,000
@@ -197,7 +197,8 @@ class OnlineFitter:
         usable = predicted > 0
         if usable.sum() < self._min_scale:
             return
-        self.scaled_prior = self.prior.scaled(weighted_median(measured[usable] / predicted[usable], predicted[usable]))
+        ratio = weighted_median(measured[usable] / predicted[usable], predicted[usable])
+        self.scaled_prior = self.prior.scaled(ratio)
         if self._fitted_up_to is None:
             self.model = self.scaled_prior
 

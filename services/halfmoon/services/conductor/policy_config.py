@@ -90,8 +90,9 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
                           decode=decode_fitter,  # type: ignore[arg-type]
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
+        decode = SloAwareDecode(cost.decode, slo, idle_qualifies=True)
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
-                                  make_admission(settings.admission, SloAwareDecode(cost.decode, slo, idle_qualifies=True)), slo,
+                                  make_admission(settings.admission, decode), slo,
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,
                                   calibration)
 
