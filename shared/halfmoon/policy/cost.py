@@ -137,11 +137,12 @@ class OnlineFitter:
     measurements (by the median ratio of measured to prior-predicted time, each sample weighted by
     its prior-predicted time) from ``min_scale_samples`` on, until a least-squares fit takes over
     (from ``min_samples``, refreshed every ``refit_every`` records). A refit that fails keeps the
-    previous model. The fit only covers what was measured: samples whose first variable (prompt tokens, batch size) takes fewer than ``min_distinct`` values
-    or spans less than a factor of 2 do not replace the model (a polynomial fitted on prompts of 23
-    to 25 tokens predicted a minute for 85), and beyond twice the largest measured value the
-    rescaled prior answers. The rescaling is what makes a prior guessed for another machine (8,000
-    prompt tokens/s where a CPU does 400) right in speed even when every prompt has one length.
+    previous model. The fit only covers what was measured: samples whose first variable (prompt
+    tokens, batch size) takes fewer than ``min_distinct`` values or spans less than a factor of 2 do
+    not replace the model (a polynomial fitted on prompts of 23 to 25 tokens predicted a minute for
+    85), and beyond twice the largest measured value the rescaled prior answers. The rescaling is
+    what makes a prior guessed for another machine (8,000 prompt tokens/s where a CPU does 400)
+    right in speed even when every prompt has one length.
     The weights keep short prompts, whose time is mostly fixed overhead, from setting the speed of
     long ones: unweighted, four 20-token prompts at 1.4x the prior and two 400-token ones at 0.4x
     predicted a 2,000-token prompt 2.3x slower than it ran, and a burst was rejected whole.
