@@ -300,9 +300,10 @@ class TestLearnedDecodeCost:
         quiet = self.aggregated(running=1, used_blocks=10)
         assert isinstance(place_pair(built.policy, self.REQUEST, [], [], quiet, now=0.0), Placement)
 
-    def test_least_loaded_placement_learns_nothing(self):
+    def test_least_loaded_placement_learns_nothing_and_learning_decode_can_be_off(self):
         built = build_placement(PolicySettings(placement="least-loaded"))
         assert built.prefill_cost is None and built.decode_cost is None
+        assert build_placement(PolicySettings(learn_decode_cost=False)).decode_cost is None
 
     def test_an_idle_instance_is_never_refused_for_tbt(self):
         # a slow spell (a CPU hog beside the engine) soured the model: even one sequence is over the SLO

@@ -33,6 +33,9 @@ class PolicySettings:
     decode_step_s: float = field(default=0.01, metadata={"help": "prior decode step time of a batch of one"})
     decode_step_per_seq_s: float = field(default=0.0005, metadata={
         "help": "prior growth of the decode step per sequence in the batch"})
+    learn_decode_cost: bool = field(default=True, metadata={
+        "help": "learn the decode step time from the steps decoding instances report, prefill chunks sharing "
+                "an aggregated instance's steps included (off: the two priors above alone)"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
     ttft_calibration_s: float = field(default=0.0, metadata={
         "help": "calibrate predicted TTFTs to those delivered in the last this many seconds, e.g. 120 "
@@ -81,14 +84,14 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
     if settings.placement == "least-loaded":
         return BuiltPlacement(LeastLoaded(), index)
     fitter = OnlineFitter(PrefillCostModel.fit, PrefillCostModel((0.0, 1.0 / settings.prefill_tokens_per_s, 0.0, 0.0)))
-    decode_fitter = OnlineFitter(DecodeCostModel.fit, DecodeCostModel(
-        (settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8)))
+    decode_prior = DecodeCostModel((settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8))
+    decode_fitter = OnlineFitter(DecodeCostModel.fit, decode_prior) if settings.learn_decode_cost else None
     slo = SLO(settings.ttft_slo_s, settings.tbt_slo_s)
     calibration = TTFTCalibration(settings.ttft_calibration_s) if settings.ttft_calibration_s else None
 
     def make_scheduler(spec: KVSpec) -> KVCentricScheduler:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
-                          decode=decode_fitter,  # type: ignore[arg-type]
+                          decode=decode_prior if decode_fitter is None else decode_fitter,  # type: ignore[arg-type]
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         decode = SloAwareDecode(cost.decode, slo, idle_qualifies=True)
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
