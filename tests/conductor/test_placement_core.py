@@ -316,3 +316,21 @@ class TestLearnedDecodeCost:
         assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(1, 10), now=0.0), Rejection)
         # refusing the idle instance too would stop the steps that can correct the model
         assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(0, 0), now=0.0), Placement)
+
+    def test_with_prefill_interference_steps_a_chunk_shared_judge_aggregated_instances(self):
+        built = build_placement(PolicySettings(tbt_slo_s=0.25, prefill_interference=True))
+        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
+        assert built.decode_cost is not None and built.shared_cost is not None
+        for batch in range(1, 9):  # decoding alone is fast; a step carrying a prompt's chunk is not
+            for kv_tokens in (500, 4000):
+                built.decode_cost.record(batch, kv_tokens, 0.02 + 0.01 * batch)
+                built.shared_cost.record(batch, kv_tokens, 0.3 + 0.01 * batch)
+        busy = self.aggregated(running=2, used_blocks=20)
+        refused = place_pair(built.policy, self.REQUEST, [], [], busy, now=0.0)
+        assert isinstance(refused, Rejection) and "decode" in refused.message, refused
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(0, 0), now=0.0), Placement)
+        # a decode instance is never judged by chunks it does not run
+        decode_view = [busy[0]._replace(instance_id="d0", role=Role.DECODE)]
+        prefill_view = [InstanceView("p0", Role.PREFILL, "p0", Load(), False)]
+        built.policy.adopt(TestCalibrationSetting.SPEC, "p0")
+        assert isinstance(place_pair(built.policy, self.REQUEST, prefill_view, decode_view, [], now=0.0), Placement)

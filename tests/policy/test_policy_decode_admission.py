@@ -49,6 +49,21 @@ class TestSloAwareDecode:
         # judged at a later time: idle then (its work ends at 5) qualifies too
         assert lenient.choose([busy("c", 2, 2_000, ends_at=5.0)], 100_000, at=6.0) is not None
 
+    def test_an_instance_that_interleaves_prefill_is_judged_by_its_shared_steps_too(self, cost):
+        # steps that carry a prefill chunk: 100 ms more than the decode alone
+        c0, c1, c2 = cost.decode.coef
+        shared = DecodeCostModel((c0 + 0.1, c1, c2))
+        decode = SloAwareDecode(cost.decode, SLO_50MS, shared_cost=shared)
+        disaggregated = busy("d", 5, 5_000)
+        aggregated = disaggregated._replace(id="a", interleaves_prefill=True)
+        # the decode alone: 10 + 6 + 6 = 22 ms; a chunk in each step while its prompt is computed: 120 ms
+        assert decode.predicted_tbt(disaggregated, 1_000) == pytest.approx(0.022)
+        assert decode.predicted_tbt(aggregated, 1_000) == pytest.approx(0.010 + 0.1 + 0.005 + 0.006)
+        assert decode.choose([aggregated, disaggregated], 1_000).instance_id == "d"
+        assert decode.choose([aggregated], 1_000) is None
+        # nothing running: no batch to slow down, only this request's own steps count
+        assert decode.predicted_tbt(busy("a", 0, 0)._replace(interleaves_prefill=True), 1_000) == pytest.approx(0.012)
+
 
 class TestAdmission:
     def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):

@@ -1,4 +1,4 @@
-"""What an engine instance's heartbeat says about its steps: the decode cost model's samples."""
+"""What an engine instance's heartbeat says about its steps: the decode cost models' samples."""
 
 from __future__ import annotations
 
@@ -7,18 +7,31 @@ from halfmoon.engine.async_engine import StepTiming
 from halfmoon.service.worker import LoadMeter
 
 
+def step(seconds: float, outputs: int, decoding: int, kv_blocks: int, tokens: int) -> StepTiming:
+    return StepTiming(ended=0.0, seconds=seconds, num_outputs=outputs, num_decoding=decoding, kv_blocks=kv_blocks,
+                      num_tokens=tokens)
+
+
 class TestStepSamples:
     def test_decoding_steps_since_the_last_heartbeat_are_averaged_once(self):
         meter = LoadMeter(block_size=16)
-        assert meter.take_steps() is None  # nothing ran yet
-        meter.on_step(StepTiming(ended=1.0, seconds=0.10, num_outputs=2, num_decoding=2, kv_blocks=10))
-        meter.on_step(StepTiming(ended=1.1, seconds=0.50, num_outputs=0, kv_blocks=40))  # a prefill chunk alone
-        meter.on_step(StepTiming(ended=1.2, seconds=0.40, num_outputs=1, kv_blocks=41))  # a first token alone
-        # four decoding and one first token: the decoding four waited for that prompt's last chunk
-        meter.on_step(StepTiming(ended=1.3, seconds=0.30, num_outputs=5, num_decoding=4, kv_blocks=30))
-        sample = meter.take_steps()
-        assert sample is not None and sample.steps == 2
-        assert (sample.batch, sample.kv_tokens, sample.seconds) == pytest.approx((3.0, 20 * 16, 0.2))
-        assert meter.take_steps() is None  # each step is reported in one heartbeat only
-        meter.on_step(StepTiming(ended=2.0, seconds=0.05, num_outputs=1, num_decoding=1, kv_blocks=2))
-        assert meter.take_steps().batch == 1.0
+        assert meter.take_steps() == (None, None)  # nothing ran yet
+        meter.on_step(step(0.10, outputs=2, decoding=2, kv_blocks=10, tokens=2))
+        meter.on_step(step(0.50, outputs=0, decoding=0, kv_blocks=40, tokens=512))  # a prefill chunk alone
+        meter.on_step(step(0.40, outputs=1, decoding=0, kv_blocks=41, tokens=100))  # a first token alone
+        meter.on_step(step(0.30, outputs=4, decoding=4, kv_blocks=30, tokens=4))
+        alone, shared = meter.take_steps()
+        assert shared is None and alone is not None and alone.steps == 2
+        assert (alone.batch, alone.kv_tokens, alone.seconds) == pytest.approx((3.0, 20 * 16, 0.2))
+        assert meter.take_steps() == (None, None)  # each step is reported in one heartbeat only
+
+    def test_steps_a_prefill_chunk_shared_are_reported_apart(self):
+        meter = LoadMeter(block_size=16)
+        meter.on_step(step(0.05, outputs=3, decoding=3, kv_blocks=12, tokens=3))
+        # three decoding and a 256-token chunk of another prompt (its last: a first token too)
+        meter.on_step(step(0.45, outputs=4, decoding=3, kv_blocks=30, tokens=259))
+        meter.on_step(step(0.35, outputs=3, decoding=3, kv_blocks=20, tokens=259))
+        alone, shared = meter.take_steps()
+        assert alone is not None and (alone.steps, alone.seconds) == (1, pytest.approx(0.05))
+        assert shared is not None and shared.steps == 2
+        assert (shared.batch, shared.kv_tokens, shared.seconds) == pytest.approx((3.0, 25 * 16, 0.4))

@@ -25,13 +25,19 @@ _STOP = object()
 
 class StepTiming(NamedTuple):
     """One engine step: when it ended, how long it took, how many sequences it advanced, how many of
-    those were decoding (past their first token), and how many KV blocks were in use after it."""
+    those were decoding (past their first token), how many KV blocks were in use after it, and how many
+    tokens it computed (more than ``num_decoding``: prompt tokens shared the step)."""
 
     ended: float
     seconds: float
     num_outputs: int
     num_decoding: int = 0
     kv_blocks: int = 0
+    num_tokens: int = 0
+
+    @property
+    def shared_with_prefill(self) -> bool:
+        return self.num_tokens > self.num_decoding
 
 
 class AsyncEngine:
@@ -114,7 +120,7 @@ class AsyncEngine:
             stats = self._engine.stats()
             decoding = sum(1 for out in outputs if out.num_output_tokens > 1)
             self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs), decoding,
-                                     stats.total_blocks - stats.free_blocks))
+                                     stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens))
         for out in outputs:
             self._deliver(out.request_id, out)
             if out.finished:

@@ -94,6 +94,7 @@ class LLMEngine:
         self.cache = PagedKVCache(hf.num_hidden_layers, num_blocks, config.block_size, hf.num_key_value_heads,
                                   head_dim, config.torch_dtype, config.torch_device)
         self.runner = ModelRunner(self.model, self.cache, self.blocks)
+        self.last_step_tokens = 0  # tokens the last step computed (decode: 1 per sequence; prefill: its chunk)
         self.layer_import = LayerImport()
         self.layer_export = LayerExport(self.layout, config.block_size)
         self.runner.layer_hook = LayerHooks(self.layer_import, self.layer_export)
@@ -232,6 +233,7 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()
+        self.last_step_tokens = sum(c.num_tokens for c in chunks)
         if not chunks:
             return []
         began = time.perf_counter()
@@ -246,7 +248,7 @@ class LLMEngine:
             kept = [i for i, seq in enumerate(sampling) if seq not in failed]
             logits, sampling = logits[kept], [sampling[i] for i in kept]
         sampled = self.sampler(logits, sampling) if sampling else None
-        per_token = (time.perf_counter() - began) / sum(c.num_tokens for c in chunks)
+        per_token = (time.perf_counter() - began) / self.last_step_tokens
         for chunk in chunks:
             if chunk.seq in failed:
                 continue

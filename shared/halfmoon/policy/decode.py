@@ -29,20 +29,27 @@ class SloAwareDecode:
     ``idle_qualifies``: an instance with nothing running qualifies whatever its predicted TBT (when the
     cost model is learned from the steps instances run, refusing idle ones would stop the steps
     that could correct a model soured by a slow spell).
+    ``shared_cost``: the step time of a decoding batch whose steps carry a prefill chunk. Given, an
+    instance that interleaves prefill is judged by the slower of two: its batch while this request's
+    prompt is computed in its steps, and its batch with this request decoding.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
-                 idle_qualifies: bool = False) -> None:
+                 idle_qualifies: bool = False, shared_cost: DecodeCostModel | None = None) -> None:
         if headroom <= 0:
             raise ValueError(f"headroom must be positive, got {headroom}")
         self.cost = cost
         self.slo = slo
         self.headroom = headroom
         self.idle_qualifies = idle_qualifies
+        self.shared_cost = shared_cost
 
     def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> float:
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        return self.cost.predict(batch + 1, context + context_tokens)
+        tbt = self.cost.predict(batch + 1, context + context_tokens)
+        if self.shared_cost is not None and inst.interleaves_prefill:
+            tbt = max(tbt, self.shared_cost.predict(batch, context + context_tokens))
+        return tbt
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
         context = inst.context_tokens if at is None else inst.load_at(at)[1]

@@ -60,7 +60,8 @@ class DecodeInstanceState(NamedTuple):
     """``batch_size``/``context_tokens`` describe the running batch now; ``work`` lists running and
     incoming requests with expected start/end times, for predicting the load at a later moment.
     ``work=None``: the owner cannot tell when work ends (a live conductor knows only the batch
-    now), so the load now stands for the load later."""
+    now), so the load now stands for the load later. ``interleaves_prefill``: the instance also
+    prefills what it decodes (aggregated), in chunks that share its decoding steps."""
 
     id: str
     batch_size: int
@@ -68,6 +69,7 @@ class DecodeInstanceState(NamedTuple):
     capacity_tokens: int
     recent_tbt: tuple[float, ...] = ()
     work: tuple[DecodeWork, ...] | None = None
+    interleaves_prefill: bool = False
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""

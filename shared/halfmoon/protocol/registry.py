@@ -22,9 +22,9 @@ class Role(StrEnum):
 
 
 class StepSample(msgspec.Struct, frozen=True, kw_only=True):
-    """The engine steps that emitted tokens since the previous heartbeat, averaged: a step advancing
-    ``batch`` sequences while the KV cache held ``kv_tokens`` took ``seconds`` (prefill chunks that
-    shared those steps included). What the conductor's decode cost model learns from."""
+    """Engine steps that advanced decoding sequences since the previous heartbeat, averaged: a step
+    advancing ``batch`` of them while the KV cache held ``kv_tokens`` took ``seconds``. What the
+    conductor's decode cost models learn from."""
 
     steps: int
     batch: float
@@ -52,7 +52,8 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     accepted_total: int = 0
-    steps: StepSample | None = None  # decoding instances, when a step emitted tokens since the last beat
+    steps: StepSample | None = None  # decoding steps since the last heartbeat that computed no prompt tokens
+    shared_steps: StepSample | None = None  # those that did: an aggregated instance's prefill chunks shared them
 
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:

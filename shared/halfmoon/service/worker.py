@@ -82,7 +82,7 @@ class LoadMeter:
         self.block_size = block_size
         self.ttft_ms: collections.deque[float] = collections.deque(maxlen=window)
         self.step_ms: collections.deque[float] = collections.deque(maxlen=window)
-        self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)
+        self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
 
     def on_step(self, timing: StepTiming) -> None:
         if timing.num_outputs:
@@ -90,18 +90,23 @@ class LoadMeter:
         if timing.num_decoding:
             self._unreported.append(timing)
 
-    def take_steps(self) -> StepSample | None:
-        """The steps since the last call that advanced a decoding sequence, averaged (None when there were
-        none): the time between tokens those sequences saw, prefill chunks sharing the step included."""
+    def take_steps(self) -> tuple[StepSample | None, StepSample | None]:
+        """The steps since the last call that advanced a decoding sequence, averaged: those that computed
+        no prompt tokens, and those a prefill chunk shared (None where there were none). Their seconds are
+        the time between tokens the decoding sequences saw."""
         taken = []
         while self._unreported:
             taken.append(self._unreported.popleft())
-        if not taken:
+        return (self._average([t for t in taken if not t.shared_with_prefill]),
+                self._average([t for t in taken if t.shared_with_prefill]))
+
+    def _average(self, steps: list[StepTiming]) -> StepSample | None:
+        if not steps:
             return None
-        n = len(taken)
-        return StepSample(steps=n, batch=sum(t.num_decoding for t in taken) / n,
-                          kv_tokens=sum(t.kv_blocks for t in taken) * self.block_size / n,
-                          seconds=sum(t.seconds for t in taken) / n)
+        n = len(steps)
+        return StepSample(steps=n, batch=sum(t.num_decoding for t in steps) / n,
+                          kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
+                          seconds=sum(t.seconds for t in steps) / n)
 
     def load(self, engine: AsyncEngine, in_flight: int, accepted_total: int) -> Load:
         """Running: sequences in the engine's batch; queued: every other request taken and not done
@@ -170,7 +175,8 @@ class EngineWorker(Service[WorkerConfig]):
         return self.meter.load(self.engine, len(self._busy), self._accepted) if self.engine else Load()
 
     def heartbeat_load(self) -> Load:
-        return msgspec.structs.replace(self.load(), steps=self.meter.take_steps())
+        steps, shared_steps = self.meter.take_steps()
+        return msgspec.structs.replace(self.load(), steps=steps, shared_steps=shared_steps)
 
     async def start(self) -> None:
         config = self.config.engine_config()

@@ -9,6 +9,7 @@ from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
+from halfmoon.protocol.registry import Role
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import LeastLoaded, Placement, PlacementPolicy, Rejection
@@ -64,7 +65,8 @@ class KVCentricPlacement(PlacementPolicy):
         recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
         batch = max(view.load.running, view.outstanding.count)
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
-                                   view.load.total_kv_blocks * self.block_size, recent)
+                                   view.load.total_kv_blocks * self.block_size, recent,
+                                   interleaves_prefill=view.role is Role.AGGREGATED)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:

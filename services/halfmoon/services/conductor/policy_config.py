@@ -36,6 +36,9 @@ class PolicySettings:
     learn_decode_cost: bool = field(default=True, metadata={
         "help": "learn the decode step time from the steps decoding instances report, prefill chunks sharing "
                 "an aggregated instance's steps included (off: the two priors above alone)"})
+    prefill_interference: bool = field(default=False, metadata={
+        "help": "judge an aggregated instance's TBT also by its decoding steps that carried a prefill chunk, "
+                "learned apart from those that did not (with learn_decode_cost)"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
     ttft_calibration_s: float = field(default=0.0, metadata={
         "help": "calibrate predicted TTFTs to those delivered in the last this many seconds, e.g. 120 "
@@ -69,14 +72,16 @@ class PolicySettings:
 
 
 class BuiltPlacement(NamedTuple):
-    """The placement policy, the block index it reads, and the cost fitters to feed (None: it predicts
-    nothing). ``decode_cost`` learns from the steps decoding instances report, prefill chunks sharing
-    an aggregated instance's steps included, so its TBT admission sees that interference."""
+    """The placement policy, the block index it reads, and the cost fitters to feed (None: not learned).
+    ``decode_cost`` learns from the decoding steps instances report; with ``shared_cost`` (setting
+    ``prefill_interference``) from those no prefill chunk shared, and ``shared_cost`` from those one did,
+    else from both, so TBT admission sees prefill interference on average."""
 
     policy: PlacementPolicy
     index: LiveBlockIndex
     prefill_cost: OnlineFitter | None = None
     decode_cost: OnlineFitter | None = None
+    shared_cost: OnlineFitter | None = None
 
 
 def build_placement(settings: PolicySettings) -> BuiltPlacement:
@@ -86,6 +91,8 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
     fitter = OnlineFitter(PrefillCostModel.fit, PrefillCostModel((0.0, 1.0 / settings.prefill_tokens_per_s, 0.0, 0.0)))
     decode_prior = DecodeCostModel((settings.decode_step_s, settings.decode_step_per_seq_s, 1e-8))
     decode_fitter = OnlineFitter(DecodeCostModel.fit, decode_prior) if settings.learn_decode_cost else None
+    shared_fitter = (OnlineFitter(DecodeCostModel.fit, decode_prior)
+                     if settings.learn_decode_cost and settings.prefill_interference else None)
     slo = SLO(settings.ttft_slo_s, settings.tbt_slo_s)
     calibration = TTFTCalibration(settings.ttft_calibration_s) if settings.ttft_calibration_s else None
 
@@ -93,10 +100,12 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
                           decode=decode_prior if decode_fitter is None else decode_fitter,  # type: ignore[arg-type]
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
-        decode = SloAwareDecode(cost.decode, slo, idle_qualifies=True)
+        decode = SloAwareDecode(cost.decode, slo, idle_qualifies=True,
+                                shared_cost=shared_fitter)  # type: ignore[arg-type]
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
                                   make_admission(settings.admission, decode), slo,
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,
                                   calibration)
 
-    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration), index, fitter, decode_fitter)
+    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration), index, fitter, decode_fitter,
+                          shared_fitter)

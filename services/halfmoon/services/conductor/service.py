@@ -75,7 +75,8 @@ class ConductorService(Service[ConductorConfig]):
         self.ledger = WorkLedger(config.ledger_grace_s)
         self._unscrape: Callable[[], None] = lambda: None
         built = build_placement(config)
-        self.block_index, self.prefill_cost, self.decode_cost = built.index, built.prefill_cost, built.decode_cost
+        self.block_index, self.prefill_cost = built.index, built.prefill_cost
+        self.decode_cost, self.shared_cost = built.decode_cost, built.shared_cost
         self.policy = policy or built.policy
         self._sweeper: asyncio.Task[None] | None = None
         self._refused: set[str] = set()  # instances whose KV spec disagrees (logged once each)
@@ -136,7 +137,8 @@ class ConductorService(Service[ConductorConfig]):
         for how, total in self.ledger.cleared.items():
             metrics.ledger_cleared.labels(how.value).set(total)
         for name, fitter, predicted in (("prefill", self.prefill_cost, lambda f: f.predict(1024, 0)),
-                                        ("decode", self.decode_cost, lambda f: f.predict(16, 16384))):
+                                        ("decode", self.decode_cost, lambda f: f.predict(16, 16384)),
+                                        ("decode_shared", self.shared_cost, lambda f: f.predict(16, 16384))):
             if fitter is not None:
                 metrics.cost_model.labels(name, "seconds").set(predicted(fitter))
                 metrics.cost_model.labels(name, "samples").set(len(fitter))
@@ -170,13 +172,18 @@ class ConductorService(Service[ConductorConfig]):
                     self.log.error("instance refused: its KV blocks would not match the others'",
                                    extra={"instance": heartbeat.instance_id, "why": str(exc)})
                 return
-        steps = heartbeat.load.steps
-        if steps is not None and self.decode_cost is not None and heartbeat.role in (Role.DECODE, Role.AGGREGATED):
-            self.decode_cost.record(steps.batch, steps.kv_tokens, steps.seconds)
+        if heartbeat.role in (Role.DECODE, Role.AGGREGATED):
+            self._learn_steps(heartbeat.load)
         now = time.monotonic()
         self.ledger.reconcile(heartbeat.instance_id, heartbeat.load.queue_len + heartbeat.load.running, now)
         if self.table.observe(heartbeat, now):
             self.log.info("instance up", extra={"instance": heartbeat.instance_id, "role": heartbeat.role.value})
+
+    def _learn_steps(self, load: Load) -> None:
+        shared_to = self.decode_cost if self.shared_cost is None else self.shared_cost
+        for sample, fitter in ((load.steps, self.decode_cost), (load.shared_steps, shared_to)):
+            if sample is not None and fitter is not None:
+                fitter.record(sample.batch, sample.kv_tokens, sample.seconds)
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
         self.block_index.forget(down.instance_id)
