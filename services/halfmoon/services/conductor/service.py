@@ -123,9 +123,10 @@ class ConductorService(Service[ConductorConfig]):
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
         # NOTE: a cancel naming an attempt precedes that request's next placement, which replaces the
         # entries anyway; acting on it could clear the new placement if the two arrive out of order.
+        # The first-token watch is left alone: a client that leaves right after its first token can cancel
+        # before the prefill's WorkDone arrives, which still reports that token (and clears the entry).
         if cancel.attempt is None:
             self.ledger.end(cancel.request_id, time.monotonic())
-            self.first_tokens.forget(cancel.request_id)
 
     def _record_ledger(self, metrics: Metrics) -> None:
         metrics.conductor_outstanding.clear()
@@ -276,9 +277,6 @@ class FirstTokenWatch:
         if done.outcome is not WorkOutcome.COMPLETED:
             return None
         return waiting[1], now - waiting[2]
-
-    def forget(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._waiting)
