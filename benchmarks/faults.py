@@ -48,10 +48,9 @@ class Fault(NamedTuple):
 
 def _kill(victim: str, mid_stream: bool = False) -> Fault:
     """``mid_stream``: killed once it streams a token, so it dies holding a request to migrate."""
-    if mid_stream:
-        return Fault(f"SIGKILL {victim} mid-stream", lambda c: kill_while_streaming(c, victim),
-                     lambda c: (restart(c, victim), {victim})[1])
-    return Fault(f"SIGKILL {victim}", lambda c: c.kill(victim), lambda c: (restart(c, victim), {victim})[1])
+    inject = (lambda c: kill_while_streaming(c, victim)) if mid_stream else (lambda c: c.kill(victim))
+    return Fault(f"SIGKILL {victim}" + (" mid-stream" if mid_stream else ""), inject,
+                 lambda c: (restart(c, victim), {victim})[1])
 
 
 def _stall(c: LocalCluster) -> None:

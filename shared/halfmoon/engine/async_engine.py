@@ -110,14 +110,15 @@ class AsyncEngine:
                 except queue.Empty:
                     command = None
             if self._engine.has_unfinished():
-                self._step()
-            self._stats = self._engine.stats()
+                self._step()  # takes the stats itself, after the step
+            else:
+                self._stats = self._engine.stats()
 
     def _step(self) -> None:
         started = time.perf_counter()
         outputs = self._engine.step()
+        self._stats = stats = self._engine.stats()
         if self._on_step is not None:
-            stats = self._engine.stats()
             decoding = sum(1 for out in outputs if out.num_output_tokens > 1)
             self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs), decoding,
                                      stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens))
