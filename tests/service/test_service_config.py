@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from halfmoon.service import ServiceConfig, load_config
+from halfmoon.service.worker import WorkerConfig
+from halfmoon.services.conductor.service import ConductorConfig
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,19 @@ class TestErrors:
             load_config(DemoConfig, argv, env=env)
         assert info.value.code == 2
         assert needle in capsys.readouterr().err
+
+
+class TestOneTbtSlo:
+    """HALFMOON_TBT_SLO_S is the conductor's admission SLO and the engines' step target at once."""
+
+    def test_one_variable_reaches_both(self):
+        env = {"HALFMOON_TBT_SLO_S": "0.3", "HALFMOON_MODEL_DIR": "/m"}
+        assert load_config(ConductorConfig, [], env=env).tbt_slo_s == 0.3
+        assert load_config(WorkerConfig, [], env=env).engine_config().step_time_target_s == 0.3
+
+    def test_chunking_can_be_turned_off_alone(self):
+        env = {"HALFMOON_TBT_SLO_S": "0.3", "HALFMOON_MODEL_DIR": "/m", "HALFMOON_TBT_CHUNKING": "false"}
+        assert load_config(WorkerConfig, [], env=env).engine_config().step_time_target_s == 0.0
+
+    def test_engines_keep_no_target_unless_asked(self):
+        assert load_config(WorkerConfig, [], env={"HALFMOON_MODEL_DIR": "/m"}).engine_config().step_time_target_s == 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -33,7 +34,9 @@ class EngineConfig:
     supports it, a CPU with AVX512-BF16 or AMX), else float32. ``kv_cache_blocks`` fixes the paged cache size; when 0 it is derived from
     ``kv_cache_bytes``. ``max_num_batched_tokens`` is the per-step token budget shared
     by decode tokens and prefill chunks; ``prefill_chunk_size`` caps one sequence's
-    share of it, so long prompts are computed in chunks.
+    share of it, so long prompts are computed in chunks. ``step_time_target_s`` (0: off) keeps
+    steps that carry decodes to about that many seconds by shrinking their prompt chunks
+    (``StepBudget``): a TBT SLO for engines that prefill and decode alike.
     """
 
     model: str
@@ -45,6 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
+    step_time_target_s: float = 0.0
     max_model_len: int = 0
     seed: int = 0
 
@@ -58,6 +62,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.step_time_target_s) and self.step_time_target_s >= 0):
+            raise ValueError(f"step_time_target_s must be a finite number >= 0, got {self.step_time_target_s}")
         if self.kv_cache_blocks < 0 or self.kv_cache_bytes < 0 or self.max_model_len < 0:
             raise ValueError("cache sizes and max_model_len must not be negative")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
@@ -92,6 +98,6 @@ class EngineConfig:
         for name, field in cls.__dataclass_fields__.items():
             raw = os.environ.get(f"HALFMOON_ENGINE_{name.upper()}")
             if raw is not None and name != "model":
-                values[name] = raw if field.type == "str" else int(raw)
+                values[name] = {"str": str, "float": float}.get(field.type, int)(raw)
         values.update(overrides)
         return cls(model=model, **values)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from halfmoon.engine.sampler import Sampler
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus
 from halfmoon.engine.stage import PipelineStages
+from halfmoon.engine.step_budget import StepBudget
 from halfmoon.protocol.sampling import SamplingParams
 
 PREFILL_DONE = "prefill_done"
@@ -98,8 +99,10 @@ class LLMEngine:
         self.layer_import = LayerImport()
         self.layer_export = LayerExport(self.layout, config.block_size)
         self.runner.layer_hook = LayerHooks(self.layer_import, self.layer_export)
+        budget = StepBudget(config.step_time_target_s, config.max_num_batched_tokens,
+                            min(config.block_size, config.prefill_chunk_size))
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_size)
+                                   config.prefill_chunk_size, budget)
         self.sampler = Sampler()
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.eos_token_ids = self._eos_ids()
@@ -232,11 +235,11 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         chunks = self.scheduler.schedule()
         self.last_step_tokens = sum(c.num_tokens for c in chunks)
         if not chunks:
             return []
-        began = time.perf_counter()
         for chunk in chunks:
             self._expect_import(chunk.seq)
         logits = self.runner.forward(chunks)
@@ -248,7 +251,9 @@ class LLMEngine:
             kept = [i for i, seq in enumerate(sampling) if seq not in failed]
             logits, sampling = logits[kept], [sampling[i] for i in kept]
         sampled = self.sampler(logits, sampling) if sampling else None
-        per_token = (time.perf_counter() - began) / self.last_step_tokens
+        seconds = time.perf_counter() - began
+        self.scheduler.record_step_time(seconds)
+        per_token = seconds / self.last_step_tokens
         for chunk in chunks:
             if chunk.seq in failed:
                 continue

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.sequence import Sequence, SequenceStatus
+from halfmoon.engine.step_budget import StepBudget
 
 
 class ScheduledChunk(NamedTuple):
@@ -22,24 +23,28 @@ class ScheduledChunk(NamedTuple):
 
 
 class Scheduler:
-    """Running sequences first (decode steps and unfinished prefills), then waiting ones.
+    """Decoding sequences first, then unfinished prefills, then waiting ones.
 
     Every step spends at most ``max_num_batched_tokens`` tokens; a single prefill takes at
-    most ``chunk_size`` of them, so long prompts interleave with decodes. When a running
-    sequence cannot get a block, the most recently admitted running sequence is preempted:
-    its blocks are freed and it goes back to the head of the queue to be recomputed.
+    most ``chunk_size`` of them, so long prompts interleave with decodes. Prompt tokens get what
+    ``step_budget`` leaves them beside the step's decodes (all the rest, unless it keeps steps to
+    a TBT target). When a sequence cannot get a block, the most recently admitted running
+    sequence is preempted, unless it is already in this step: its blocks are freed and it goes
+    back to the head of the queue to be recomputed.
     """
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_size: int) -> None:
+                 chunk_size: int, step_budget: StepBudget | None = None) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
+        self.step_budget = step_budget or StepBudget(0.0, max_num_batched_tokens, 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._preempted_this_step = False
+        self._last_step = (0, 0)  # (decodes, prompt tokens) of the step last scheduled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,18 +53,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
         self._preempted_this_step = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        chunks: list[ScheduledChunk] = []
+        decoding = [seq for seq in self.running if seq.num_uncomputed == 1]
+        for seq in decoding[:self.max_num_batched_tokens]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
+            if not self._make_room(seq, seq.num_computed_tokens + 1, chunks):
+                break
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+        num_decoding = len(chunks)
+        budget = min(self.step_budget.prefill_tokens(num_decoding), self.max_num_batched_tokens - num_decoding)
+        for seq in [seq for seq in self.running if seq.num_uncomputed > 1]:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             n = min(seq.num_uncomputed, budget, self.chunk_size)
-            if not self._make_room(seq, seq.num_computed_tokens + n):
+            if not self._make_room(seq, seq.num_computed_tokens + n, chunks):
                 break
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
-            index += 1
         # Admitting right after a preemption would only thrash the blocks just freed.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted_this_step:
             seq = self.waiting[0]
@@ -76,7 +90,12 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+        self._last_step = (num_decoding, sum(c.num_tokens for c in chunks) - num_decoding)
         return chunks
+
+    def record_step_time(self, seconds: float) -> None:
+        """How long the step last scheduled took, for the budget of the next ones."""
+        self.step_budget.record(*self._last_step, seconds)
 
     def _reuse(self, seq: Sequence) -> None:
         """Start ``seq`` after its locally cached prefix, extended by KV imported for it."""
@@ -89,10 +108,13 @@ class Scheduler:
         seq.num_computed_tokens = covered
         seq.num_cached_tokens = max(seq.num_cached_tokens, covered)
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow ``seq`` to ``num_tokens`` slots, preempting later sequences; False if ``seq`` itself went."""
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: list[ScheduledChunk]) -> bool:
+        """Grow ``seq`` to ``num_tokens`` slots, preempting later sequences not in ``scheduled``; False if
+        ``seq`` itself went or the next to go is already scheduled."""
         while not self.blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
+            if any(chunk.seq is victim for chunk in scheduled):
+                return False
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -48,6 +48,11 @@ class WorkerConfig(DataPlaneConfig):
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per engine step"})
     prefill_chunk_size: int = field(default=512, metadata={"help": "most prompt tokens one sequence computes per step"})
+    tbt_slo_s: float = field(default=0.0, metadata={
+        "help": "TBT SLO the engine keeps to (0: none): with tbt_chunking, each step that carries decodes gets "
+                "the prompt tokens that fit in it (HALFMOON_TBT_SLO_S sets this and the conductor's at once)"})
+    tbt_chunking: bool = field(default=True, metadata={
+        "help": "size prompt chunks to the TBT SLO while sequences decode (off: chunks of prefill_chunk_size)"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's own)"})
     transfer_instance: str = field(default="", metadata={"help": "prefer this transfer node (default: any live one)"})
     local_prefix_cache: bool = field(default=True, metadata={"help": "keep computed blocks in the engine for reuse"})
@@ -68,7 +73,7 @@ class WorkerConfig(DataPlaneConfig):
             model=self.model_dir, dtype=self.dtype, device=self.device, block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=self.prefill_chunk_size,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, step_time_target_s=self.tbt_slo_s if self.tbt_chunking else 0.0,
         )
 
 
