@@ -29,12 +29,13 @@ class Seen:
 class StubServer:
     """Every ``fail_every``-th request (counting from 1) is answered 429; a request whose ``max_tokens`` is
     ``stream_error_at`` fails inside its stream after its first token. The first token comes ``first_s``
-    after the request, every next one ``token_s`` after the previous."""
+    after the request, every next one ``token_s`` after the previous. ``retry_after``: the 429s' header."""
 
     first_s: float = 0.05
     token_s: float = 0.02
     fail_every: int = 0
     stream_error_at: int = -1
+    retry_after: str | None = None
     seen: list[Seen] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
@@ -63,7 +64,8 @@ class StubServer:
             self.seen.append(Seen(body, time.monotonic()))
             if self.fail_every and len(self.seen) % self.fail_every == 0:
                 error = {"message": "too many requests", "type": "rate_limit", "code": "overloaded"}
-                return JSONResponse({"error": error}, status_code=429)
+                headers = {"retry-after": self.retry_after} if self.retry_after else None
+                return JSONResponse({"error": error}, status_code=429, headers=headers)
             return StreamingResponse(self._stream(body), media_type="text/event-stream")
 
         return app

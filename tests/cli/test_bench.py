@@ -109,6 +109,24 @@ class TestFixedConcurrency:
         assert report["summary"]["errors"] == {"stream": 3}
 
 
+class TestRetryAfter:
+    """A fixed-concurrency slot answered 429 waits out Retry-After (capped) before it sends again."""
+
+    @pytest.mark.parametrize(("cap", "gap_at_least", "gap_below"), [("0.4", 0.4, 5.0), ("0", 0.0, 0.4)])
+    def test_the_next_request_waits_for_the_capped_retry_after(self, tmp_path: Path, cap: str, gap_at_least: float,
+                                                               gap_below: float) -> None:
+        server = StubServer(first_s=0.01, token_s=0.01, fail_every=2, retry_after="5")
+        serving = Serving(server).start()
+        try:
+            code, report = bench(tmp_path, "--base-url", serving.base_url, "--concurrency", "1", "--requests", "3",
+                                 "--warmup", "0", "--isl", "8", "--osl", "2", "--max-backoff-s", cap)
+        finally:
+            serving.stop()
+        assert code == 0 and report["summary"]["errors"] == {"429": 1}
+        rejected, after = server.seen[1], server.seen[2]
+        assert gap_at_least <= after.received_at - rejected.received_at < gap_below
+
+
 class TestTraceReplay:
     def test_prompts_share_tokens_where_the_trace_shares_blocks(self, tmp_path: Path) -> None:
         reqs = trace_requests(load_trace(write_trace(tmp_path / "t.jsonl")), TraceScaling(block_tokens=4))

@@ -161,7 +161,7 @@ def _bench(args: argparse.Namespace) -> int:
     except (ValueError, OSError, httpx.HTTPError) as exc:
         print(f"halfmoon bench: {exc}", file=sys.stderr)
         return 2
-    endpoint = Endpoint(args.base_url, model, args.api_key, not args.no_ignore_eos, args.timeout)
+    endpoint = Endpoint(args.base_url, model, args.api_key, not args.no_ignore_eos, args.timeout, args.max_backoff_s)
     summary = drive(endpoint, requests, concurrency, paced, SLO(args.slo_ttft_ms, args.slo_itl_ms), title,
                     warmup, console, args.metrics_url)
     render(summary, f"{model} at {args.base_url}: {title}", console)
@@ -196,6 +196,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT limit")
     p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput: mean inter-token latency limit")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--max-backoff-s", type=float, default=30.0,
+                   help="fixed mode: a slot answered 429 waits its Retry-After, at most this long, before its "
+                        "next request (0: at once)")
     p.add_argument("--metrics-url", help="a Halfmoon gateway's /metrics: report its TTFT prediction error")
     p.add_argument("--json", metavar="FILE", help="also write the configuration and figures as JSON")
     p.set_defaults(func=_bench)

@@ -4,13 +4,16 @@ Each request is one ``POST {base_url}/completions`` with ``stream: true`` and us
 the driver stamps the arrival of every streamed chunk (one token per chunk on the servers we drive;
 ``usage.completion_tokens`` gives the true count). A fixed-concurrency run keeps ``concurrency``
 requests in flight; a trace run starts each request at its arrival time (at most ``concurrency`` in
-flight when it is not 0).
+flight when it is not 0). In a fixed-concurrency run a slot answered 429 with ``Retry-After`` waits that
+long (at most ``Endpoint.max_backoff_s``) before its next request, as a well-behaved client does, so a
+server that rejects fast does not burn through the run's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ class Endpoint(NamedTuple):
     api_key: str | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
+    max_backoff_s: float = 30.0  # the longest a fixed-concurrency slot honours a 429's Retry-After
 
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -43,6 +47,7 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int | None = None
     finished_at: float = 0.0
+    retry_after_s: float | None = None  # a rejection's Retry-After (delta-seconds)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +97,15 @@ def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> No
             result.cached_tokens = int(details["cached_tokens"])
 
 
+def _seconds(header: str | None) -> float | None:
+    """A Retry-After in delta-seconds (the HTTP-date form is not used by the servers we drive)."""
+    try:
+        value = float(header) if header else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value < math.inf else None
+
+
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest, t0: float) -> RequestResult:
     result = RequestResult(time.perf_counter() - t0, len(req.prompt))
     try:
@@ -100,6 +114,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest,
             if reply.status_code != 200:
                 body = (await reply.aread()).decode(errors="replace")
                 result.status, result.error = str(reply.status_code), body[:500] or reply.reason_phrase
+                result.retry_after_s = _seconds(reply.headers.get("retry-after"))
             else:
                 async for line in reply.aiter_lines():
                     if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
@@ -133,11 +148,14 @@ async def run(endpoint: Endpoint, requests: Sequence[BenchRequest], concurrency:
             if paced:
                 await asyncio.sleep(max(0.0, requests[i].arrival_s - (time.perf_counter() - t0)))
             if gate is None:
-                results[i] = await send(client, endpoint, requests[i], t0)
-            else:
-                async with gate:
-                    results[i] = await send(client, endpoint, requests[i], t0)
-            on_done(results[i])
+                results[i] = result = await send(client, endpoint, requests[i], t0)
+                on_done(result)
+                return
+            async with gate:
+                results[i] = result = await send(client, endpoint, requests[i], t0)
+                on_done(result)
+                if not paced and result.retry_after_s:
+                    await asyncio.sleep(min(result.retry_after_s, endpoint.max_backoff_s))
 
         await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - t0
