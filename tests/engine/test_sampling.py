@@ -120,3 +120,21 @@ class TestTinyTemperature:
         greedy = tokens(run(engine, prompt, SamplingParams(max_tokens=4, temperature=0.0), "g"))
         tiny = tokens(run(engine, prompt, SamplingParams(max_tokens=4, temperature=temperature, top_p=5e-324), "t"))
         assert tiny == greedy
+
+
+class TestDistribution:
+    """Seeded draws follow the softmax of the logits, and a token of probability 0 is never drawn."""
+
+    def test_frequencies_follow_the_probabilities(self) -> None:
+        from halfmoon.engine.sampler import Sampler
+        from halfmoon.engine.sequence import Sequence
+
+        probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+        logits = probs.log()[None].expand(4000, -1).contiguous()
+        params = SamplingParams(max_tokens=1, temperature=1.0)
+        seqs = [Sequence(f"r{i}", [1, 2, 3], params, arrival=i, seed=i) for i in range(4000)]
+        drawn = torch.tensor(Sampler()(logits, seqs).token_ids)
+        counts = torch.bincount(drawn, minlength=4).double() / 4000
+        assert counts[3] == 0
+        # 4,000 draws: a share's standard error is at most 0.008; 4 of them is far outside chance
+        assert torch.allclose(counts[:3], probs[:3].double(), atol=0.032)

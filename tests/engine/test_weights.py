@@ -24,14 +24,15 @@ def _linears(dtype: torch.dtype, bias: bool) -> list[torch.nn.Linear]:
 
 class TestFusedProjection:
     @pytest.mark.parametrize("bias", [False, True])
-    def test_float32_fused_equals_split_bit_for_bit(self, bias: bool) -> None:
+    def test_float32_fused_and_packed_equals_split(self, bias: bool) -> None:
         linears = _linears(torch.float32, bias)
         fused = Projection.fuse(linears)
-        assert not fused.packed
+        assert fused.packed == torch.backends.mkldnn.is_available()
         with torch.inference_mode():
             for rows in ROWS:
                 x = torch.randn(rows, 64)
-                assert torch.equal(fused(x), torch.cat([linear(x) for linear in linears], dim=-1))
+                # oneDNN sums in another order than PyTorch: equal up to float32 rounding
+                torch.testing.assert_close(fused(x), torch.cat([linear(x) for linear in linears], dim=-1))
 
     def test_a_missing_bias_counts_as_zero(self) -> None:
         linears = _linears(torch.float32, True)
