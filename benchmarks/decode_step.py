@@ -1,11 +1,14 @@
 """Time of one decode step of the engine alone, at a batch of long contexts.
 
     python -m benchmarks.decode_step --model DIR [--batch 8] [--prompt 512] [--tokens 64] [--rounds 3]
+        [--temperature 0] [--unpacked-baseline]
 
 ``--batch`` requests of ``--prompt`` random tokens are prefilled, then only decode steps are timed,
 ``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
 compares thread layouts and wait policies (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ...``); with
 ``--profile`` the last round runs under the torch profiler and its operator table is printed.
+``--unpacked-baseline`` builds a second engine whose projections are not packed for oneDNN (PyTorch's
+own matmul, as float32 ran before 2 December) and alternates rounds between the two, same run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import os
 import random
 import time
+from unittest import mock
 
 import torch
 from rich.console import Console
@@ -24,9 +28,10 @@ from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol.sampling import SamplingParams
 
 
-def decode_round(engine: LLMEngine, rng: random.Random, batch: int, prompt: int, tokens: int) -> float:
+def decode_round(engine: LLMEngine, rng: random.Random, batch: int, prompt: int, tokens: int,
+                 temperature: float = 0.0) -> float:
     """Seconds per decode step over one round (prefill excluded)."""
-    params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens + 1, temperature=temperature, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"s{time.monotonic_ns()}-{i}", [rng.randrange(engine.vocab_size) for _ in range(prompt)],
                            params)
@@ -49,24 +54,44 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile the last round")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else random sampling")
+    parser.add_argument("--unpacked-baseline", action="store_true",
+                        help="alternate rounds with an engine whose projections are not packed")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(64, args.batch),
-                                    max_num_batched_tokens=4096, prefill_chunk_size=4096, kv_cache_bytes=2 << 30))
+    engines = {"packed": make_engine(args)}
+    if args.unpacked_baseline:
+        with mock.patch("halfmoon.engine.weights._can_pack", lambda _weight: False):
+            engines["unpacked"] = make_engine(args)
     rng = random.Random(0)
-    decode_round(engine, rng, args.batch, args.prompt, 8)  # warm-up
-    seconds = [decode_round(engine, rng, args.batch, args.prompt, args.tokens) for _ in range(args.rounds)]
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    for name, engine in engines.items():
+        decode_round(engine, rng, args.batch, args.prompt, 8, args.temperature)  # warm-up
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            seconds[name].append(decode_round(engine, rng, args.batch, args.prompt, args.tokens, args.temperature))
     if args.profile:
         with torch.profiler.profile() as prof:
-            decode_round(engine, rng, args.batch, args.prompt, args.tokens)
+            decode_round(engines["packed"], rng, args.batch, args.prompt, args.tokens, args.temperature)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     table = Table(title=f"Decode step, batch {args.batch} after {args.prompt}-token prompts "
-                        f"({engine.config.resolved_dtype}, {torch.get_num_threads()} threads, "
-                        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')})")
-    for column in ("round", "ms / step", "tokens/s"):
+                        f"({engines['packed'].config.resolved_dtype}, {torch.get_num_threads()} threads, "
+                        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, "
+                        f"temperature {args.temperature})")
+    for column in ("round", *(f"{name}: ms / step" for name in engines), "packed: tokens/s",
+                   *(["unpacked / packed"] if args.unpacked_baseline else [])):
         table.add_column(column, justify="right")
-    for i, s in enumerate(seconds, 1):
-        table.add_row(str(i), f"{s * 1000:.1f}", f"{args.batch / s:,.0f}")
+    for i in range(args.rounds):
+        row = [str(i + 1), *(f"{seconds[name][i] * 1000:.1f}" for name in engines),
+               f"{args.batch / seconds['packed'][i]:,.0f}"]
+        if args.unpacked_baseline:
+            row.append(f"{seconds['unpacked'][i] / seconds['packed'][i]:.2f}x")
+        table.add_row(*row)
     Console().print(table)
+
+
+def make_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(64, args.batch),
+                                  max_num_batched_tokens=4096, prefill_chunk_size=4096, kv_cache_bytes=2 << 30))
 
 
 if __name__ == "__main__":

@@ -61,16 +61,13 @@ class TestErrors:
 
 
 class TestOneTbtSlo:
-    """HALFMOON_TBT_SLO_S is the conductor's admission SLO and the engines' step target at once."""
+    """HALFMOON_TBT_SLO_S is the conductor's admission SLO and, with TBT chunking, the engines' step target."""
 
     def test_one_variable_reaches_both(self):
-        env = {"HALFMOON_TBT_SLO_S": "0.3", "HALFMOON_MODEL_DIR": "/m"}
+        env = {"HALFMOON_TBT_SLO_S": "0.3", "HALFMOON_MODEL_DIR": "/m", "HALFMOON_TBT_CHUNKING": "true"}
         assert load_config(ConductorConfig, [], env=env).tbt_slo_s == 0.3
         assert load_config(WorkerConfig, [], env=env).engine_config().step_time_target_s == 0.3
 
-    def test_chunking_can_be_turned_off_alone(self):
-        env = {"HALFMOON_TBT_SLO_S": "0.3", "HALFMOON_MODEL_DIR": "/m", "HALFMOON_TBT_CHUNKING": "false"}
+    def test_engines_keep_no_target_unless_chunking_is_asked_for(self):
+        env = {"HALFMOON_TBT_SLO_S": "0.3", "HALFMOON_MODEL_DIR": "/m"}
         assert load_config(WorkerConfig, [], env=env).engine_config().step_time_target_s == 0.0
-
-    def test_engines_keep_no_target_unless_asked(self):
-        assert load_config(WorkerConfig, [], env={"HALFMOON_MODEL_DIR": "/m"}).engine_config().step_time_target_s == 0.0

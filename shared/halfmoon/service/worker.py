@@ -49,10 +49,10 @@ class WorkerConfig(DataPlaneConfig):
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per engine step"})
     prefill_chunk_size: int = field(default=512, metadata={"help": "most prompt tokens one sequence computes per step"})
     tbt_slo_s: float = field(default=0.0, metadata={
-        "help": "TBT SLO the engine keeps to (0: none): with tbt_chunking, each step that carries decodes gets "
-                "the prompt tokens that fit in it (HALFMOON_TBT_SLO_S sets this and the conductor's at once)"})
-    tbt_chunking: bool = field(default=True, metadata={
-        "help": "size prompt chunks to the TBT SLO while sequences decode (off: chunks of prefill_chunk_size)"})
+        "help": "TBT SLO for tbt_chunking (HALFMOON_TBT_SLO_S sets this and the conductor's at once)"})
+    tbt_chunking: bool = field(default=False, metadata={
+        "help": "while sequences decode, give each step only the prompt tokens that fit in tbt_slo_s after "
+                "them: bounded worst gaps, a median gap near the SLO, slower prompts (docs/BENCHMARKS.md)"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's own)"})
     transfer_instance: str = field(default="", metadata={"help": "prefer this transfer node (default: any live one)"})
     local_prefix_cache: bool = field(default=True, metadata={"help": "keep computed blocks in the engine for reuse"})
