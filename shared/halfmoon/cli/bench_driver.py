@@ -12,6 +12,7 @@ server that rejects fast does not burn through the run's requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -100,10 +101,10 @@ def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> No
 def _seconds(header: str | None) -> float | None:
     """A Retry-After in delta-seconds (the HTTP-date form is not used by the servers we drive)."""
     try:
-        value = float(header) if header else None
+        value = float(header or "nan")
     except ValueError:
         return None
-    return value if value is not None and 0 <= value < math.inf else None
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest, t0: float) -> RequestResult:
@@ -147,14 +148,10 @@ async def run(endpoint: Endpoint, requests: Sequence[BenchRequest], concurrency:
         async def one(i: int) -> None:
             if paced:
                 await asyncio.sleep(max(0.0, requests[i].arrival_s - (time.perf_counter() - t0)))
-            if gate is None:
+            async with gate or contextlib.nullcontext():
                 results[i] = result = await send(client, endpoint, requests[i], t0)
                 on_done(result)
-                return
-            async with gate:
-                results[i] = result = await send(client, endpoint, requests[i], t0)
-                on_done(result)
-                if not paced and result.retry_after_s:
+                if not paced and result.retry_after_s:  # the slot waits, holding its place in the gate
                     await asyncio.sleep(min(result.retry_after_s, endpoint.max_backoff_s))
 
         await asyncio.gather(*(one(i) for i in range(len(requests))))

@@ -22,6 +22,17 @@ class ScheduledChunk(NamedTuple):
         return self.start + self.num_tokens == self.seq.num_tokens
 
 
+class StepShape(NamedTuple):
+    """What a scheduled step computes: its decodes and its prompt tokens."""
+
+    num_decoding: int
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decoding + self.num_prompt_tokens
+
+
 class Scheduler:
     """Decoding sequences first, then unfinished prefills, then waiting ones.
 
@@ -44,7 +55,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._preempted_this_step = False
-        self._last_step = (0, 0)  # (decodes, prompt tokens) of the step last scheduled
+        self.last_step = StepShape(0, 0)  # the step last scheduled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,12 +101,12 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
-        self._last_step = (num_decoding, sum(c.num_tokens for c in chunks) - num_decoding)
+        self.last_step = StepShape(num_decoding, sum(c.num_tokens for c in chunks) - num_decoding)
         return chunks
 
     def record_step_time(self, seconds: float) -> None:
         """How long the step last scheduled took, for the budget of the next ones."""
-        self.step_budget.record(*self._last_step, seconds)
+        self.step_budget.record(*self.last_step, seconds)
 
     def _reuse(self, seq: Sequence) -> None:
         """Start ``seq`` after its locally cached prefix, extended by KV imported for it."""
