@@ -237,7 +237,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         began = time.perf_counter()
         chunks = self.scheduler.schedule()
-        self.last_step_tokens = self.scheduler.last_step.num_tokens
+        self.last_step_tokens = sum(self.scheduler.last_step)
         if not chunks:
             return []
         for chunk in chunks:

@@ -28,10 +28,6 @@ class StepShape(NamedTuple):
     num_decoding: int
     num_prompt_tokens: int
 
-    @property
-    def num_tokens(self) -> int:
-        return self.num_decoding + self.num_prompt_tokens
-
 
 class Scheduler:
     """Decoding sequences first, then unfinished prefills, then waiting ones.
