@@ -39,6 +39,35 @@ class TestDecodeAndTransfer:
         assert t.seconds(8192) == pytest.approx(0.001 + 8192 * 320 * 1024 / 87e9)
 
 
+class TestNonNegativeFit:
+    """Time never shrinks as work grows: a fit on flat, noisy samples has no negative slope."""
+
+    def test_flat_noisy_decode_steps_fit_no_negative_slope(self):
+        rng = np.random.default_rng(1)
+        batches = rng.choice([1, 2, 3, 4], size=40)
+        samples = [(b, b * rng.uniform(20, 60), rng.uniform(0.012, 0.018)) for b in batches]
+        unconstrained, *_ = np.linalg.lstsq(np.array([(1, b, c) for b, c, _ in samples]),
+                                            np.array([s for *_, s in samples]), rcond=None)
+        assert (unconstrained[1:] < 0).any()  # the samples are ones that misled the plain fit
+        model = DecodeCostModel.fit(samples)
+        assert min(model.coef) >= 0
+        assert model.predict(4, 240) >= model.predict(1, 20)
+        assert model.predict(2, 80) == pytest.approx(0.015, abs=0.002)
+
+    def test_the_constrained_fit_is_the_best_non_negative_one(self):
+        rng = np.random.default_rng(2)
+        samples = [(x, p, max(0.0, 0.05 - 1e-5 * x + rng.normal(0, 1e-3))) for x, p in rng.integers(1, 2000, (30, 2))]
+        model = PrefillCostModel.fit(samples)
+        assert min(model.coef) >= 0
+
+        def residual(coef):
+            return sum((PrefillCostModel(coef).predict(x, p) - s) ** 2 for x, p, s in samples)
+
+        for nudged in ((model.coef[0] * 1.01, *model.coef[1:]), (model.coef[0] * 0.99, *model.coef[1:]),
+                       (model.coef[0], model.coef[1] + 1e-6, *model.coef[2:])):
+            assert residual(model.coef) <= residual(nudged)
+
+
 class TestOnlineFitter:
     def test_one_prompt_length_still_corrects_the_prior_speed(self):
         """As measured live: a fixed-length benchmark (512-token prompts) on a CPU prefilling 400

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from halfmoon.engine.async_engine import StepTiming
+from halfmoon.engine.engine import EngineStats
 from halfmoon.service.worker import LoadMeter
 
 
@@ -35,3 +36,28 @@ class TestStepSamples:
         assert alone is not None and (alone.steps, alone.seconds) == (1, pytest.approx(0.05))
         assert shared is not None and shared.steps == 2
         assert (shared.batch, shared.kv_tokens, shared.seconds) == pytest.approx((3.0, 25 * 16, 0.4))
+
+
+class TestRecentLoad:
+    """The TTFT and TBT a heartbeat reports are means over the last window, and forget."""
+
+    STATS = EngineStats(running=0, waiting=0, free_blocks=10, total_blocks=10)
+
+    def test_means_cover_the_window_only(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(StepTiming(ended=100.0, seconds=0.9, num_outputs=1, num_decoding=1, kv_blocks=1, num_tokens=1))
+        meter.on_step(StepTiming(ended=105.0, seconds=0.1, num_outputs=1, num_decoding=1, kv_blocks=1, num_tokens=1))
+        meter.on_step(StepTiming(ended=106.0, seconds=0.3, num_outputs=0, num_decoding=0, kv_blocks=1, num_tokens=64))
+        meter.on_first_token(2.0, now=104.0)
+        load = meter.load(self.STATS, in_flight=0, accepted_total=3, now=108.0)
+        assert load.tbt_ms == pytest.approx(500.0)  # the two steps that produced tokens; a bare prefill chunk is no TBT
+        assert load.ttft_ms == pytest.approx(2000.0)
+        load = meter.load(self.STATS, in_flight=0, accepted_total=3, now=112.0)
+        assert load.tbt_ms == pytest.approx(100.0)  # the slow step fell out of the window
+
+    def test_an_idle_instance_reports_no_latency(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(StepTiming(ended=100.0, seconds=5.0, num_outputs=4, num_decoding=4, kv_blocks=9, num_tokens=4))
+        meter.on_first_token(7.0, now=100.0)
+        load = meter.load(self.STATS, in_flight=0, accepted_total=4, now=111.0)
+        assert (load.tbt_ms, load.ttft_ms) == (None, None)

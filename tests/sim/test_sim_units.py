@@ -143,7 +143,7 @@ class TestConfig:
 
 class TestRecentSamples:
     def test_old_samples_expire(self):
-        from halfmoon.sim.engine import RecentSamples
+        from halfmoon.policy.state import RecentSamples
 
         recent = RecentSamples(window_s=10.0)
         recent.add(0.0, 1.0)

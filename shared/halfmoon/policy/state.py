@@ -8,6 +8,7 @@ is what the cache-manager's lookup returns and what the simulator maintains incr
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -85,6 +86,34 @@ class DecodeInstanceState(NamedTuple):
     def earliest_end_after(self, t: float) -> float | None:
         ends = [w.ends_at for w in self.work or () if w.ends_at > t]
         return min(ends) if ends else None
+
+
+RECENT_WINDOW_S = 60.0
+
+
+class RecentSamples:
+    """Latency samples of the last ``window_s`` seconds: SLO attainment must forget, or an
+    instance that once violated is avoided forever and never gets the samples to recover.
+
+    One thread may ``add`` while another reads ``values``: appends and left pops of a deque are
+    atomic, only the reader pops, and it copies the deque in one call before reading it."""
+
+    __slots__ = ("_items", "window_s")
+
+    def __init__(self, window_s: float = RECENT_WINDOW_S) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s = window_s
+        self._items: deque[tuple[float, float]] = deque()
+
+    def add(self, t: float, value: float) -> None:
+        self._items.append((t, value))
+
+    def values(self, now: float) -> tuple[float, ...]:
+        items = self._items
+        while items and items[0][0] < now - self.window_s:
+            items.popleft()
+        return tuple(v for _, v in tuple(items))
 
 
 def slo_attainment(samples: Sequence[float], threshold: float) -> float:

@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import msgspec
 import nats
-
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.engine import EngineStats, LLMEngine
+from halfmoon.policy.state import RecentSamples
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role, StepSample
@@ -32,6 +32,8 @@ from halfmoon.service.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 from opentelemetry.trace import TracerProvider
+
+LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
 
 
 @dataclass(frozen=True)
@@ -81,17 +83,17 @@ class LoadMeter:
     """Recent step timings, turned into the load figures a heartbeat carries.
 
     ``on_step`` runs on the engine thread and ``load`` on the event loop: they share only deques,
-    whose appends and pops are atomic."""
+    whose appends and pops are atomic (``RecentSamples`` is written for one writer and one reader)."""
 
-    def __init__(self, block_size: int, window: int = 64) -> None:
+    def __init__(self, block_size: int, window_s: float = LOAD_WINDOW_S) -> None:
         self.block_size = block_size
-        self.ttft_ms: collections.deque[float] = collections.deque(maxlen=window)
-        self.step_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self._ttft_s = RecentSamples(window_s)
+        self._step_s = RecentSamples(window_s)
         self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
 
     def on_step(self, timing: StepTiming) -> None:
         if timing.num_outputs:
-            self.step_ms.append(timing.seconds * 1000)
+            self._step_s.add(timing.ended, timing.seconds)
         if timing.num_decoding:
             self._unreported.append(timing)
 
@@ -113,14 +115,23 @@ class LoadMeter:
                           kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
                           seconds=sum(t.seconds for t in steps) / n)
 
-    def load(self, engine: AsyncEngine, in_flight: int, accepted_total: int) -> Load:
+    def on_first_token(self, seconds: float, now: float | None = None) -> None:
+        self._ttft_s.add(time.time() if now is None else now, seconds)
+
+    def load(self, stats: EngineStats, in_flight: int, accepted_total: int, now: float | None = None) -> Load:
         """Running: sequences in the engine's batch; queued: every other request taken and not done
-        (waiting in the engine, or still fetching its prefix)."""
-        stats = engine.stats()
-        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        (waiting in the engine, or still fetching its prefix). TTFT and TBT are means over the last
+        window: an instance idle that long reports none, so a slow spell it had cannot keep the
+        conductor's balance away from it after the spell ends."""
+        now = time.time() if now is None else now
         return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
                     free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
-                    ttft_ms=mean(self.ttft_ms), tbt_ms=mean(self.step_ms), accepted_total=accepted_total)
+                    ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
+                    accepted_total=accepted_total)
+
+
+def _mean_ms(seconds: tuple[float, ...]) -> float | None:
+    return sum(seconds) * 1000 / len(seconds) if seconds else None
 
 
 class EngineWorker(Service[WorkerConfig]):
@@ -177,7 +188,7 @@ class EngineWorker(Service[WorkerConfig]):
     def accept(self, request: Any) -> Coroutine[Any, Any, None]: ...
 
     def load(self) -> Load:
-        return self.meter.load(self.engine, len(self._busy), self._accepted) if self.engine else Load()
+        return self.meter.load(self.engine.stats(), len(self._busy), self._accepted) if self.engine else Load()
 
     def heartbeat_load(self) -> Load:
         steps, shared_steps = self.meter.take_steps()

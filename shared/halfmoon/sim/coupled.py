@@ -12,11 +12,11 @@ from collections import deque
 from collections.abc import Sequence
 
 from halfmoon.policy.prefill import make_prefill_policy
-from halfmoon.policy.state import PrefillInstanceState, RouteRequest
+from halfmoon.policy.state import PrefillInstanceState, RecentSamples, RouteRequest
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
-from halfmoon.sim.engine import RecentSamples, SimBase
+from halfmoon.sim.engine import SimBase
 from halfmoon.sim.profile import Profile
 from halfmoon.sim.trace import TraceRequest
 
@@ -25,7 +25,7 @@ IDLE, DECODING, PREFILLING = 0, 1, 2
 
 
 class _Node:
-    __slots__ = ("id", "idx", "batch", "waiting", "pending_s", "job", "chunk", "kind", "version", "recent_ttft", "extra", "waiting_tokens")
+    __slots__ = ("batch", "chunk", "extra", "id", "idx", "job", "kind", "pending_s", "recent_ttft", "version", "waiting", "waiting_tokens")
 
     def __init__(self, idx: int, batch: DecodeBatch) -> None:
         self.id = f"n{idx}"

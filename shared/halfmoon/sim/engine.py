@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -17,7 +16,6 @@ from halfmoon.sim.profile import Profile
 from halfmoon.sim.trace import TraceRequest
 
 Progress = Callable[[int, int], None]
-RECENT_WINDOW_S = 60.0
 REPLICA_RANKS = (10, 100, 1000, 10000)
 
 
@@ -38,26 +36,6 @@ class SimResult(NamedTuple):
     wall_seconds: float
     events: int
     pipelined: int = 0  # requests prefilled by a CPP pipeline
-
-
-class RecentSamples:
-    """Latency samples of the last ``window_s`` seconds: SLO attainment must forget, or an
-    instance that once violated is avoided forever and never gets the samples to recover."""
-
-    __slots__ = ("window_s", "_items")
-
-    def __init__(self, window_s: float = RECENT_WINDOW_S) -> None:
-        self.window_s = window_s
-        self._items: deque[tuple[float, float]] = deque()
-
-    def add(self, t: float, value: float) -> None:
-        self._items.append((t, value))
-
-    def values(self, now: float) -> tuple[float, ...]:
-        items = self._items
-        while items and items[0][0] < now - self.window_s:
-            items.popleft()
-        return tuple(v for _, v in items)
 
 
 class SimBase:

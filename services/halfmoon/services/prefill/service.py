@@ -93,7 +93,7 @@ class PrefillService(EngineWorker):
         return keys[: len(req.prompt_token_ids) // self.config.block_size] if self.local_cache else []
 
     def record_ttft(self, seconds: float) -> None:
-        self.meter.ttft_ms.append(seconds * 1000)
+        self.meter.on_first_token(seconds)
         METRICS.ttft.labels(self.instance_id).observe(seconds)
 
     def writer(self, req: PrefillRequest, keys: list[bytes], local: int, fetched: Fetched) -> LayerWriter:
