@@ -24,6 +24,7 @@ from halfmoon.protocol import (
     Subjects,
     codecs,
 )
+from halfmoon.protocol.registry import StepSample
 from halfmoon.service import ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
@@ -114,6 +115,37 @@ class TestChoosesLeastLoaded:
         finally:
             for host in hosts:
                 await host.stop()
+
+
+class TestLearnsDecodeSteps:
+    """The decode cost model learns the steps decoding instances report: one model for both kinds of step
+    learns their mean as the sequences saw it (weighted by step counts); with prefill interference, two."""
+
+    LOAD = Load(running=2, total_kv_blocks=10, free_kv_blocks=4,
+                steps=StepSample(steps=9, batch=2.0, kv_tokens=100.0, seconds=0.05),
+                shared_steps=StepSample(steps=1, batch=2.0, kv_tokens=100.0, seconds=1.05))
+
+    @pytest.mark.parametrize("interference", [False, True])
+    async def test_reported_steps_set_the_predicted_step(self, nats_server, namespace, interference):
+        config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, instance_id="conductor-0",
+                                 heartbeat_interval_s=0.1, warmup_s=0.0, prefill_interference=interference)
+        svc = ConductorService(config)
+        decode = reporter_host(nats_server.url, namespace, "d0", Role.DECODE, self.LOAD)
+        async with ServiceHost(svc):
+            await decode.start()
+            try:
+                decode_cost, shared_cost = svc.decode_cost, svc.shared_cost
+                assert decode_cost is not None and (shared_cost is not None) == interference
+                # the prior (about 11 ms) is rescaled to what the heartbeats say from the third one on
+                if interference:
+                    await wait_until(lambda: shared_cost.predict(2, 100) > 0.5, what="the shared steps learned")
+                    assert decode_cost.predict(2, 100) == pytest.approx(0.05)
+                    assert shared_cost.predict(2, 100) == pytest.approx(1.05)
+                else:  # 9 steps of 50 ms and one of 1.05 s: 150 ms between tokens on average
+                    await wait_until(lambda: decode_cost.predict(2, 100) > 0.1, what="the steps learned")
+                    assert decode_cost.predict(2, 100) == pytest.approx(0.15)
+            finally:
+                await decode.stop()
 
 
 class TestStartsAmongLiveInstances:

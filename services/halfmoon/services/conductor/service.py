@@ -13,7 +13,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, pooled_steps
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.service import Service, ServiceConfig
@@ -181,9 +181,18 @@ class ConductorService(Service[ConductorConfig]):
             self.log.info("instance up", extra={"instance": heartbeat.instance_id, "role": heartbeat.role.value})
 
     def _learn_steps(self, load: Load) -> None:
-        shared_to = self.decode_cost if self.shared_cost is None else self.shared_cost
-        for sample, fitter in ((load.steps, self.decode_cost), (load.shared_steps, shared_to)):
-            if sample is not None and fitter is not None:
+        if self.decode_cost is None:
+            return
+        if self.shared_cost is None:
+            # NOTE: one model for both kinds of step learns their mean as the decoding sequences saw it,
+            # each kind weighted by how many steps it was; unweighted, one step that carried a prefill
+            # chunk counted as much as the dozen decode-only steps around it, and the predicted TBT
+            # rejected nearly every request on an aggregated instance whose tokens came well within the SLO.
+            samples = ((pooled_steps(load.steps, load.shared_steps), self.decode_cost),)
+        else:
+            samples = ((load.steps, self.decode_cost), (load.shared_steps, self.shared_cost))
+        for sample, fitter in samples:
+            if sample is not None:
                 fitter.record(sample.batch, sample.kv_tokens, sample.seconds)
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
@@ -294,3 +303,4 @@ def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
     prefill = (Stage(iid, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens)
                for iid in (placed.prefill_instance, *pipeline))
     return (*prefill, Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))
+
