@@ -34,6 +34,7 @@ class TestSloAwareDecode:
     def test_capacity_is_a_hard_limit(self, cost):
         decode = SloAwareDecode(cost.decode, SLO_50MS)
         assert decode.choose([busy("a", 1, 9_000, capacity=10_000)], 2_000) is None
+        assert decode.nearest([busy("a", 1, 9_000, capacity=10_000)], 2_000) is None  # no nearest miss to report
 
     def test_none_when_all_over_slo(self, cost):
         decode = SloAwareDecode(cost.decode, SLO_50MS)
@@ -88,6 +89,10 @@ class TestAdmission:
         assert EarlyRejection(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0).accepted
         verdict = PredictiveEarlyRejection(decode).admit(pool, 1_000, now=0.0, prefill_done_at=20.0)
         assert not verdict.accepted and verdict.reason == "decode_overloaded_predicted"
+        # the rejection says how near it came: the instance and its predicted TBT, over the SLO
+        assert verdict.decode is not None and verdict.decode.instance_id == "a"
+        assert verdict.decode.predicted_tbt_s == pytest.approx(decode.predicted_tbt(pool[0], 1_000, at=20.0))
+        assert verdict.decode.predicted_tbt_s > SLO_50MS.tbt_s
 
     def test_factory(self, cost):
         decode = SloAwareDecode(cost.decode)
@@ -105,6 +110,7 @@ class TestScheduler:
         decision = sched.schedule(self.REQUEST, [PrefillInstanceState("p", 0.0)], [busy("d", 40, 40_000)], {}, 0.0)
         assert not decision.accepted and decision.reason == "decode_overloaded"
         assert decision.retry_after_s >= 1.0
+        assert decision.decode is not None and decision.decode.predicted_tbt_s > SLO_50MS.tbt_s
 
     def test_ttft_slo_rejection_with_retry_after(self, cost):
         decode = SloAwareDecode(cost.decode, SLO_50MS)

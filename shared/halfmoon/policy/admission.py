@@ -20,7 +20,9 @@ MIN_RETRY_AFTER_S = 1.0
 
 
 class AdmissionDecision(NamedTuple):
-    """``reason`` is ``"ok"`` when accepted; ``retry_after_s`` is a hint for HTTP 429 Retry-After."""
+    """``reason`` is ``"ok"`` when accepted; ``retry_after_s`` is a hint for HTTP 429 Retry-After.
+    ``decode``: accepted, the instance chosen (None: choose at hand-off); rejected, the one that came
+    nearest (its predicted TBT is what the rejection says), or None when the request fits none."""
 
     accepted: bool
     reason: str
@@ -76,7 +78,8 @@ class EarlyRejection(AdmissionPolicy):
         choice = self.decode.choose(instances, context_tokens, at=at)
         if choice is not None:
             return AdmissionDecision(True, "ok", 0.0, choice)
-        return AdmissionDecision(False, self.reason, retry_after(instances, now), None)
+        nearest = self.decode.nearest(instances, context_tokens, at=at)
+        return AdmissionDecision(False, self.reason, retry_after(instances, now), nearest)
 
 
 class PredictiveEarlyRejection(EarlyRejection):

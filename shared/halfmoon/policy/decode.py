@@ -72,3 +72,12 @@ class SloAwareDecode:
             if best is None or key < best:
                 best = key
         return None if best is None else DecodeChoice(best[3], best[2])
+
+    def nearest(
+        self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
+    ) -> DecodeChoice | None:
+        """The instance with the lowest predicted TBT among those the request fits, qualifying or not:
+        what a rejection reports (None when it fits none)."""
+        predicted = [(self.predicted_tbt(inst, context_tokens, at), inst.id) for inst in instances
+                     if self.fits(inst, context_tokens, at)]
+        return DecodeChoice(*reversed(min(predicted))) if predicted else None

@@ -21,7 +21,8 @@ from halfmoon.policy.state import (
 
 class ScheduleDecision(NamedTuple):
     """Accepted: ``prefill`` is set and ``decode`` may be None (choose at hand-off).
-    Rejected: ``reason`` says why and ``retry_after_s`` feeds the 429 Retry-After header.
+    Rejected: ``reason`` says why and ``retry_after_s`` feeds the 429 Retry-After header; a decode
+    rejection's ``decode`` is the instance that came nearest, with its predicted TBT.
     ``pipeline`` is set when the prompt is prefilled by a CPP pipeline; ``prefill`` then carries
     the pipeline's predicted times and its first stage. ``prefill.ttft_s`` is calibrated to the TTFTs
     delivered lately (policy/calibration.py); ``model_ttft_s`` is the cost model's own prediction."""
@@ -76,5 +77,6 @@ class KVCentricScheduler:
             return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s)
         if not verdict.accepted:
-            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, None, pipeline, model_ttft)
+            return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, verdict.decode, pipeline,
+                                    model_ttft)
         return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline, model_ttft)

@@ -79,7 +79,10 @@ class KVCentricPlacement(PlacementPolicy):
         decision = self.scheduler.schedule(self.route(request), [self._prefill_state(v) for v in prefill],
                                            [self._decode_state(v) for v in decode], self.index, now)
         if not decision.accepted:
-            predicted = f" (predicted TTFT {decision.prefill.ttft_s:.2f}s)" if decision.prefill else ""
+            figures = [f"TTFT {decision.prefill.ttft_s:.2f}s"] if decision.prefill else []
+            if decision.decode is not None:  # the nearest miss of a decode rejection
+                figures.append(f"TBT {decision.decode.predicted_tbt_s:.3f}s")
+            predicted = f" (predicted {', '.join(figures)})" if figures else ""
             return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s)
         assert decision.prefill is not None
         chosen = decision.prefill
