@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import nats
+
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
