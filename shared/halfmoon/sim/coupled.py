@@ -25,7 +25,7 @@ IDLE, DECODING, PREFILLING = 0, 1, 2
 
 
 class _Node:
-    __slots__ = ("batch", "chunk", "extra", "id", "idx", "job", "kind", "pending_s", "recent_ttft", "version", "waiting", "waiting_tokens")
+    __slots__ = ("id", "idx", "batch", "waiting", "pending_s", "job", "chunk", "kind", "version", "recent_ttft", "extra", "waiting_tokens")
 
     def __init__(self, idx: int, batch: DecodeBatch) -> None:
         self.id = f"n{idx}"
