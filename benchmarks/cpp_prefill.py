@@ -23,8 +23,8 @@ from typing import Any
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.service import ServiceHost
-from halfmoon.service.worker import WorkerConfig
+from halfmoon.runtime import ServiceHost
+from halfmoon.runtime.worker import WorkerConfig
 from halfmoon.services.cache_manager.service import (
     CacheManagerConfig,
     CacheManagerService,

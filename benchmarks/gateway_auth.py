@@ -28,7 +28,7 @@ import nats
 from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.services.gateway.auth import KeyRing, Tenant, bearer_key
+from halfmoon.core.tenants import KeyRing, Tenant, bearer_key
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 from rich.console import Console
 from rich.table import Table

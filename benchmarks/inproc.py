@@ -17,7 +17,7 @@ from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service import request
+from halfmoon.runtime import request
 
 
 @contextlib.contextmanager

@@ -33,9 +33,9 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service import ServiceHost, request
-from halfmoon.service.layer_writer import LayerWriter
-from halfmoon.service.worker import WorkerConfig
+from halfmoon.runtime import ServiceHost, request
+from halfmoon.runtime.layer_writer import LayerWriter
+from halfmoon.runtime.worker import WorkerConfig
 from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService

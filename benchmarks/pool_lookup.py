@@ -29,7 +29,7 @@ from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import NodeSpec, PoolConfig
 from halfmoon.protocol import codecs
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
-from halfmoon.service.host import ServiceHost
+from halfmoon.runtime.host import ServiceHost
 from halfmoon.core.tiers import Tier
 
 BLOCK_BYTES = 4096

@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.service import ServiceHost
-from halfmoon.service.worker import WorkerConfig
+from halfmoon.runtime import ServiceHost
+from halfmoon.runtime.worker import WorkerConfig
 from halfmoon.services.cache_manager.service import (
     CacheManagerConfig,
     CacheManagerService,

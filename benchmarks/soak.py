@@ -29,7 +29,7 @@ from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.service import request
+from halfmoon.runtime import request
 from rich.console import Console
 from rich.table import Table
 

@@ -2,9 +2,10 @@
 
 The order is the architecture (docs/ARCHITECTURE.md): the KV identity and typed errors at the
 bottom, then the wire messages, telemetry and pure policies, the engine, the pool (storage tiers,
-then the pool index, then the data plane), the service base, and on top the services, the
-simulator and the command line. Imports inside functions count too: a lazy import is still a
-dependency.
+then the pool index, then the data plane), the service runtime, the simulator, the launcher and the
+command line, and on top the services: everything under ``shared/`` is below every service. Imports
+inside functions and under ``TYPE_CHECKING`` count too: a lazy or typing-only import is still a
+dependency, and no two modules may depend on each other, directly or around a circle.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("halfmoon.storage",),
     ("halfmoon.kv",),
     ("halfmoon.transfer",),
-    ("halfmoon.service",),
-    ("halfmoon.services", "halfmoon.sim", "halfmoon.deploy", "halfmoon.cli"),
+    ("halfmoon.runtime",),
+    ("halfmoon.sim", "halfmoon.deploy", "halfmoon.cli"),
+    ("halfmoon.services",),
 )
 SOURCE_ROOTS = (REPO_ROOT / "shared", REPO_ROOT / "services")
 
@@ -34,6 +36,7 @@ class Import(NamedTuple):
     module: str
     line: int
     target: str
+    names: tuple[str, ...] = ()  # ``from target import names``
 
 
 def layer_of(module: str) -> int:
@@ -59,7 +62,7 @@ def imports_of(path: Path, module: str) -> list[Import]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            found.append(Import(module, node.lineno, base))
+            found.append(Import(module, node.lineno, base, tuple(alias.name for alias in node.names)))
     return [i for i in found if i.target == "halfmoon" or i.target.startswith("halfmoon.")]
 
 
@@ -69,6 +72,41 @@ def all_imports(roots: tuple[Path, ...] = SOURCE_ROOTS) -> list[Import]:
         for path in sorted((root / "halfmoon").rglob("*.py")):
             out += imports_of(path, module_name(path, root))
     return out
+
+
+def circles(imports: list[Import]) -> list[list[str]]:
+    """Every import circle among the modules, each as the modules around it; ``from package import
+    module`` is an edge to that module."""
+    modules = {i.module for i in imports}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for i in imports:
+        targets = {f"{i.target}.{name}" for name in i.names if f"{i.target}.{name}" in modules} or {i.target}
+        graph[i.module] |= {t for t in targets if t in modules and t != i.module}
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def into_services(imports: list[Import]) -> list[str]:
+    return [f"{i.module}:{i.line} imports {i.target}" for i in imports
+            if not i.module.startswith("halfmoon.services") and
+            (i.target.startswith("halfmoon.services") or (i.target == "halfmoon" and "services" in i.names))]
 
 
 def upward(imports: list[Import]) -> list[str]:
@@ -91,6 +129,29 @@ class TestLayers:
         (core / "bad.py").write_text("def f():\n    from halfmoon.engine.engine import LLMEngine\n")
         assert upward(all_imports((tmp_path,))) == [
             "halfmoon.core.bad:2 imports halfmoon.engine.engine (layer 2 > 0)"]
+
+    def test_no_import_circles(self):
+        assert circles(all_imports()) == []
+
+    def test_an_import_circle_is_caught(self, tmp_path):
+        """A circle hidden behind TYPE_CHECKING is still a circle."""
+        engine = tmp_path / "halfmoon" / "engine"
+        engine.mkdir(parents=True)
+        (engine / "a.py").write_text("from halfmoon.engine.b import B\n")
+        (engine / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from halfmoon.engine import a\n")
+        assert circles(all_imports((tmp_path,))) == [["halfmoon.engine.a", "halfmoon.engine.b", "halfmoon.engine.a"]]
+
+    def test_the_library_never_imports_a_service(self):
+        assert into_services(all_imports()) == []
+
+    def test_a_library_import_of_a_service_is_caught(self, tmp_path):
+        cli = tmp_path / "halfmoon" / "cli"
+        cli.mkdir(parents=True)
+        (cli / "bad.py").write_text("import halfmoon.services\nfrom halfmoon.services.gateway import auth\n")
+        assert into_services(all_imports((tmp_path,))) == [
+            "halfmoon.cli.bad:1 imports halfmoon.services", "halfmoon.cli.bad:2 imports halfmoon.services.gateway"]
+        assert upward(all_imports((tmp_path,))) != []
 
     @pytest.mark.parametrize("module", ["halfmoon.services.conductor.service",
                                         "halfmoon.services.cache_manager.service",

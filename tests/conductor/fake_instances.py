@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from halfmoon.protocol.registry import Load, Role
-from halfmoon.service import Service, ServiceConfig, ServiceHost
+from halfmoon.runtime import Service, ServiceConfig, ServiceHost
 
 
 class LoadReporter(Service[ServiceConfig]):

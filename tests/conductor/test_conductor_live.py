@@ -25,7 +25,7 @@ from halfmoon.protocol import (
     codecs,
 )
 from halfmoon.protocol.registry import StepSample
-from halfmoon.service import ServiceHost, request
+from halfmoon.runtime import ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
 

@@ -12,7 +12,7 @@ from fake_instances import LoadReporter, wait_until
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import Load, Role, SamplingParams, ScheduleAccepted, ScheduleRejected, ScheduleRequest, Subjects
 from halfmoon.protocol import codecs
-from halfmoon.service import ServiceConfig, ServiceHost, request
+from halfmoon.runtime import ServiceConfig, ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
 SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_layers=4, num_kv_heads=2, head_dim=16)

@@ -16,7 +16,7 @@ from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.service import request
+from halfmoon.runtime import request
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 from tests.e2e.test_conductor import SubmitWatch
 from tests.e2e.test_serving import MAX_TOKENS, complete_all, prompts

@@ -17,7 +17,7 @@ from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.service import request
+from halfmoon.runtime import request
 from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 CLIENTS = 64  # disconnecting clients; 200 in the issue, fewer here where two cores are shared

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import SamplingParams, ScheduleAccepted, ScheduleRejected, ScheduleRequest, codecs
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.service import request
+from halfmoon.runtime import request
 from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 TTFT_SLO_S = 3.0

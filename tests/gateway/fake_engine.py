@@ -16,7 +16,7 @@ from halfmoon.protocol.base import Ack, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.protocol.stream import ErrorEvent, TokenEvent, Usage
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
-from halfmoon.service import Service, ServiceConfig
+from halfmoon.runtime import Service, ServiceConfig
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 
 import httpx
 from fake_engine import IdleDecode, Script, ScriptedPrefill
-from halfmoon.service import ServiceConfig, ServiceHost
+from halfmoon.runtime import ServiceConfig, ServiceHost
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 from halfmoon.services.gateway.service import GatewayConfig, GatewayService
 from halfmoon.telemetry import read_spans, setup_tracing

@@ -23,8 +23,8 @@ from halfmoon.kv.pool_wire import order_to_wire
 from halfmoon.protocol import codecs
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
 from halfmoon.protocol.pool import OrderBatch
-from halfmoon.service import ServiceHost, request
-from halfmoon.service.pool_client import PoolClient
+from halfmoon.runtime import ServiceHost, request
+from halfmoon.runtime.pool_client import PoolClient
 from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
 from halfmoon.transfer.client import TransferClient

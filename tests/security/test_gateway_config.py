@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 from halfmoon.cli.main import main as halfmoon
-from halfmoon.service.config import load_config
-from halfmoon.services.gateway.auth import KeyRing, key_digest
+from halfmoon.runtime.config import load_config
+from halfmoon.core.tenants import KeyRing, key_digest
 from halfmoon.services.gateway.service import GatewayConfig
 
 

@@ -12,8 +12,8 @@ import pytest
 from halfmoon.cli.main import main as halfmoon
 from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.deploy.nats_auth import NatsAuth
-from halfmoon.service.config import ServiceConfig
-from halfmoon.service.host import connect_nats
+from halfmoon.runtime.config import ServiceConfig
+from halfmoon.runtime.host import connect_nats
 
 
 class TlsNats:

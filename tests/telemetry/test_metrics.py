@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from halfmoon.service.config import ServiceConfig, load_config
+from halfmoon.runtime.config import ServiceConfig, load_config
 from halfmoon.telemetry.metrics import Metrics, MetricsEndpoint
 from prometheus_client.parser import text_string_to_metric_families
 

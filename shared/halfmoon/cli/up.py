@@ -33,8 +33,7 @@ def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
     """The gateway's auth settings and the line that tells the user what they mean."""
     from halfmoon.deploy.nats_auth import write_private
-    from halfmoon.services.gateway.auth import KeyRing
-    from halfmoon.services.gateway.service import is_loopback
+    from halfmoon.core.tenants import KeyRing, is_loopback
 
     keys = args.api_keys_file or os.environ.get("HALFMOON_API_KEYS_FILE", "")
     env = {"HALFMOON_HOST": args.host}

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import halfmoon.services
+import halfmoon
 import nats
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
@@ -26,8 +26,8 @@ from halfmoon.protocol.subjects import Subjects
 
 # The folders that hold the ``halfmoon`` namespace package (``shared/`` and ``services/`` in a checkout,
 # site-packages when installed): children import the same code as the launcher.
-SOURCE_ROOTS = tuple(dict.fromkeys(
-    str(Path(module_file).resolve().parents[2]) for module_file in (__file__, halfmoon.services.__file__)))
+SOURCE_ROOTS = tuple(dict.fromkeys(str(Path(folder).resolve().parent) for folder in halfmoon.__path__
+                                 if Path(folder).is_dir()))
 
 
 def free_port() -> int:

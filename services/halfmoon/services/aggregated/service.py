@@ -14,8 +14,8 @@ from halfmoon.core.errors import EngineError
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service.generated_kv import GeneratedKV
-from halfmoon.service.streaming import token_event
+from halfmoon.runtime.generated_kv import GeneratedKV
+from halfmoon.runtime.streaming import token_event
 from halfmoon.services.prefill.service import Prefix, PrefillService
 
 

@@ -1,6 +1,6 @@
 """``python -m halfmoon.services.cache_manager``: the KVCache pool's metadata master."""
 
-from halfmoon.service import main
+from halfmoon.runtime import main
 from halfmoon.services.cache_manager.service import CacheManagerService
 
 if __name__ == "__main__":

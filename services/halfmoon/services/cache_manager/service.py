@@ -56,9 +56,9 @@ from halfmoon.protocol.pool import (
 )
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role
 from halfmoon.protocol.work import BlockLocation
-from halfmoon.service.base import Service
-from halfmoon.service.config import ServiceConfig
-from halfmoon.service.leadership import Leadership
+from halfmoon.runtime.base import Service
+from halfmoon.runtime.config import ServiceConfig
+from halfmoon.runtime.leadership import Leadership
 from halfmoon.services.cache_manager.grants import READ, WRITE, Grants
 from halfmoon.telemetry.metrics import METRICS, Metrics
 from halfmoon.transfer.capability import Right

@@ -1,6 +1,6 @@
 """``python -m halfmoon.services.conductor``: the global scheduler."""
 
-from halfmoon.service import main
+from halfmoon.runtime import main
 from halfmoon.services.conductor.service import ConductorService
 
 if __name__ == "__main__":

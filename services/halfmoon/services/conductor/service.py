@@ -16,7 +16,7 @@ from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, pooled_steps
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
-from halfmoon.service import Service, ServiceConfig
+from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.services.conductor.placement import Placement, PlacementPolicy, place_pair
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView

@@ -1,6 +1,6 @@
 """``python -m halfmoon.services.decode``: a decode instance."""
 
-from halfmoon.service import main
+from halfmoon.runtime import main
 from halfmoon.services.decode.service import DecodeService
 
 if __name__ == "__main__":

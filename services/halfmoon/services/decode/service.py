@@ -15,10 +15,10 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import DecodeRequest, KVProgress
-from halfmoon.service.generated_kv import GeneratedKV
-from halfmoon.service.layer_reader import LayerReader
-from halfmoon.service.streaming import token_event
-from halfmoon.service.worker import EngineWorker
+from halfmoon.runtime.generated_kv import GeneratedKV
+from halfmoon.runtime.layer_reader import LayerReader
+from halfmoon.runtime.streaming import token_event
+from halfmoon.runtime.worker import EngineWorker
 from halfmoon.telemetry import extract_context
 
 

@@ -26,8 +26,8 @@ from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
-from halfmoon.service import Service
-from halfmoon.service.rpc import RECONNECT_GRACE_S
+from halfmoon.runtime import Service
+from halfmoon.runtime.rpc import RECONNECT_GRACE_S
 from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
 from halfmoon.services.gateway.peers import Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from halfmoon.services.gateway.auth import KeyRing, Tenant, TenantSalts, bearer_key
+from halfmoon.core.tenants import KeyRing, Tenant, TenantSalts, bearer_key
 from halfmoon.services.gateway.errors import ApiError
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 from halfmoon.telemetry.metrics import METRICS

@@ -12,7 +12,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ResumeRequest
-from halfmoon.service import Service
+from halfmoon.runtime import Service
 from halfmoon.services.gateway.attempts import GenerationError
 from halfmoon.telemetry.metrics import METRICS
 

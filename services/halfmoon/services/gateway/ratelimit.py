@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 from halfmoon.protocol.permissions import rate_limit_bucket
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.services.gateway.auth import Tenant
+from halfmoon.core.tenants import Tenant
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue

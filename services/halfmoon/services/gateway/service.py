@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import socket
 import time
 from collections.abc import Iterator
@@ -13,9 +12,9 @@ from pathlib import Path
 
 import uvicorn
 from halfmoon.protocol.registry import Load, Role
-from halfmoon.service import Service, ServiceConfig
+from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
-from halfmoon.services.gateway.auth import KeyRing, TenantSalts
+from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.metrics import GatewayMetrics
@@ -68,15 +67,6 @@ class GatewayConfig(ServiceConfig):
         keys = KeyRing.load(self.api_keys_file) if self.api_keys_file else None
         secret = Path(self.auth_secret_file).read_bytes().strip() if self.auth_secret_file else b""
         return keys, TenantSalts(secret)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _Server(uvicorn.Server):

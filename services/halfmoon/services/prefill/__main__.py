@@ -1,6 +1,6 @@
 """``python -m halfmoon.services.prefill``: a prefill instance."""
 
-from halfmoon.service import main
+from halfmoon.runtime import main
 from halfmoon.services.prefill.service import PrefillService
 
 if __name__ == "__main__":

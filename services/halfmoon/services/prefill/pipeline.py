@@ -28,9 +28,9 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, Message, RemoteError
 from halfmoon.protocol.pipeline import StageDone, StageWork, chunk_tokens
 from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service.pool_client import Fetched
-from halfmoon.service.stage_blocks import PipelineBlocks, write_stage_layers
-from halfmoon.service.streaming import token_event
+from halfmoon.runtime.pool_client import Fetched
+from halfmoon.runtime.stage_blocks import PipelineBlocks, write_stage_layers
+from halfmoon.runtime.streaming import token_event
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
 

@@ -15,12 +15,12 @@ from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
-from halfmoon.service.layer_writer import LayerWriter
-from halfmoon.service.pool_client import Fetched
-from halfmoon.service.prefix_layers import PrefixLayers
-from halfmoon.service.rpc import RECONNECT_GRACE_S
-from halfmoon.service.streaming import token_event
-from halfmoon.service.worker import EngineWorker, WorkerConfig
+from halfmoon.runtime.layer_writer import LayerWriter
+from halfmoon.runtime.pool_client import Fetched
+from halfmoon.runtime.prefix_layers import PrefixLayers
+from halfmoon.runtime.rpc import RECONNECT_GRACE_S
+from halfmoon.runtime.streaming import token_event
+from halfmoon.runtime.worker import EngineWorker, WorkerConfig
 from halfmoon.services.prefill.pipeline import PipelineHead, StageServer
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError

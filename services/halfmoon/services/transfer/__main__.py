@@ -1,6 +1,6 @@
 """``python -m halfmoon.services.transfer``: a transfer node of the KVCache pool."""
 
-from halfmoon.service import main
+from halfmoon.runtime import main
 from halfmoon.services.transfer.service import TransferService
 
 if __name__ == "__main__":

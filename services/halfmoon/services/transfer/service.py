@@ -10,8 +10,8 @@ from halfmoon.kv.pool_wire import order_from_wire
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import OrderBatch, OrderResults
 from halfmoon.protocol.registry import Load, Role
-from halfmoon.service.base import Service
-from halfmoon.service.data_plane import DataPlaneConfig, OneSidedEndpoints
+from halfmoon.runtime.base import Service
+from halfmoon.runtime.data_plane import DataPlaneConfig, OneSidedEndpoints
 from halfmoon.storage.base import TierUnavailable
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore

@@ -21,8 +21,8 @@ from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.stream import ErrorEvent, TokenEvent
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import PrefillRequest
-from halfmoon.service import ServiceHost, request
-from halfmoon.service.worker import WorkerConfig
+from halfmoon.runtime import ServiceHost, request
+from halfmoon.runtime.worker import WorkerConfig
 from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService

@@ -22,7 +22,7 @@ from halfmoon.core.block_format import BlockLayout, LayerVerifier
 from halfmoon.core.layer_plan import layer_ranges
 from halfmoon.engine.layer_import import LayerSource, LayerUnavailable
 from halfmoon.protocol.work import BlockLocation
-from halfmoon.service.pool_client import FAILURES
+from halfmoon.runtime.pool_client import FAILURES
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange

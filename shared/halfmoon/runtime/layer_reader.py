@@ -14,7 +14,7 @@ from collections import OrderedDict, defaultdict, deque
 from halfmoon.core.block_format import BlockLayout, verify_layer
 from halfmoon.core.layer_plan import layer_ranges
 from halfmoon.protocol.work import KVProgress
-from halfmoon.service.pool_client import FAILURES
+from halfmoon.runtime.pool_client import FAILURES
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
 from opentelemetry.context import Context

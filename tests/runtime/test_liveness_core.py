@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.service.liveness import NatsLiveness
+from halfmoon.runtime.liveness import NatsLiveness
 
 
 class Clock:

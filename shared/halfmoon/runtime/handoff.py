@@ -20,9 +20,9 @@ from halfmoon.core.block_format import BlockLayout, Sealer
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.work import BlockLocation, KVLocation
-from halfmoon.service.layer_writer import LayerWriter, Progress
-from halfmoon.service.pool_client import FAILURES, Fetched, PoolClient
-from halfmoon.service.transfer_nodes import TransferDirectory
+from halfmoon.runtime.layer_writer import LayerWriter, Progress
+from halfmoon.runtime.pool_client import FAILURES, Fetched, PoolClient
+from halfmoon.runtime.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.capability import sign_park
 from halfmoon.transfer.client import TransferClient

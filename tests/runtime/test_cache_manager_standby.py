@@ -15,8 +15,8 @@ import pytest
 
 from halfmoon.protocol import codecs
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
-from halfmoon.service import ServiceHost, request
-from halfmoon.service.leadership import Leadership
+from halfmoon.runtime import ServiceHost, request
+from halfmoon.runtime.leadership import Leadership
 from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
 from halfmoon.transfer.tcp import TcpTransport

@@ -17,13 +17,13 @@ import nats.errors
 from halfmoon.protocol.codecs import DOWN, HEARTBEAT
 from halfmoon.protocol.permissions import inbox_prefix
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
-from halfmoon.service.base import Service
-from halfmoon.service.config import ServiceConfig
-from halfmoon.service.liveness import NatsLiveness
+from halfmoon.runtime.base import Service
+from halfmoon.runtime.config import ServiceConfig
+from halfmoon.runtime.liveness import NatsLiveness
 from halfmoon.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
 from nats.aio.client import Client as NATS
 
-log = logging.getLogger("halfmoon.service")
+log = logging.getLogger("halfmoon.runtime")
 
 
 class NatsLost(ConnectionError):

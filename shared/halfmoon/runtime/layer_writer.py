@@ -19,7 +19,7 @@ from halfmoon.core.layer_plan import LayerBatches, layer_ranges
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.cache import PutPlan
 from halfmoon.protocol.work import BlockLocation, KVProgress
-from halfmoon.service.pool_client import FAILURES, Fetched, PoolClient
+from halfmoon.runtime.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
 from nats.errors import Error as NatsError

@@ -19,8 +19,8 @@ from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.pipeline import SALT_BYTES
 from halfmoon.protocol.work import BlockLocation, KVLocation
-from halfmoon.service.layer_writer import commit_blocks, write_layers
-from halfmoon.service.pool_client import FAILURES, PoolClient
+from halfmoon.runtime.layer_writer import commit_blocks, write_layers
+from halfmoon.runtime.pool_client import FAILURES, PoolClient
 from halfmoon.transfer.client import TransferClient
 
 

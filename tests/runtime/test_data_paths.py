@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from halfmoon.service.data_plane import DataPlaneConfig
+from halfmoon.runtime.data_plane import DataPlaneConfig
 from halfmoon.transfer.failover import PathFailover
 
-from tests.service.conftest import expected_tokens, running, serve
+from tests.runtime.conftest import expected_tokens, running, serve
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.engine import RequestOutput
-from halfmoon.service.worker import EngineWorker
+from halfmoon.runtime.worker import EngineWorker
 
 STORE_EVERY_BLOCKS = 4  # store generated KV once this many new full blocks are computed
 

@@ -24,12 +24,12 @@ from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role, StepSample
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
-from halfmoon.service.base import Service
-from halfmoon.service.data_plane import DataPlaneConfig, OneSidedEndpoints
-from halfmoon.service.handoff import KVHandOff
-from halfmoon.service.pool_client import PoolClient
-from halfmoon.service.replay import ReplayBuffer
-from halfmoon.service.transfer_nodes import TransferDirectory
+from halfmoon.runtime.base import Service
+from halfmoon.runtime.data_plane import DataPlaneConfig, OneSidedEndpoints
+from halfmoon.runtime.handoff import KVHandOff
+from halfmoon.runtime.pool_client import PoolClient
+from halfmoon.runtime.replay import ReplayBuffer
+from halfmoon.runtime.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 from opentelemetry.trace import TracerProvider

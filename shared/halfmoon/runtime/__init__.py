@@ -1,10 +1,10 @@
 """The base every service builds on: config, NATS lifecycle, heartbeats, drain, logging."""
 
-from halfmoon.service.base import Service
-from halfmoon.service.config import ServiceConfig, load_config
-from halfmoon.service.host import ServiceHost, connect_nats, serve_until_signalled
-from halfmoon.service.rpc import publish, request, serve_requests, subscribe_events
-from halfmoon.service.runner import main, run_service
+from halfmoon.runtime.base import Service
+from halfmoon.runtime.config import ServiceConfig, load_config
+from halfmoon.runtime.host import ServiceHost, connect_nats, serve_until_signalled
+from halfmoon.runtime.rpc import publish, request, serve_requests, subscribe_events
+from halfmoon.runtime.runner import main, run_service
 
 __all__ = [
     "Service",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from halfmoon.core.cluster_keys import ClusterKeys
-from halfmoon.service.config import ServiceConfig
+from halfmoon.runtime.config import ServiceConfig
 from halfmoon.transfer.chooser import PREFERENCE, Opener
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.framing import NO_OFFERS, Offers

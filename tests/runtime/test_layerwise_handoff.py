@@ -1,4 +1,4 @@
-"""Prefill hands KV to decode layer by layer (the cluster: tests/service/conftest.py), in one process so
+"""Prefill hands KV to decode layer by layer (the cluster: tests/runtime/conftest.py), in one process so
 the test can hold prefill's last layer until decode says it has layer 0, an ordering proved by events,
 not by timing."""
 
@@ -12,7 +12,7 @@ from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol.work import KVProgress
 from halfmoon.transfer.transport import TransferError
 
-from tests.service.conftest import Cluster, count_streamed, expected_tokens, running, serve
+from tests.runtime.conftest import Cluster, count_streamed, expected_tokens, running, serve
 
 
 class _Gate(LayerHook):

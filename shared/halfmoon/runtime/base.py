@@ -15,9 +15,9 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Codec, Message
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, down_sender_ok, heartbeat_sender_ok
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.service import rpc
-from halfmoon.service.config import ServiceConfig
-from halfmoon.service.liveness import NatsLiveness
+from halfmoon.runtime import rpc
+from halfmoon.runtime.config import ServiceConfig
+from halfmoon.runtime.liveness import NatsLiveness
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
@@ -31,7 +31,7 @@ Rep = TypeVar("Rep")
 class Service(ABC, Generic[C]):
     """A thin async shell around one role's core.
 
-    Contract with :class:`~halfmoon.service.host.ServiceHost` (which owns the lifecycle):
+    Contract with :class:`~halfmoon.runtime.host.ServiceHost` (which owns the lifecycle):
     ``start()`` runs once NATS is connected and must return promptly after subscribing and
     opening listeners; the host then heartbeats ``load()`` every interval. On shutdown the
     host sets ``draining`` (announced by a heartbeat), awaits ``drain()`` (stop taking work,

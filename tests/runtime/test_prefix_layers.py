@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from halfmoon.service.pool_client import Fetched
+from halfmoon.runtime.pool_client import Fetched
 
-from tests.service.conftest import Cluster, expected_tokens, running, serve
+from tests.runtime.conftest import Cluster, expected_tokens, running, serve
 
 
 def capture_fetches(cluster: Cluster) -> list[Fetched]:

@@ -9,6 +9,7 @@ unlimited); keys of one tenant must agree on them. Only SHA-256 digests are kept
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import hmac
 import re
 from dataclasses import dataclass
@@ -120,3 +121,13 @@ class TenantSalts:
         base = hmac.new(self._secret, b"halfmoon-tenant/1\x00" + tenant.encode(), hashlib.sha256).hexdigest()
         # A request's own salt narrows within its tenant; it can never reach another tenant's base.
         return base if request_salt is None else f"{base}/{request_salt}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine (an API without keys may listen there alone)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

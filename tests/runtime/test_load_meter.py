@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from halfmoon.engine.async_engine import StepTiming
 from halfmoon.engine.engine import EngineStats
-from halfmoon.service.worker import LoadMeter
+from halfmoon.runtime.worker import LoadMeter
 
 
 def step(seconds: float, outputs: int, decoding: int, kv_blocks: int, tokens: int) -> StepTiming:

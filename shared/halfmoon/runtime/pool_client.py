@@ -21,7 +21,7 @@ from halfmoon.protocol.base import ProtocolError, RemoteError
 from halfmoon.protocol.cache import Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
-from halfmoon.service.base import Service
+from halfmoon.runtime.base import Service
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient

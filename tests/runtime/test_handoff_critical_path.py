@@ -1,7 +1,7 @@
 """What the hand-off no longer waits for: each test holds one step until decode has done what that step
 used to hold up, so the wrong order would leave the step waiting and fail the test (ordering proved by
 events, never by timing). The cluster (real NATS, cache-manager, shared-memory transfer node, prefill and
-decode with the tiny model, layer-wise and whole-block): tests/service/conftest.py."""
+decode with the tiny model, layer-wise and whole-block): tests/runtime/conftest.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from halfmoon.core.keys import handoff_key
 
-from tests.service.conftest import PROMPT, Cluster, expected_tokens, serve, until
+from tests.runtime.conftest import PROMPT, Cluster, expected_tokens, serve, until
 
 HOLD_S = 20.0  # a held step gives up after this and goes on, so a wrong order fails instead of hanging
 

@@ -20,8 +20,8 @@ from halfmoon.protocol import (
     codecs,
 )
 from halfmoon.protocol.base import ErrorReply, Message
-from halfmoon.service import Service, ServiceConfig, ServiceHost, request
-from halfmoon.service.logs import JsonFormatter, TextFormatter
+from halfmoon.runtime import Service, ServiceConfig, ServiceHost, request
+from halfmoon.runtime.logs import JsonFormatter, TextFormatter
 
 
 class Echo(Service[ServiceConfig]):

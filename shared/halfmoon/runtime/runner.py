@@ -10,10 +10,10 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from halfmoon.service.base import Service
-from halfmoon.service.config import load_config
-from halfmoon.service.host import NatsLost, serve_until_signalled
-from halfmoon.service.logs import setup_logging
+from halfmoon.runtime.base import Service
+from halfmoon.runtime.config import load_config
+from halfmoon.runtime.host import NatsLost, serve_until_signalled
+from halfmoon.runtime.logs import setup_logging
 from halfmoon.telemetry import setup_tracing
 from opentelemetry import trace
 
@@ -33,10 +33,10 @@ def run_service(service_class: type[Service], argv: Sequence[str] | None = None)
     try:
         asyncio.run(serve_until_signalled(service_class(config, provider)))
     except NatsLost as exc:
-        logging.getLogger("halfmoon.service").error(f"exiting: {exc}")
+        logging.getLogger("halfmoon.runtime").error(f"exiting: {exc}")
         return 1
     except Exception:
-        logging.getLogger("halfmoon.service").exception("service failed")
+        logging.getLogger("halfmoon.runtime").exception("service failed")
         return 1
     finally:
         provider.shutdown()

@@ -15,7 +15,7 @@ import pytest
 
 from halfmoon.protocol import Role, codecs
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.service import Service, ServiceConfig, ServiceHost
+from halfmoon.runtime import Service, ServiceConfig, ServiceHost
 from halfmoon.services.gateway.service import GatewayConfig, GatewayService
 from tests.conftest import NatsServer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from halfmoon.protocol import ErrorCode, ErrorEvent, TokenEvent
-from halfmoon.service.replay import ReplayBuffer
+from halfmoon.runtime.replay import ReplayBuffer
 
 
 def ev(index: int, attempt: int = 0, rid: str = "r") -> TokenEvent:
