@@ -121,7 +121,7 @@ class VllmServer(PeerServer):
     name = "vllm"
 
     def __init__(self, model_dir: Path, run_dir: Path, python: str, extra_args: Sequence[str] = (),
-                 kv_cache_gib: int = 2, dtype: str = "float32") -> None:
+                 kv_cache_gib: int = 2, dtype: str = "auto") -> None:
         super().__init__(model_dir, run_dir)
         self.dtype = dtype
         self.python = python
@@ -130,10 +130,23 @@ class VllmServer(PeerServer):
 
     def command(self) -> list[str]:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                "--served-model-name", self.model_dir.name, "--dtype", self.dtype, "--enable-prefix-caching",
-                "--enable-prompt-tokens-details", "--max-model-len", "4096", "--host", "127.0.0.1",
+                "--served-model-name", self.model_dir.name, "--dtype", self.dtype,
+                "--enable-prompt-tokens-details", "--host", "127.0.0.1",
                 "--port", str(self.port), *self.extra_args]
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HALFMOON_", "VIRTUAL_ENV", "PYTHON"))}
         return {**env, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+
+
+class BusyNeighbour:
+    """One process spinning on a core for as long as the block runs: the neighbour every real server has
+    (a load generator, a log shipper, a second job)."""
+
+    def __enter__(self) -> BusyNeighbour:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -1,12 +1,18 @@
-"""Halfmoon against vLLM (CPU) on the same model, driven by the same load driver (`halfmoon bench`'s).
+"""Halfmoon against vLLM (CPU) on the same model, every server at its defaults, driven by aiperf.
 
-    python -m benchmarks.peers [--servers halfmoon,vllm] [--model DIR] [--vllm-python PY] [--json FILE]
+    python -m benchmarks.peers [--servers halfmoon,halfmoon+busy,vllm] [--model DIR] [--vllm-python PY]
+        [--aiperf PATH] [--driver aiperf|halfmoon-bench] [--json FILE]
 
 Starts one server at a time on a free loopback port (Halfmoon variants with `halfmoon up`, vLLM's OpenAI
 server from its own virtual environment), and drives each with two workloads: a fixed concurrency
 (8 in flight, 512-token prompts, 64 output tokens with ignore_eos, 48 requests after 4 warm-up), and a
-slice of the Mooncake conversation trace scaled to 16-token blocks (equal hash ids give equal tokens,
-so prefix caches can reuse them). Prints every server's figures and the ratios to ``--baseline``.
+slice of the Mooncake conversation trace replayed at its own timestamps, scaled to 16-token blocks (equal
+hash ids give equal tokens, so prefix caches can reuse them). Prints every server's figures and the
+ratios to ``--baseline``. The load generator is aiperf (`benchmarks/aiperf_driver.py`), an external tool
+in its own virtual environment, on the same machine; ``--driver halfmoon-bench`` uses Halfmoon's own
+driver instead, for diagnosis (it also reads the conductor's TTFT prediction error), and the tables say
+which tool ran. A server named with ``+busy`` (e.g. ``halfmoon+busy``) runs with one busy-looping process
+beside it for the whole measurement: what a log shipper or a second job costs it.
 
 Halfmoon variants: ``halfmoon`` (1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing
 both), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
@@ -37,7 +43,8 @@ from halfmoon.sim.trace import load_trace
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.peer_servers import HalfmoonServer, PeerServer, VllmServer
+from benchmarks import aiperf_driver
+from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmServer
 
 # The conductor's admission off: no decode-side early rejection, and a TTFT SLO nothing reaches (the
 # TTFT check of Algorithm 1 applies whatever the admission policy)
@@ -58,6 +65,11 @@ SERVERS: dict[str, ServerFactory] = {
        for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-calibrated", CALIBRATED))},
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
 }
+BUSY = "+busy"
+
+
+def server_factory(name: str) -> ServerFactory | None:
+    return SERVERS.get(name.removesuffix(BUSY))
 DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "smollm2"
 # (label, workload, path into the summary, higher is better)
 FIGURES = (
@@ -65,10 +77,14 @@ FIGURES = (
     ("requests/s", "fixed", ("request_throughput",), True),
     ("TTFT p50 (ms)", "fixed", ("ttft_ms", "p50"), False),
     ("ITL p50 (ms)", "fixed", ("itl_ms", "p50"), False),
+    ("ITL p99 (ms)", "fixed", ("itl_ms", "p99"), False),
+    ("429 rejections", "fixed", ("rejected",), False),
     ("output tok/s", "trace", ("output_throughput",), True),
     ("TTFT p50 (ms)", "trace", ("ttft_ms", "p50"), False),
     ("ITL p50 (ms)", "trace", ("itl_ms", "p50"), False),
     ("SLO attainment", "trace", ("goodput", "share"), True),
+    ("requests within both SLOs", "trace", ("goodput", "met"), True),
+    ("429 rejections", "trace", ("rejected",), False),
     ("prompt tokens reused", "trace", ("cached_prompt_share",), True),
     ("TTFT prediction |error| p50", "fixed", ("prediction_error", "p50"), False),
     ("TTFT prediction |error| p90", "fixed", ("prediction_error", "p90"), False),
@@ -100,6 +116,25 @@ def model_dir(arg: str | None, console: Console) -> Path:
     return DEFAULT_MODEL
 
 
+def aiperf_workloads(args: argparse.Namespace, run_dir: Path) -> dict[str, aiperf_driver.AiperfLoad]:
+    trace = aiperf_driver.trace_slice(Path(args.trace), run_dir / "trace-slice.jsonl", args.trace_offset,
+                                      args.trace_limit, args.isl_block_size, args.trace_max_output)
+    return {"fixed": aiperf_driver.AiperfLoad(args.requests, args.concurrency, args.isl, args.osl, args.warmup),
+            "trace": aiperf_driver.AiperfLoad(args.trace_limit, trace_file=trace, isl_block_size=args.isl_block_size)}
+
+
+def measure_aiperf(server: PeerServer, loads: dict[str, aiperf_driver.AiperfLoad], args: argparse.Namespace,
+                   model: Path, console: Console) -> dict[str, Any]:
+    slo = aiperf_driver.RequestSLO(args.slo_ttft_ms, args.slo_itl_ms)
+    results = {}
+    for name, load in loads.items():
+        with console.status(f"aiperf: {server.name} {name}"):
+            results[name] = aiperf_driver.run(
+                args.aiperf, first_model(server.base_url, None), server.base_url.removesuffix("/v1"), model, load,
+                server.run_dir / f"{server.name}-aiperf-{name}", slo, server.run_dir / f"{server.name}-aiperf.log")
+    return results
+
+
 def workloads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     trace = load_trace(args.trace, limit=args.trace_offset + args.trace_limit)[args.trace_offset:]
     scaling = TraceScaling(args.isl_block_size, 1.0, args.trace_max_output, args.trace_speedup)
@@ -110,14 +145,23 @@ def workloads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     }
 
 
-def measure(server: PeerServer, loads: dict[str, dict[str, Any]], slo: SLO, console: Console) -> dict[str, Any]:
+def measure_own(server: PeerServer, loads: dict[str, dict[str, Any]], slo: SLO, console: Console) -> dict[str, Any]:
+    endpoint = Endpoint(server.base_url, first_model(server.base_url, None))
+    results = {name: drive(endpoint, load["requests"], load["concurrency"], load["paced"], slo,
+                           f"{server.name} {name}", load["warmup"], console, server.metrics_url)
+               for name, load in loads.items()}
+    return {name: {**summary, "tool": "halfmoon bench"} for name, summary in results.items()}
+
+
+def measure(server: PeerServer, drive_load: Callable[[PeerServer], dict[str, Any]], busy: bool,
+            console: Console) -> dict[str, Any]:
     with console.status(f"starting {server.name} (log: {server.log_path})"):
         server.start()
     try:
-        endpoint = Endpoint(server.base_url, first_model(server.base_url, None))
-        return {name: drive(endpoint, load["requests"], load["concurrency"], load["paced"], slo,
-                            f"{server.name} {name}", load["warmup"], console, server.metrics_url)
-                for name, load in loads.items()}
+        if not busy:
+            return drive_load(server)
+        with BusyNeighbour():
+            return drive_load(server)
     finally:
         with console.status(f"stopping {server.name}"):
             server.stop()
@@ -172,7 +216,8 @@ def print_table(title: str, columns: list[str], rows: list[list[str]], console: 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
     names = [n for n in args.servers.split(",") if n in results]
     baseline = args.baseline if args.baseline in names else names[0]
-    title = (f"{args.dtype}; fixed = {args.concurrency} in flight, {args.isl} in / {args.osl} out, {args.requests} "
+    tools = sorted({summary.get("tool", "halfmoon bench") for r in results.values() for summary in r.values()})
+    title = (f"load generator: {', '.join(tools)}; dtype {args.dtype}; fixed = {args.concurrency} in flight, {args.isl} in / {args.osl} out, {args.requests} "
              f"requests; trace = [{args.trace_offset}:{args.trace_offset + args.trace_limit}] at x{args.trace_speedup:g}, "
              f"{args.isl_block_size}-token blocks, <= {args.trace_max_output} out, SLO TTFT {args.slo_ttft_ms:g} ms / "
              f"TPOT {args.slo_itl_ms:g} ms")
@@ -192,10 +237,18 @@ def main() -> None:
                         help="one more argument for vLLM's server (repeat; e.g. --vllm-arg=--enforce-eager)")
     parser.add_argument("--start-timeout", type=float, default=1800.0,
                         help="seconds a server may take to answer its first completion (vLLM compiles on first start)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="both servers' weights and KV (bfloat16 needs a CPU with AVX512-BF16 or AMX)")
-    parser.add_argument("--servers", default="halfmoon,vllm",
-                        help=f"comma-separated, run in this order, from {sorted(SERVERS)}")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="both servers' weights and KV; auto: each server's own default (bfloat16 needs a "
+                             "CPU with AVX512-BF16 or AMX)")
+    parser.add_argument("--driver", default="aiperf", choices=("aiperf", "halfmoon-bench"),
+                        help="the load generator: aiperf (external, for figures against a peer) or Halfmoon's "
+                             "own (diagnosis; adds the conductor's TTFT prediction error)")
+    parser.add_argument("--aiperf", default="/work/aiperf-venv/bin/aiperf",
+                        help="aiperf 0.13 in its own venv: python3.11 -m venv /work/aiperf-venv && "
+                             "/work/aiperf-venv/bin/pip install aiperf==0.13.0")
+    parser.add_argument("--servers", default="halfmoon,halfmoon+busy,vllm",
+                        help=f"comma-separated, run in this order, from {sorted(SERVERS)}, each optionally "
+                             f"with {BUSY} (a busy-looping process beside it)")
     parser.add_argument("--baseline", default="vllm", help="the server the ratios are taken against")
     parser.add_argument("--halfmoon-setting", action="append", default=[], metavar="NAME=VALUE",
                         help="HALFMOON_NAME=VALUE for every Halfmoon service (repeat; e.g. TTFT_SLO_S=10)")
@@ -213,8 +266,8 @@ def main() -> None:
     parser.add_argument("--trace-speedup", type=float, default=1.0)
     parser.add_argument("--trace-max-output", type=int, default=32, help="cap on the trace's output lengths")
     parser.add_argument("--isl-block-size", type=int, default=16, help="tokens per 512-token trace block")
-    parser.add_argument("--slo-ttft-ms", type=float, default=5000.0)
-    parser.add_argument("--slo-itl-ms", type=float, default=250.0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=100.0)
     parser.add_argument("--run-dir", help="logs of both servers (default: a temporary directory)")
     parser.add_argument("--json", help="write every figure of both servers here")
     parser.add_argument("--from-json", nargs="+", metavar="FILE",
@@ -228,8 +281,6 @@ def main() -> None:
         report(merged, argparse.Namespace(**config), console)
         return
     model = model_dir(args.model, console)
-    loads = workloads(args)
-    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
     results: dict[str, dict[str, Any]] = {}
     for spec in args.variant:
         try:
@@ -237,17 +288,29 @@ def main() -> None:
         except ValueError as exc:
             parser.error(str(exc))
     names = args.servers.split(",")
-    if unknown := set(names) - SERVERS.keys():
+    if unknown := {n for n in names if server_factory(n) is None}:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {sorted(SERVERS)}")
-    settings = {"DTYPE": args.dtype, **dict(item.split("=", 1) for item in args.halfmoon_setting)}
+    settings = {**({"DTYPE": args.dtype} if args.dtype != "auto" else {}),
+                **dict(item.split("=", 1) for item in args.halfmoon_setting)}
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.run_dir or tmp)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if args.driver == "aiperf":
+            aiperf_loads = aiperf_workloads(args, run_dir)
+            drive_load: Callable[[PeerServer], dict[str, Any]] = (
+                lambda server: measure_aiperf(server, aiperf_loads, args, model, console))
+        else:
+            own_loads, slo = workloads(args), SLO(args.slo_ttft_ms, args.slo_itl_ms)
+            drive_load = lambda server: measure_own(server, own_loads, slo, console)  # noqa: E731
         failures: dict[str, str] = {}
         for name in names:
-            server = SERVERS[name](model, run_dir, args, settings)
+            factory = server_factory(name)
+            assert factory is not None
+            server = factory(model, run_dir, args, settings)
+            server.name = name
             server.start_timeout_s = args.start_timeout
             try:
-                results[name] = measure(server, loads, slo, console)
+                results[name] = measure(server, drive_load, name.endswith(BUSY), console)
             except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError; the other servers still run
                 failures[name] = str(exc)
                 console.print(f"[red]{name} failed[/]: {exc}")

@@ -151,6 +151,12 @@ class LocalCluster:
             # One machine, several engines: more torch threads than cores makes every engine crawl.
             engines = sum(1 for s, _ in self.plan if s.name in ENGINE_SERVICES)
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // engines))
+        if spec.name in ENGINE_SERVICES and "OMP_WAIT_POLICY" not in os.environ:
+            # OpenMP's default spins idle threads for a while after every parallel region; with anything
+            # else on the cores (a load generator, a sidecar), the spinning threads and the neighbour take
+            # turns and a step ran 13x slower under aiperf (BENCHMARKS, "How does halfmoon up compare
+            # with vLLM?"). Passive threads sleep instead.
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
             env.update(HALFMOON_METRICS_PORT="-1", HALFMOON_METRICS_HOST="127.0.0.1")  # -1: any free port
         env.update(self.extra_env)
