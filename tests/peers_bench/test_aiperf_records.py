@@ -1,0 +1,54 @@
+"""Reading aiperf's per-request records: the figures benchmarks.peers compares against a peer."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.aiperf_driver import AiperfLoad, RequestSLO, command, summarise, trace_slice
+
+
+def record(session: int, start_s: float, end_s: float, phase: str = "profiling", error: int | None = None,
+           ttft_ms: float = 100.0, itl_ms: float = 50.0, out: int = 10, prompt: int = 64, cached: int = 0) -> dict:
+    meta = {"session_num": session, "benchmark_phase": phase, "request_start_ns": int(start_s * 1e9),
+            "request_end_ns": int(end_s * 1e9)}
+    if error is not None:
+        return {"metadata": meta, "metrics": {}, "error": {"code": error, "message": "no"}}
+    metrics = {"time_to_first_token": ttft_ms, "inter_token_latency": itl_ms, "output_token_count": out,
+               "usage_prompt_tokens": prompt, "usage_prompt_cache_read_tokens": cached}
+    return {"metadata": meta, "metrics": {k: {"value": v} for k, v in metrics.items()}, "error": None}
+
+
+class TestSummarise:
+    def test_figures_outcomes_and_warmup(self):
+        records = [record(0, 0, 1, phase="warmup", out=1000),
+                   record(2, 1, 3, ttft_ms=3000),  # served, TTFT over the SLO
+                   record(1, 1, 2, cached=32),
+                   record(3, 2, 5, error=429),
+                   record(4, 2, 3, itl_ms=500)]
+        summary = summarise(records, RequestSLO(ttft_ms=2000, itl_ms=100))
+        assert summary["outcomes"] == ["met", "missed", "rejected", "missed"]  # by session, warm-up left out
+        assert summary["rejected"] == 1 and summary["errors"] == {"429": 1}
+        assert summary["duration_s"] == 4.0
+        assert summary["output_throughput"] == 30 / 4.0
+        assert summary["goodput"] == {"met": 1, "share": 0.25}
+        assert summary["cached_prompt_share"] == 32 / 192
+        assert summary["ttft_ms"]["p50"] == 100.0 and summary["ttft_ms"]["p99"] == 3000
+
+
+class TestTraceSlice:
+    def test_scales_prompts_caps_outputs_and_rebases_time(self, tmp_path):
+        source = tmp_path / "trace.jsonl"
+        rows = [{"timestamp": t, "input_length": n, "output_length": o, "hash_ids": list(range(n // 512 + 1))}
+                for t, n, o in ((0, 100, 5), (1000, 6758, 500), (2500, 1024, 40))]
+        source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sliced = trace_slice(source, tmp_path / "slice.jsonl", 1, 5, 16, 32)
+        got = [json.loads(line) for line in sliced.read_text().splitlines()]
+        assert [(r["timestamp"], r["input_length"], r["output_length"]) for r in got] == [(0, 212, 32), (1500, 32, 32)]
+        assert got[0]["hash_ids"] == rows[1]["hash_ids"]
+
+    def test_the_trace_command_replays_the_schedule(self, tmp_path):
+        load = AiperfLoad(8, trace_file=tmp_path / "slice.jsonl", isl_block_size=16)
+        cmd = command("aiperf", "m", "http://127.0.0.1:1", tmp_path, load, tmp_path / "out")
+        assert cmd[cmd.index("--custom-dataset-type") + 1] == "mooncake_trace"
+        assert "--fixed-schedule" in cmd and "--concurrency" not in cmd
+        assert cmd[cmd.index("--isl-block-size") + 1] == "16"
