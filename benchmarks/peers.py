@@ -35,7 +35,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from halfmoon.cli.bench import DEFAULT_TRACE, drive, first_model
+from halfmoon.cli.bench import (
+    DEFAULT_TRACE,
+    PREDICTION_METRIC,
+    TBT_PREDICTION_METRIC,
+    drive,
+    first_model,
+    prediction_error,
+    scrape_prediction_error,
+)
 from halfmoon.cli.bench_driver import Endpoint
 from halfmoon.cli.bench_stats import SLO, false_rejections
 from halfmoon.cli.bench_workload import TraceScaling, fixed_requests, trace_requests
@@ -90,6 +98,10 @@ FIGURES = (
     ("TTFT prediction |error| p90", "fixed", ("prediction_error", "p90"), False),
     ("TTFT prediction |error| p50", "trace", ("prediction_error", "p50"), False),
     ("TTFT prediction |error| p90", "trace", ("prediction_error", "p90"), False),
+    ("TBT prediction |error| p50", "fixed", ("tbt_prediction_error", "p50"), False),
+    ("TBT prediction |error| p90", "fixed", ("tbt_prediction_error", "p90"), False),
+    ("TBT prediction |error| p50", "trace", ("tbt_prediction_error", "p50"), False),
+    ("TBT prediction |error| p90", "trace", ("tbt_prediction_error", "p90"), False),
 )
 
 
@@ -127,11 +139,16 @@ def measure_aiperf(server: PeerServer, loads: dict[str, aiperf_driver.AiperfLoad
                    model: Path, console: Console) -> dict[str, Any]:
     slo = aiperf_driver.RequestSLO(args.slo_ttft_ms, args.slo_itl_ms)
     results = {}
+    metrics = (("prediction_error", PREDICTION_METRIC), ("tbt_prediction_error", TBT_PREDICTION_METRIC))
     for name, load in loads.items():
+        url = server.metrics_url
+        before = {key: scrape_prediction_error(url, metric) for key, metric in metrics} if url else {}
         with console.status(f"aiperf: {server.name} {name}"):
             results[name] = aiperf_driver.run(
                 args.aiperf, first_model(server.base_url, None), server.base_url.removesuffix("/v1"), model, load,
                 server.run_dir / f"{server.name}-aiperf-{name}", slo, server.run_dir / f"{server.name}-aiperf.log")
+        for key, metric in metrics if url else ():
+            results[name][key] = prediction_error(before[key], scrape_prediction_error(url, metric))
     return results
 
 
@@ -179,7 +196,7 @@ def ratio_rows(results: dict[str, dict[str, Any]], names: list[str], baseline: s
     rows = []
     for label, load, path, _higher in FIGURES:
         values = {name: figure(results.get(name, {}).get(load, {}), path) for name in names}
-        percent = path[0] in ("goodput", "cached_prompt_share", "prediction_error")
+        percent = path in (("goodput", "share"), ("cached_prompt_share",)) or path[0].endswith("prediction_error")
         show = (lambda v: "-" if v is None else f"{100 * v:.0f}%") if percent else (
             lambda v: "-" if v is None else f"{v:,.1f}")
         base = values.get(baseline)

@@ -46,6 +46,9 @@ class TestOneTracePerRequest:
         root = roots[0]["attributes"]
         assert root["halfmoon.ttft.predicted_ms"] > 0
         assert 0 < root["halfmoon.ttft.delivered_ms"] < (roots[0]["end_ns"] - roots[0]["start_ns"]) / 1e6
+        # and the decode instance's predicted step time against the mean gap between the 6 tokens
+        assert root["halfmoon.tbt.predicted_ms"] > 0
+        assert 0 < root["halfmoon.tbt.delivered_ms"] < (roots[0]["end_ns"] - roots[0]["start_ns"]) / 1e6
         for span in spans:
             if span["parent_id"] is not None:
                 parent = by_id[span["parent_id"]]

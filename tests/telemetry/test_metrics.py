@@ -23,6 +23,7 @@ NAMES = (
     "halfmoon_errors",
     "halfmoon_auth_rejections",
     "halfmoon_ttft_prediction_error_ratio",
+    "halfmoon_tbt_prediction_error_ratio",
 )
 
 

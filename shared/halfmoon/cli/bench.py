@@ -14,6 +14,7 @@ from typing import Any
 
 DEFAULT_TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
 PREDICTION_METRIC = "halfmoon_ttft_prediction_error_ratio"
+TBT_PREDICTION_METRIC = "halfmoon_tbt_prediction_error_ratio"
 
 
 def _advance(progress: Any, task: Any) -> Callable[[Any], None]:
@@ -56,21 +57,21 @@ def drive(endpoint: Any, requests: Sequence[Any], concurrency: int, paced: bool,
     return summary
 
 
-def scrape_prediction_error(url: str) -> dict[str, Any]:
+def scrape_prediction_error(url: str, metric: str = PREDICTION_METRIC) -> dict[str, Any]:
     import httpx
 
-    return parse_prediction_error(httpx.get(url, timeout=10).raise_for_status().text)
+    return parse_prediction_error(httpx.get(url, timeout=10).raise_for_status().text, metric)
 
 
-def parse_prediction_error(text: str) -> dict[str, Any]:
-    """The TTFT prediction-error histogram in Prometheus text: buckets summed over labels, and how many
-    predictions were at or above the delivered TTFT."""
+def parse_prediction_error(text: str, metric: str = PREDICTION_METRIC) -> dict[str, Any]:
+    """A prediction-error histogram (TTFT's by default) in Prometheus text: buckets summed over labels, and
+    how many predictions were at or above the delivered figure."""
     from halfmoon.cli.bench_stats import Histogram
     from prometheus_client.parser import text_string_to_metric_families
 
     buckets, over = [], 0.0
     for family in text_string_to_metric_families(text):
-        if family.name == PREDICTION_METRIC:
+        if family.name == metric:
             for s in family.samples:
                 if s.name.endswith("_bucket"):
                     buckets.append((float(s.labels["le"]), s.value))

@@ -47,6 +47,7 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
     decode_instance: str
     predicted_ttft_ms: float | None = None
     pipeline: tuple[str, ...] = ()
+    predicted_tbt_ms: float | None = None  # the chosen decode instance's predicted time between tokens
 
 
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):

@@ -120,6 +120,17 @@ class Metrics:
         self.ttft_delivered = Histogram(
             "halfmoon_ttft_delivered_seconds", "the delivered TTFT of each request with a prediction, from placement",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tbt_prediction_error = Histogram(
+            "halfmoon_tbt_prediction_error_ratio",
+            "|conductor's predicted TBT - delivered mean time between tokens| / delivered, per request served "
+            "by its first placement; direction: over (predicted >= delivered) or under",
+            ["direction"], buckets=_ERROR_BUCKETS, registry=r)
+        self.tbt_predicted = Histogram(
+            "halfmoon_tbt_predicted_seconds", "the conductor's predicted TBT of each served request",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.tbt_delivered = Histogram(
+            "halfmoon_tbt_delivered_seconds", "the delivered mean time between tokens of each request with a "
+            "prediction", buckets=_LATENCY_BUCKETS, registry=r)
         # the conductor's ledger of placed work (docs/OBSERVABILITY.md)
         self.conductor_outstanding = Gauge(
             "halfmoon_conductor_outstanding_requests", "requests placed on an instance and not done, per the "
@@ -150,6 +161,12 @@ class Metrics:
         self.ttft_delivered.observe(delivered_s)
         error = abs(predicted_s - delivered_s) / max(delivered_s, 1e-6)
         self.ttft_prediction_error.labels("over" if predicted_s >= delivered_s else "under").observe(error)
+
+    def record_tbt_prediction(self, predicted_s: float, delivered_s: float) -> None:
+        self.tbt_predicted.observe(predicted_s)
+        self.tbt_delivered.observe(delivered_s)
+        error = abs(predicted_s - delivered_s) / max(delivered_s, 1e-6)
+        self.tbt_prediction_error.labels("over" if predicted_s >= delivered_s else "under").observe(error)
 
     def render(self) -> bytes:
         for source in list(self._sources):

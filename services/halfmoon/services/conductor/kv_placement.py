@@ -90,4 +90,5 @@ class KVCentricPlacement(PlacementPolicy):
             decode, key=lambda v: (max(v.load.running, v.outstanding.count), v.instance_id)).instance_id
         pipeline = decision.pipeline.stages[1:] if decision.pipeline else ()
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
-                         chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000)
+                         chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,
+                         decision.decode.predicted_tbt_s * 1000 if decision.decode else None)

@@ -24,6 +24,7 @@ class Placement(NamedTuple):
     prefill_s: float = 0.0  # predicted prefill work (transfer and compute) it adds to that instance
     pipeline: tuple[str, ...] = ()  # CPP: the prefill instances running the later layers with ``prefill``
     model_ttft_ms: float | None = None  # the cost model's TTFT before calibration (what calibration learns from)
+    predicted_tbt_ms: float | None = None  # the decode instance's predicted step time with this request in it
 
 
 class Rejection(NamedTuple):

@@ -246,6 +246,7 @@ class ConductorService(Service[ConductorConfig]):
             decode_instance=choice.decode,
             predicted_ttft_ms=choice.predicted_ttft_ms,
             pipeline=choice.pipeline,
+            predicted_tbt_ms=choice.predicted_tbt_ms,
         )
 
     def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,

@@ -109,6 +109,8 @@ class Generation:
         self._handed_off = False  # decode of the current attempt has streamed
         self._placed_at = 0.0  # when the conductor's placement (and its TTFT prediction) arrived
         self._prediction_recorded = False
+        self._first_token_at: float | None = None  # the current placement's first token, for its delivered TBT
+        self._tokens_since_first = 0
 
     @property
     def attempt(self) -> int:
@@ -303,6 +305,7 @@ class Generation:
                 self._record_prediction(progress)
                 self._note_holder(event)
                 self.finished = event.finish_reason is not None
+                self._count_tokens(progress, len(event.token_ids))
                 yield event
                 if self.finished:
                     return
@@ -329,6 +332,21 @@ class Generation:
                 self.span.set_attributes({"halfmoon.ttft.predicted_ms": p.predicted_ttft_ms,
                                           "halfmoon.ttft.delivered_ms": round(delivered_s * 1000, 3)})
         self._prediction_recorded = True
+
+    def _count_tokens(self, now: float, tokens: int) -> None:
+        """At the end of a request its first placement served whole, the delivered mean time between tokens
+        against the conductor's predicted TBT (a migrated request's gaps belong to no one prediction)."""
+        if self._first_token_at is None:
+            self._first_token_at, tokens = now, tokens - 1
+        self._tokens_since_first += tokens
+        p = self.placement
+        if (self.finished and self.attempt == 0 and p is not None and p.predicted_tbt_ms is not None
+                and self._tokens_since_first > 0):
+            delivered_s = (now - self._first_token_at) / self._tokens_since_first
+            METRICS.record_tbt_prediction(p.predicted_tbt_ms / 1000, delivered_s)
+            if self.span is not None and self.span.is_recording():
+                self.span.set_attributes({"halfmoon.tbt.predicted_ms": p.predicted_tbt_ms,
+                                          "halfmoon.tbt.delivered_ms": round(delivered_s * 1000, 3)})
 
     def _note_holder(self, event: TokenEvent) -> None:
         """Once decode streams, the prefill instance no longer holds the request."""
