@@ -4,6 +4,7 @@ speed set low so that prompts of a few hundred tokens are "long"."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import Load, Role, SamplingParams, ScheduleAccepted, ScheduleRejected, ScheduleRequest, Subjects
 from halfmoon.protocol import codecs
 from halfmoon.runtime import ServiceConfig, ServiceHost, request
+from halfmoon.services.conductor.policy_config import PolicySettings
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
 SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_layers=4, num_kv_heads=2, head_dim=16)
@@ -20,6 +22,8 @@ SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_l
 # finish 300 tokens in about 1.7 s.
 POLICY = dict(prefill_tokens_per_s=100.0, ttft_slo_s=2.0, cpp_stages=2, cpp_min_tokens=64, cpp_chunk_tokens=32,
               cpp_hop_bytes_per_token=256)
+
+CPP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PolicySettings) if f.name.startswith("cpp_")}
 
 
 class SpecReporter(LoadReporter):
@@ -100,6 +104,5 @@ class TestThreshold:
         assert isinstance(reply, ScheduleAccepted) and len(reply.pipeline) == stages
 
     async def test_off_by_default(self, nats_server, namespace, nc):
-        (reply,) = await run(nats_server, namespace, nc, prefills=2, tokens=[300], cpp_stages=0,
-                             ttft_slo_s=30.0)
+        (reply,) = await run(nats_server, namespace, nc, prefills=2, tokens=[300], ttft_slo_s=30.0, **CPP_DEFAULTS)
         assert pipeline_of(reply) == ()

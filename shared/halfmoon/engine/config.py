@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -90,14 +89,3 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-    @classmethod
-    def from_env(cls, model: str, **overrides: object) -> "EngineConfig":
-        """Defaults overridden by ``HALFMOON_ENGINE_<FIELD>`` variables, then by ``overrides``."""
-        values: dict[str, object] = {}
-        for name, field in cls.__dataclass_fields__.items():
-            raw = os.environ.get(f"HALFMOON_ENGINE_{name.upper()}")
-            if raw is not None and name != "model":
-                values[name] = {"str": str, "float": float}.get(field.type, int)(raw)
-        values.update(overrides)
-        return cls(model=model, **values)  # type: ignore[arg-type]

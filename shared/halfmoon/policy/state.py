@@ -30,6 +30,11 @@ class SLO:
             raise ValueError(f"SLO thresholds must be positive, got ttft={self.ttft_s} tbt={self.tbt_s}")
 
 
+# The services' SLOs unless HALFMOON_TTFT_SLO_S / HALFMOON_TBT_SLO_S say otherwise: the conductor admits
+# to them and engines with TBT chunking size their steps to the TBT one, so both read it from here.
+SERVING_SLO = SLO(ttft_s=30.0, tbt_s=0.2)
+
+
 class RouteRequest(NamedTuple):
     """What the conductor knows about a request when it routes it."""
 

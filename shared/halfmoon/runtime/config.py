@@ -26,6 +26,25 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def setting(name: str) -> str:
+    """A config field as an error message names it: the variable an operator sets, then the field."""
+    return f"{ENV_PREFIX}{name.upper()} ({name})"
+
+
+def changed(config: object, *names: str) -> list[str]:
+    """Those of the dataclass ``config``'s fields ``names`` set away from their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    return [name for name in names if getattr(config, name) != defaults[name]]
+
+
+def require_for(config: object, names: Sequence[str], present: bool, what: str) -> None:
+    """Fail loudly where any of ``names`` is set while ``what`` (``present``) is not: without it they do nothing."""
+    idle = [] if present else changed(config, *names)
+    if idle:
+        raise ValueError(f"{', '.join(map(setting, idle))} {'does' if len(idle) == 1 else 'do'} nothing "
+                         f"without {what}")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Settings every service has; defaults run everything on one machine."""
@@ -77,11 +96,13 @@ class ServiceConfig:
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
         if bool(self.nats_user) != bool(self.nats_password):
-            raise ValueError("nats_user and nats_password go together")
+            raise ValueError(f"{setting('nats_user')} and {setting('nats_password')} go together")
         if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
-            raise ValueError("nats_tls_cert and nats_tls_key go together")
-        if self.nats_tls_cert and not self.nats_tls_ca:
-            raise ValueError("a NATS client certificate needs nats_tls_ca to verify the server")
+            raise ValueError(f"{setting('nats_tls_cert')} and {setting('nats_tls_key')} go together")
+        require_for(self, ["nats_tls_cert"], bool(self.nats_tls_ca), f"{setting('nats_tls_ca')} to verify the server")
+        require_for(self, ["metrics_host"], self.metrics_port != 0, f"{setting('metrics_port')} (0: off)")
+        if self.cluster_secret and self.cluster_secret_file:
+            raise ValueError(f"set {setting('cluster_secret')} or {setting('cluster_secret_file')}, not both")
         for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
             if getattr(self, name) and not os.path.isfile(getattr(self, name)):
                 raise ValueError(f"{name}: no such file {getattr(self, name)!r}")

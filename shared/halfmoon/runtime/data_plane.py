@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 from halfmoon.core.cluster_keys import ClusterKeys
-from halfmoon.runtime.config import ServiceConfig
+from halfmoon.runtime.config import ServiceConfig, require_for, setting
 from halfmoon.transfer.chooser import PREFERENCE, Opener
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.framing import NO_OFFERS, Offers
@@ -33,7 +33,7 @@ class DataPlaneConfig(ServiceConfig):
         "help": "data-plane paths, comma separated, of shm, rdma, mooncake, tcp (tcp is always on): a worker "
                 "uses those a node offers too, fastest first; a transfer node offers rdma and mooncake"})
     data_host: str = field(default="", metadata={
-        "help": "address peers reach this process's RDMA/Mooncake endpoint at (default: a node's advertised "
+        "help": "address peers reach this process's Mooncake endpoint at (default: a node's advertised "
                 "host, a worker's 127.0.0.1)"})
     mooncake_protocol: str = field(default="tcp", metadata={"help": "Mooncake engine transport: tcp or rdma"})
     mooncake_device: str = field(default="", metadata={"help": "RDMA NICs of the Mooncake engine, e.g. mlx5_0"})
@@ -46,6 +46,11 @@ class DataPlaneConfig(ServiceConfig):
             raise ValueError(f"data_paths: unknown path(s) {sorted(unknown)}; choose from {', '.join(PREFERENCE)}")
         if self.mooncake_protocol not in ("tcp", "rdma"):
             raise ValueError(f"mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
+        paths = f"{setting('data_paths')} naming"
+        require_for(self, ["data_host", "mooncake_protocol", "mooncake_device"], "mooncake" in self.paths,
+                    f"{paths} mooncake")
+        require_for(self, ["mooncake_device"], self.mooncake_protocol == "rdma", f"{setting('mooncake_protocol')} rdma")
+        require_for(self, ["rdma_device"], "rdma" in self.paths, f"{paths} rdma")
 
     @property
     def paths(self) -> frozenset[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from abc import abstractmethod
 from collections.abc import Coroutine, Mapping
@@ -18,7 +19,7 @@ from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import EngineStats, LLMEngine
-from halfmoon.policy.state import RecentSamples
+from halfmoon.policy.state import SERVING_SLO, RecentSamples
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role, StepSample
@@ -51,8 +52,9 @@ class WorkerConfig(DataPlaneConfig):
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per engine step"})
     prefill_chunk_size: int = field(default=512, metadata={"help": "most prompt tokens one sequence computes per step"})
-    tbt_slo_s: float = field(default=0.0, metadata={
-        "help": "TBT SLO for tbt_chunking (HALFMOON_TBT_SLO_S sets this and the conductor's at once)"})
+    tbt_slo_s: float = field(default=SERVING_SLO.tbt_s, metadata={
+        "help": "TBT SLO the steps are sized to with tbt_chunking (HALFMOON_TBT_SLO_S sets this and the "
+                "conductor's at once)"})
     tbt_chunking: bool = field(default=False, metadata={
         "help": "while sequences decode, give each step only the prompt tokens that fit in tbt_slo_s after "
                 "them: bounded worst gaps, a median gap near the SLO, slower prompts (docs/BENCHMARKS.md)"})
@@ -69,6 +71,10 @@ class WorkerConfig(DataPlaneConfig):
         super().__post_init__()
         if not self.model_dir:
             raise ValueError("a model directory is required (--model-dir or HALFMOON_MODEL_DIR)")
+        if self.tbt_chunking and not (math.isfinite(self.tbt_slo_s) and self.tbt_slo_s > 0):
+            raise ValueError(f"HALFMOON_TBT_CHUNKING (tbt_chunking) sizes steps to the TBT SLO, but "
+                             f"HALFMOON_TBT_SLO_S (tbt_slo_s) is {self.tbt_slo_s}: set a positive SLO "
+                             f"(default {SERVING_SLO.tbt_s}) or turn chunking off")
         self.engine_config()  # validates the engine settings now, not at first use
 
     def engine_config(self) -> EngineConfig:

@@ -13,7 +13,8 @@ from halfmoon.policy.cost import CostModels, DecodeCostModel, OnlineFitter, Pref
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import PREFILL_POLICIES, make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
-from halfmoon.policy.state import SLO
+from halfmoon.policy.state import SERVING_SLO, SLO
+from halfmoon.runtime.config import require_for, setting
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.kv_placement import KVCentricPlacement
 from halfmoon.services.conductor.placement import LeastLoaded, PlacementPolicy
@@ -27,8 +28,10 @@ class PolicySettings:
         "help": "kv-centric (block keys from the KV spec engine instances advertise) or least-loaded"})
     prefill_policy: str = field(default="global-cache-aware", metadata={"help": f"one of {sorted(PREFILL_POLICIES)}"})
     admission: str = field(default="predictive", metadata={"help": "none, early or predictive"})
-    ttft_slo_s: float = field(default=30.0, metadata={"help": "TTFT SLO; predicted misses are rejected early"})
-    tbt_slo_s: float = field(default=0.2, metadata={"help": "TBT SLO the decode choice keeps to"})
+    ttft_slo_s: float = field(default=SERVING_SLO.ttft_s, metadata={
+        "help": "TTFT SLO; predicted misses are rejected early"})
+    tbt_slo_s: float = field(default=SERVING_SLO.tbt_s, metadata={
+        "help": "TBT SLO the decode choice keeps to (the engines' step target with tbt_chunking)"})
     prefill_tokens_per_s: float = field(default=8000.0, metadata={"help": "prior prefill speed until measured"})
     decode_step_s: float = field(default=0.01, metadata={"help": "prior decode step time of a batch of one"})
     decode_step_per_seq_s: float = field(default=0.0005, metadata={
@@ -63,6 +66,10 @@ class PolicySettings:
             raise ValueError(f"ttft_calibration_s must be >= 0, got {self.ttft_calibration_s}")
         if self.decode_step_per_seq_s < 0:
             raise ValueError(f"decode_step_per_seq_s must be >= 0, got {self.decode_step_per_seq_s}")
+        require_for(self, ["prefill_policy", "admission", "cpp_stages"], self.placement == "kv-centric",
+                    f"{setting('placement')} kv-centric")
+        require_for(self, ["cpp_min_tokens", "cpp_chunk_tokens", "cpp_hop_bytes_per_token", "cpp_rescue_only"],
+                    self.cpp_stages > 0, f"{setting('cpp_stages')} > 0")
         if self.cpp_stages:
             self.cpp_settings().check()
 

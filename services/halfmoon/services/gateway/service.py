@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime import Service, ServiceConfig
+from halfmoon.runtime.config import setting
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
 from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.services.gateway.client import Deadlines, ServingClient
@@ -59,6 +60,9 @@ class GatewayConfig(ServiceConfig):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.api_keys_file and self.insecure_no_auth:
+            raise ValueError(f"{setting('insecure_no_auth')} does nothing with {setting('api_keys_file')} set: "
+                             "keys are required; drop one")
         if not self.api_keys_file and not self.insecure_no_auth and not is_loopback(self.host):
             raise ValueError(f"listening on {self.host} without API keys would open the API to the network: "
                              "set api_keys_file (--api-keys-file, HALFMOON_API_KEYS_FILE) or insecure_no_auth")

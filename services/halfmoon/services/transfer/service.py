@@ -11,6 +11,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import OrderBatch, OrderResults
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime.base import Service
+from halfmoon.runtime.config import require_for, setting
 from halfmoon.runtime.data_plane import DataPlaneConfig, OneSidedEndpoints
 from halfmoon.storage.base import TierUnavailable
 from halfmoon.storage.dram import ShmTier
@@ -48,6 +49,17 @@ class TransferConfig(DataPlaneConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_connections < 1 or self.idle_timeout_s <= 0:
             raise ValueError("max_connections must be >= 1 and idle_timeout_s > 0")
+        require_for(self, ["nvme_bytes"], bool(self.nvme_dir), f"{setting('nvme_dir')}, the NVMe tier")
+        require_for(self, ["s3_bucket", "s3_prefix", "s3_access_key", "s3_secret_key"], bool(self.s3_endpoint),
+                    f"{setting('s3_endpoint')}, the S3 tier")
+        if self.s3_endpoint:
+            if not (self.s3_access_key and self.s3_secret_key):
+                raise ValueError(f"the S3 tier needs {setting('s3_access_key')} and {setting('s3_secret_key')}")
+            self.s3_config()  # validates the endpoint, bucket and prefix now, not when the node starts
+
+    def s3_config(self) -> S3Config:
+        return S3Config(endpoint_url=self.s3_endpoint, bucket=self.s3_bucket, prefix=self.s3_prefix,
+                        access_key=self.s3_access_key, secret_key=self.s3_secret_key)
 
 
 class TransferService(Service[TransferConfig]):
@@ -76,8 +88,7 @@ class TransferService(Service[TransferConfig]):
         nvme = DirTier(cfg.nvme_dir, cfg.nvme_bytes) if cfg.nvme_dir else None
         s3 = None
         if cfg.s3_endpoint:
-            s3 = S3Tier(S3Config(endpoint_url=cfg.s3_endpoint, bucket=cfg.s3_bucket, prefix=cfg.s3_prefix,
-                                 access_key=cfg.s3_access_key, secret_key=cfg.s3_secret_key))
+            s3 = S3Tier(cfg.s3_config())
             try:
                 await s3.ensure_bucket()
             except TierUnavailable as exc:  # the pool still serves from DRAM and NVMe
