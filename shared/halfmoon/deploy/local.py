@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import halfmoon
+import httpx
 import nats
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
@@ -79,8 +80,8 @@ PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
 
 
 class LocalCluster:
-    """Contract: ``start`` returns once every instance heartbeats (or raises, leaving nothing
-    running); ``stop`` sends SIGTERM to all, waits for their drain, then kills what is left.
+    """Contract: ``start`` returns once every instance heartbeats and, where the plan can serve, the
+    gateway's ``/ready`` says a request would be placed (or raises, leaving nothing running); ``stop`` sends SIGTERM to all, waits for their drain, then kills what is left.
     ``supervise`` (called every second or so by ``halfmoon up``) restarts what exited, NATS included,
     with the same instance id after a backoff, and raises :class:`CrashLoop` naming a process that
     exits too often; with ``supervised`` the same happens while ``start`` waits.
@@ -211,6 +212,12 @@ class LocalCluster:
         self.supervision.started(instance_id, time.monotonic())
         return proc
 
+    @property
+    def can_serve(self) -> bool:
+        """The plan has a gateway, a conductor and engines for both phases (prefill and decode, or aggregated)."""
+        names = {spec.name for spec, _ in self.plan}
+        return {"gateway", "conductor"} <= names and ({"prefill", "decode"} <= names or "aggregated" in names)
+
     def read_ready(self, instance_id: str) -> dict | None:
         """What the instance reported once serving (pid, ports), or None while it is not up."""
         try:
@@ -274,9 +281,16 @@ class LocalCluster:
                 progress(f"{beat.instance_id} up ({len(seen)}/{len(expected)})")
 
         await nc.subscribe(subjects.heartbeat, cb=on_heartbeat)
+        serving = not self.can_serve
         try:
             end = time.monotonic() + timeout
-            while seen != expected:
+            while seen != expected or not serving:
+                if seen == expected and not serving:
+                    # NOTE: every process up is not yet a deployment that serves: the conductor may not know the
+                    # engines yet; its answer through the gateway is what a client's first request gets
+                    serving = await self._gateway_ready()
+                    if serving:
+                        progress("ready to serve")
                 if self.supervised:
                     for line in self.supervise():
                         progress(line)
@@ -285,10 +299,18 @@ class LocalCluster:
                     if dead:
                         raise RuntimeError(f"{', '.join(dead)} exited during start; see {self.run_dir / 'logs'}")
                 if time.monotonic() > end:
-                    raise TimeoutError(f"not up after {timeout}s: {sorted(expected - seen)}")
+                    missing = sorted(expected - seen) or [f"{self.url}/ready"]
+                    raise TimeoutError(f"not up after {timeout}s: {missing}")
                 await asyncio.sleep(0.2)
         finally:
             await nc.close()
+
+    async def _gateway_ready(self) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=5) as http:
+                return (await http.get(f"{self.url}/ready")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def pids(self) -> dict[str, int]:
         """The live process of every instance, and of NATS when this cluster runs it."""
