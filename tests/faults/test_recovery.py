@@ -212,3 +212,22 @@ class TestForeignCancel:
         assert cancelled, "the request finished before it could be cancelled"
         assert outcome.status == "ok", outcome.detail
         assert gateway_counter(cluster, "halfmoon_migrations_total") == migrations + 1
+
+
+class TestCrashLoop:
+    def test_a_crash_looping_instance_backs_off_and_the_others_serve_on(self, cluster: LocalCluster) -> None:
+        # last in the module: transfer-0 stays away for the crash-loop backoff (serving goes on without the pool)
+        lines: list[str] = []
+        for _ in range(cluster.supervision.policy.crash_loop_exits):
+            pid = cluster.procs["transfer-0"].pid
+            cluster.kill("transfer-0")
+            end = time.monotonic() + 60
+            while cluster.procs["transfer-0"].pid == pid and not any("crash-looping" in line for line in lines):
+                assert time.monotonic() < end, "the supervisor did not restart transfer-0"
+                lines += cluster.supervise()  # what `halfmoon up` calls every second
+                time.sleep(0.1)
+        report = next(line for line in lines if "crash-looping" in line)
+        assert "transfer-0 is crash-looping" in report and "restarting transfer-0 in 300s" in report
+        assert cluster.supervision.leaving("transfer-0", time.monotonic()).value == "crash-looping"
+        assert {"conductor-0", "prefill-0", "decode-0", "gateway-0", "nats"} <= set(cluster.pids())
+        assert_all_served(burst(cluster, [f"served while transfer-0 backs off {i}" for i in range(4)], max_tokens=8))

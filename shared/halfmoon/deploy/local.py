@@ -20,7 +20,7 @@ import httpx
 import nats
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
-from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
+from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
@@ -81,10 +81,12 @@ PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
 
 class LocalCluster:
     """Contract: ``start`` returns once every instance heartbeats and, where the plan can serve, the
-    gateway's ``/ready`` says a request would be placed (or raises, leaving nothing running); ``stop`` sends SIGTERM to all, waits for their drain, then kills what is left.
+    gateway's ``/ready`` says a request would be placed (or raises, leaving nothing running); ``stop``
+    sends SIGTERM to all, waits for their drain, then kills what is left.
     ``supervise`` (called every second or so by ``halfmoon up``) restarts what exited, NATS included,
-    with the same instance id after a backoff, and raises :class:`CrashLoop` naming a process that
-    exits too often; with ``supervised`` the same happens while ``start`` waits.
+    with the same instance id after a backoff; one that exits too often (crash-looping) backs off for
+    minutes, reported, while the others serve on. With ``supervised`` the same happens while ``start``
+    waits, except that a crash loop there raises :class:`CrashLoop` naming the process.
     Every process binds its ports itself (port 0) and reports them: NATS in a ports file, services
     in ``run_dir/ready/<instance>.json``. Logs go to ``run_dir/logs/<instance>.log``, spans to
     ``run_dir/traces.jsonl``; ``events`` gets one line per exit and restart."""
@@ -114,7 +116,7 @@ class LocalCluster:
         self.nats_auth: NatsAuth | None = None  # per-role credentials of the NATS server started here
         self._nats_port = 0
         self._nats_config = Path()
-        self._stopping = False
+        self._starting = False  # ``start`` is waiting for the deployment: a crash loop there fails it
 
     @property
     def url(self) -> str:
@@ -167,10 +169,13 @@ class LocalCluster:
                 progress(f"NATS on {self.nats_url}")
             for spec, instance_id in self.plan:
                 self.start_instance(spec, instance_id)
+            self._starting = True
             asyncio.run(self._wait_ready({iid for _, iid in self.plan}, timeout, progress))
         except BaseException:
             self.stop()
             raise
+        finally:
+            self._starting = False
 
     def _start_nats(self, timeout: float) -> None:
         """First start: port 0 (``-p -1``), read back from its ports file; a restart takes the same port."""
@@ -233,22 +238,28 @@ class LocalCluster:
         return info
 
     def supervise(self) -> list[str]:
-        """Restart what exited (after its backoff); returns what happened. Raises CrashLoop."""
-        if self._stopping:
-            return []
+        """Restart what exited (after its backoff) unless it is leaving as draining; returns what happened.
+        Raises CrashLoop for a process crash-looping while ``start`` waits."""
         now, happened = time.monotonic(), []
         exited = [(iid, p.returncode) for iid, p in self.procs.items() if iid not in self._restart_at
                   and p.poll() is not None]
         if self._nats is not None and "nats" not in self._restart_at and self._nats.poll() is not None:
             exited.append(("nats", self._nats.returncode))
         for name, code in exited:
+            if self.supervision.leaving(name, now) is Leaving.DRAINING:
+                continue
             delay = self.supervision.exited(name, now)
-            if delay is None:
+            if self.supervision.leaving(name, now) is Leaving.CRASH_LOOPING:
                 policy = self.supervision.policy
-                raise CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s,
-                                log_tail(self.log_file(name)))
+                loop = CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s,
+                                 log_tail(self.log_file(name)))
+                if self._starting:
+                    raise loop  # never came up: the start fails, naming it
+                # NOTE: one instance that keeps failing must not take the others down: it backs off, reported
+                happened.append(f"{loop}\n  backing off: restarting {name} in {delay:g}s; the others serve on")
+            else:
+                happened.append(f"{name} exited with {code}; restarting in {delay:g}s")
             self._restart_at[name] = now + delay
-            happened.append(f"{name} exited with {code}; restarting in {delay:g}s")
         for name, due in list(self._restart_at.items()):
             if due <= now:
                 del self._restart_at[name]
@@ -326,7 +337,8 @@ class LocalCluster:
         proc.wait()
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._stopping = True
+        for name in (*self.procs, "nats"):
+            self.supervision.stopping(name)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
