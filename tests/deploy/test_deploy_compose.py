@@ -151,9 +151,9 @@ class TestHealthchecks:
             check = compose["services"][spec.name]["healthcheck"]
             assert check["test"][0] == "CMD" and not check.get("disable")
 
-    def test_gateway_checks_its_own_port(self, compose: dict[str, Any]) -> None:
+    def test_gateway_checks_its_own_port_for_readiness(self, compose: dict[str, Any]) -> None:
         gateway = compose["services"]["gateway"]
-        assert f"127.0.0.1:{env_of(gateway)['HALFMOON_PORT']}/health" in " ".join(gateway["healthcheck"]["test"])
+        assert f"127.0.0.1:{env_of(gateway)['HALFMOON_PORT']}/ready" in " ".join(gateway["healthcheck"]["test"])
 
     def test_metrics_check_follows_a_real_service(
         self, compose: dict[str, Any], nats_server, processes, namespace: str

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
+from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
 
 
 def supervision(**policy: float) -> Supervision:
@@ -41,19 +41,38 @@ class TestBackoff:
 
 
 class TestCrashLoop:
-    def test_five_exits_within_the_window_end_it(self) -> None:
+    def test_five_exits_within_the_window_back_off_for_minutes_and_it_is_leaving(self) -> None:
         sup = supervision()
         answers = []
         for i in range(5):
             sup.started("cache-manager-0", i * 10.0)
             answers.append(sup.exited("cache-manager-0", i * 10.0 + 1))
-        assert answers[:4] == [0.5, 1.0, 2.0, 4.0] and answers[4] is None
+        assert answers == [0.5, 1.0, 2.0, 4.0, 300.0]
+        assert sup.leaving("cache-manager-0", 41.0) is Leaving.CRASH_LOOPING
+        assert sup.leaving("decode-0", 41.0) is None  # the others are not touched
+
+    def test_a_crash_loop_ends_once_its_window_holds_fewer_exits(self) -> None:
+        sup = supervision()
+        for i in range(5):
+            sup.started("gateway-0", float(i))
+            sup.exited("gateway-0", i + 0.5)
+        assert sup.leaving("gateway-0", 10.0) is Leaving.CRASH_LOOPING
+        assert sup.leaving("gateway-0", 61.0) is None  # the first exit left the 60 s window
 
     def test_exits_spread_wider_than_the_window_never_do(self) -> None:
         sup = supervision()
         for i in range(20):
             sup.started("decode-0", i * 20.0)
-            assert sup.exited("decode-0", i * 20.0 + 1) is not None
+            assert sup.exited("decode-0", i * 20.0 + 1) <= 4.0
+            assert sup.leaving("decode-0", i * 20.0 + 1) is None
+
+    def test_a_process_asked_to_stop_is_draining_even_when_crash_looping(self) -> None:
+        sup = supervision()
+        for i in range(5):
+            sup.started("prefill-0", float(i))
+            sup.exited("prefill-0", i + 0.5)
+        sup.stopping("prefill-0")
+        assert sup.leaving("prefill-0", 5.0) is Leaving.DRAINING
 
     def test_the_message_names_the_process_and_its_last_lines(self) -> None:
         message = str(CrashLoop("gateway-0", 5, 60.0, ["OSError: address already in use"]))

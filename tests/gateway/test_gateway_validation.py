@@ -228,11 +228,27 @@ class TestRoutes:
 
 
 class TestBackendRefusals:
-    async def test_conductor_rejection_is_429_with_retry_after(self, http, conductor):
-        error = error_of(await http.post(CHAT, json=chat()), 429)
-        assert error["type"] == "rate_limit_error" and "no_prefill_instance" in error["message"]
-        response = await http.post(COMPLETIONS, json=completion())
+    async def test_conductor_rejection_is_429_with_retry_after(self, gateway_factory, conductor):
+        gateway = await gateway_factory(instance_wait_s=0)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            error = error_of(await http.post(CHAT, json=chat()), 429)
+            assert error["type"] == "rate_limit_error" and "no_prefill_instance" in error["message"]
+            response = await http.post(COMPLETIONS, json=completion())
         assert response.status_code == 429 and response.headers["retry-after"] == "2"
+
+    async def test_no_instance_is_waited_for_until_the_deadline(self, gateway_factory, conductor):
+        gateway = await gateway_factory(instance_wait_s=30, ttft_timeout_s=1.5)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            error = error_of(await http.post(CHAT, json=chat()), 429)
+            metrics = (await http.get("/metrics")).text
+        assert "no_prefill_instance" in error["message"]
+        retries = [line for line in metrics.splitlines() if line.startswith("halfmoon_schedule_retries_total ")]
+        assert retries and float(retries[0].split()[1]) >= 1  # asked again while it waited, then gave up
+
+    async def test_not_ready_without_instances_though_live(self, http, conductor):
+        assert (await http.get("/health")).status_code == 200
+        response = await http.get("/ready")
+        assert response.status_code == 503 and response.json()["status"] == "no_instances"
 
     async def test_no_conductor_is_503(self, http):
         error = error_of(await http.post(CHAT, json=chat()), 503)

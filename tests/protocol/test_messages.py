@@ -48,6 +48,7 @@ from halfmoon.protocol.cache import (
     TransferReport,
 )
 from halfmoon.protocol.pipeline import MESSAGE_OVERHEAD, StageDone, StageWork, chunk_tokens
+from halfmoon.protocol.scheduling import Readiness, ReadinessRequest
 from halfmoon.protocol.pool import (
     KVEvents,
     OrderBatch,
@@ -88,6 +89,10 @@ CASES = [
         ScheduleRejected(request_id="r-1", reason=RejectReason.NO_DECODE_INSTANCE, message="none", retry_after_s=2.0),
     ),
     (codecs.SCHEDULE_REPLY, ErrorReply(code=ErrorCode.BAD_REQUEST, message="bad", retryable=False)),
+    (codecs.SCHEDULE_REQUEST, ReadinessRequest()),
+    (codecs.READINESS_REPLY, Readiness(conductor="conductor-0", ready=True, prefill=1, decode=2)),
+    (codecs.SCHEDULE_REPLY, ScheduleAccepted(request_id="r-1", prefill_instance="p0", decode_instance="d0",
+                                             prefill_incarnation="a1b2", decode_incarnation="c3d4")),
     (
         codecs.PREFILL_REQUEST,
         PrefillRequest(

@@ -157,7 +157,7 @@ def no_prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         {"prefill": 0, "decode": 0, "transfer": 0},
         gateway_port=0,
         namespace="noprefill",
-        env=ENV,
+        env={**ENV, "HALFMOON_INSTANCE_WAIT_S": "0"},  # the 429 at once, not after waiting for a prefill
     )
     cluster.start(timeout=240)
     yield cluster

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import halfmoon
+import httpx
 import nats
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
-from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
+from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
@@ -79,11 +80,13 @@ PER_INSTANCE_SETTINGS = frozenset(f"HALFMOON_{name}" for name in (
 
 
 class LocalCluster:
-    """Contract: ``start`` returns once every instance heartbeats (or raises, leaving nothing
-    running); ``stop`` sends SIGTERM to all, waits for their drain, then kills what is left.
+    """Contract: ``start`` returns once every instance heartbeats and, where the plan can serve, the
+    gateway's ``/ready`` says a request would be placed (or raises, leaving nothing running); ``stop``
+    sends SIGTERM to all, waits for their drain, then kills what is left.
     ``supervise`` (called every second or so by ``halfmoon up``) restarts what exited, NATS included,
-    with the same instance id after a backoff, and raises :class:`CrashLoop` naming a process that
-    exits too often; with ``supervised`` the same happens while ``start`` waits.
+    with the same instance id after a backoff; one that exits too often (crash-looping) backs off for
+    minutes, reported, while the others serve on. With ``supervised`` the same happens while ``start``
+    waits, except that a crash loop there raises :class:`CrashLoop` naming the process.
     Every process binds its ports itself (port 0) and reports them: NATS in a ports file, services
     in ``run_dir/ready/<instance>.json``. Logs go to ``run_dir/logs/<instance>.log``, spans to
     ``run_dir/traces.jsonl``; ``events`` gets one line per exit and restart."""
@@ -113,7 +116,7 @@ class LocalCluster:
         self.nats_auth: NatsAuth | None = None  # per-role credentials of the NATS server started here
         self._nats_port = 0
         self._nats_config = Path()
-        self._stopping = False
+        self._starting = False  # ``start`` is waiting for the deployment: a crash loop there fails it
 
     @property
     def url(self) -> str:
@@ -172,10 +175,13 @@ class LocalCluster:
                 progress(f"NATS on {self.nats_url}")
             for spec, instance_id in self.plan:
                 self.start_instance(spec, instance_id)
+            self._starting = True
             asyncio.run(self._wait_ready({iid for _, iid in self.plan}, timeout, progress))
         except BaseException:
             self.stop()
             raise
+        finally:
+            self._starting = False
 
     def _start_nats(self, timeout: float) -> None:
         """First start: port 0 (``-p -1``), read back from its ports file; a restart takes the same port."""
@@ -217,6 +223,12 @@ class LocalCluster:
         self.supervision.started(instance_id, time.monotonic())
         return proc
 
+    @property
+    def can_serve(self) -> bool:
+        """The plan has a gateway, a conductor and engines for both phases (prefill and decode, or aggregated)."""
+        names = {spec.name for spec, _ in self.plan}
+        return {"gateway", "conductor"} <= names and ({"prefill", "decode"} <= names or "aggregated" in names)
+
     def read_ready(self, instance_id: str) -> dict | None:
         """What the instance reported once serving (pid, ports), or None while it is not up."""
         try:
@@ -232,22 +244,28 @@ class LocalCluster:
         return info
 
     def supervise(self) -> list[str]:
-        """Restart what exited (after its backoff); returns what happened. Raises CrashLoop."""
-        if self._stopping:
-            return []
+        """Restart what exited (after its backoff) unless it is leaving as draining; returns what happened.
+        Raises CrashLoop for a process crash-looping while ``start`` waits."""
         now, happened = time.monotonic(), []
         exited = [(iid, p.returncode) for iid, p in self.procs.items() if iid not in self._restart_at
                   and p.poll() is not None]
         if self._nats is not None and "nats" not in self._restart_at and self._nats.poll() is not None:
             exited.append(("nats", self._nats.returncode))
         for name, code in exited:
+            if self.supervision.leaving(name, now) is Leaving.DRAINING:
+                continue
             delay = self.supervision.exited(name, now)
-            if delay is None:
+            if self.supervision.leaving(name, now) is Leaving.CRASH_LOOPING:
                 policy = self.supervision.policy
-                raise CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s,
-                                log_tail(self.log_file(name)))
+                loop = CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s,
+                                 log_tail(self.log_file(name)))
+                if self._starting:
+                    raise loop  # never came up: the start fails, naming it
+                # NOTE: one instance that keeps failing must not take the others down: it backs off, reported
+                happened.append(f"{loop}\n  backing off: restarting {name} in {delay:g}s; the others serve on")
+            else:
+                happened.append(f"{name} exited with {code}; restarting in {delay:g}s")
             self._restart_at[name] = now + delay
-            happened.append(f"{name} exited with {code}; restarting in {delay:g}s")
         for name, due in list(self._restart_at.items()):
             if due <= now:
                 del self._restart_at[name]
@@ -280,9 +298,16 @@ class LocalCluster:
                 progress(f"{beat.instance_id} up ({len(seen)}/{len(expected)})")
 
         await nc.subscribe(subjects.heartbeat, cb=on_heartbeat)
+        serving = not self.can_serve
         try:
             end = time.monotonic() + timeout
-            while seen != expected:
+            while seen != expected or not serving:
+                if seen == expected and not serving:
+                    # NOTE: every process up is not yet a deployment that serves: the conductor may not know the
+                    # engines yet; its answer through the gateway is what a client's first request gets
+                    serving = await self._gateway_ready()
+                    if serving:
+                        progress("ready to serve")
                 if self.supervised:
                     for line in self.supervise():
                         progress(line)
@@ -291,10 +316,18 @@ class LocalCluster:
                     if dead:
                         raise RuntimeError(f"{', '.join(dead)} exited during start; see {self.run_dir / 'logs'}")
                 if time.monotonic() > end:
-                    raise TimeoutError(f"not up after {timeout}s: {sorted(expected - seen)}")
+                    missing = sorted(expected - seen) or [f"{self.url}/ready"]
+                    raise TimeoutError(f"not up after {timeout}s: {missing}")
                 await asyncio.sleep(0.2)
         finally:
             await nc.close()
+
+    async def _gateway_ready(self) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=5) as http:
+                return (await http.get(f"{self.url}/ready")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def pids(self) -> dict[str, int]:
         """The live process of every instance, and of NATS when this cluster runs it."""
@@ -310,7 +343,8 @@ class LocalCluster:
         proc.wait()
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._stopping = True
+        for name in (*self.procs, "nats"):
+            self.supervision.stopping(name)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -43,10 +43,11 @@ class ErrorReply(Message, frozen=True, kw_only=True, tag="error"):
 
 
 class Ack(Message, frozen=True, kw_only=True, tag="ack"):
-    """Positive reply to a work submission: ``instance_id`` now owns ``request_id``."""
+    """Positive reply to a work submission: ``instance_id`` (its run ``incarnation``) now owns ``request_id``."""
 
     request_id: str
     instance_id: str
+    incarnation: str = ""
 
 
 class ProtocolError(Exception):

@@ -15,14 +15,22 @@ from halfmoon.protocol.pool import (
 )
 from halfmoon.protocol.pipeline import StageDone, StageWork
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
-from halfmoon.protocol.scheduling import Placed, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.scheduling import (
+                                          Placed,
+                                          Readiness,
+                                          ReadinessRequest,
+                                          ScheduleAccepted,
+                                          ScheduleRejected,
+                                          ScheduleRequest,
+)
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, DecodeRequest, KVProgress, PrefillRequest, WorkDone
 
-SCHEDULE_REQUEST: Codec[ScheduleRequest] = Codec(ScheduleRequest)
+SCHEDULE_REQUEST: Codec[ScheduleRequest | ReadinessRequest] = Codec(ScheduleRequest | ReadinessRequest)
 SCHEDULE_REPLY: Codec[ScheduleAccepted | ScheduleRejected | ErrorReply] = Codec(
     ScheduleAccepted | ScheduleRejected | ErrorReply
 )
+READINESS_REPLY: Codec[Readiness | ErrorReply] = Codec(Readiness | ErrorReply)
 PREFILL_REQUEST: Codec[PrefillRequest] = Codec(PrefillRequest)
 DECODE_REQUEST: Codec[DecodeRequest] = Codec(DecodeRequest)
 SUBMIT_REPLY: Codec[Ack | ErrorReply] = Codec(Ack | ErrorReply)

@@ -76,7 +76,8 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
 
     ``address`` is how peers reach the instance (its submit subject, or ``host:port`` for
     a transfer node or gateway). ``timestamp`` is the sender's unix time; receivers judge
-    silence by their own clock. ``draining`` instances must not be given new work.
+    silence by their own clock. ``draining`` instances must not be given new work. ``incarnation``
+    names this run of the process: a restart keeps ``instance_id`` and gets a new one.
     """
 
     instance_id: str
@@ -88,6 +89,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     draining: bool = False
     model: str = ""
     kv_spec: KVSpec | None = None  # engine instances: the KV identity their blocks carry
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         check_token(self.instance_id, "instance_id")
@@ -96,15 +98,19 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
 
 
 class InstanceDown(Message, frozen=True, kw_only=True, tag="down"):
-    """``instance_id`` is gone: ``reason`` is "silent" (conductor noticed) or "shutdown" (it said so).
+    """``instance_id`` is gone: ``reason`` is "silent" (conductor noticed), "restarted" (the conductor
+    heard a new incarnation beat under the same id) or "shutdown" (it said so).
 
-    Whoever waits on work held by that instance fails it now instead of waiting for a timeout.
+    ``incarnation`` is the run of the process the notice is about (the one its heartbeats named; empty:
+    any): a notice that arrives late, after the instance came back, must not fail work held by the new run.
+    Whoever waits on work held by that incarnation fails it now instead of waiting for a timeout.
     """
 
     instance_id: str
     role: Role
     reason: str
     timestamp: float
+    incarnation: str = ""
 
 
 def heartbeat_sender_ok(sender_role: str, beat: Heartbeat) -> bool:

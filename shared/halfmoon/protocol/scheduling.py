@@ -40,7 +40,9 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
 class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
     """The chosen pair; the requester submits a PrefillRequest to ``prefill_instance``. ``pipeline`` (CPP):
     the prefill instances that run the later layers with it, in stage order (the PrefillRequest's
-    ``pipeline``); empty: ``prefill_instance`` prefills alone."""
+    ``pipeline``); empty: ``prefill_instance`` prefills alone. The incarnations are the runs of the two
+    instances the conductor last heard (empty: unknown), so the requester can tell an InstanceDown
+    about an earlier run from one about the run it was placed on."""
 
     request_id: str
     prefill_instance: str
@@ -48,6 +50,8 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
     predicted_ttft_ms: float | None = None
     pipeline: tuple[str, ...] = ()
     predicted_tbt_ms: float | None = None  # the chosen decode instance's predicted time between tokens
+    prefill_incarnation: str = ""
+    decode_incarnation: str = ""
 
 
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):
@@ -75,6 +79,27 @@ class RejectReason(StrEnum):
     NO_DECODE_INSTANCE = "no_decode_instance"
     OVERLOADED = "overloaded"
     DEADLINE = "deadline"
+
+
+# Nobody of a role is live: an absence that supervision repairs in seconds, unlike overload, so a requester
+# may wait for an instance within its deadline instead of failing at once.
+ABSENT_ROLE = frozenset({RejectReason.NO_PREFILL_INSTANCE, RejectReason.NO_DECODE_INSTANCE})
+
+
+class ReadinessRequest(Message, frozen=True, kw_only=True, tag="readiness"):
+    """Could a schedule request be placed now? Sent on the schedule subject, so only a conductor that takes
+    schedule requests (past its warm-up) answers."""
+
+
+class Readiness(Message, frozen=True, kw_only=True, tag="readiness_reply"):
+    """The answering conductor's live, non-draining instances by role; ``ready`` when a prefill and a decode
+    instance, or an aggregated one, are among them (a placement would find a pair)."""
+
+    conductor: str
+    ready: bool
+    prefill: int = 0
+    decode: int = 0
+    aggregated: int = 0
 
 
 class ScheduleRejected(Message, frozen=True, kw_only=True, tag="rejected"):

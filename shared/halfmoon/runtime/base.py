@@ -48,6 +48,8 @@ class Service(ABC, Generic[C]):
             config = dataclasses.replace(config, instance_id=f"{self.role.value}-{uuid.uuid4().hex[:8]}")
         self.config: C = config
         self.instance_id = config.instance_id
+        # NOTE: restarts keep the instance id; this tells the runs apart, so news about one never hits the next
+        self.incarnation = uuid.uuid4().hex[:12]
         self.subjects = config.subjects
         self.log = logging.getLogger(f"halfmoon.{self.role.value}")
         self.cluster_keys = config.cluster_keys()

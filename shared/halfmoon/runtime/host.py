@@ -148,6 +148,7 @@ class ServiceHost:
             interval_s=svc.config.heartbeat_interval_s,
             draining=svc.draining,
             model=svc.model,
+            incarnation=svc.incarnation,
             kv_spec=svc.kv_spec,
         )
 
@@ -184,7 +185,8 @@ class ServiceHost:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beats
         assert self._nc is not None
-        down = InstanceDown(instance_id=svc.instance_id, role=svc.role, reason="shutdown", timestamp=time.time())
+        down = InstanceDown(instance_id=svc.instance_id, role=svc.role, reason="shutdown", timestamp=time.time(),
+                            incarnation=svc.incarnation)
         with contextlib.suppress(nats.errors.Error, OSError):
             await self._nc.publish(svc.subjects.down_from(svc.role.value), DOWN.encode(down))
         await svc.close()

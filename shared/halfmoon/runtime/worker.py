@@ -167,6 +167,7 @@ class EngineWorker(Service[WorkerConfig]):
         self.engine: AsyncEngine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
+        self._streams: dict[str, str] = {}  # the stream subject each task in ``_tasks`` publishes on
         self.replay = ReplayBuffer()
         self._busy: set[str] = set()  # requests whose engine work is not done (reported as load)
         self._failed: set[str] = set()  # requests here that an error event ended
@@ -237,8 +238,9 @@ class EngineWorker(Service[WorkerConfig]):
         self._reported.pop(rid, None)
         self._accepted += 1
         self._tasks[rid], self._attempts[rid] = task, request.attempt
+        self._streams[rid] = request.stream_subject
         task.add_done_callback(lambda t, rid=rid: self._forget(rid, t))
-        return Ack(request_id=rid, instance_id=self.instance_id)
+        return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
 
     def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
         # NOTE: a task cancelled before its first step never runs ``_guarded``'s body, so only a
@@ -247,7 +249,7 @@ class EngineWorker(Service[WorkerConfig]):
             outcome = (WorkOutcome.CANCELLED if task.cancelled()
                        else WorkOutcome.FAILED if request_id in self._failed else WorkOutcome.COMPLETED)
             self._report(request_id, outcome)
-            del self._tasks[request_id], self._attempts[request_id]
+            del self._tasks[request_id], self._attempts[request_id], self._streams[request_id]
             self._busy.discard(request_id)
             self._failed.discard(request_id)
             self._reported.pop(request_id, None)
@@ -305,9 +307,19 @@ class EngineWorker(Service[WorkerConfig]):
             self.log.warning("work done not sent", extra={"request_id": done.request_id, "error": str(exc)})
 
     async def _on_cancel(self, cancel: CancelRequest, _headers: Mapping[str, str]) -> None:
-        task = self._tasks.get(cancel.request_id)
-        if task is not None and cancel.attempt in (None, self._attempts[cancel.request_id]):
-            task.cancel()
+        rid = cancel.request_id
+        task = self._tasks.get(rid)
+        if task is None or cancel.attempt not in (None, self._attempts[rid]):
+            return
+        attempt, subject = self._attempts[rid], self._streams[rid]
+        task.cancel()
+        # NOTE: a cancelled task streams nothing more; said on the stream, a requester still following this
+        # attempt (it did not send the cancel) moves on now instead of after its token timeout. The requester
+        # that did send it has left the stream or the attempt, and drops the event.
+        await self.publish_event(subject, ErrorEvent(request_id=rid, code=ErrorCode.CANCELLED,
+                                                     message=f"{self.instance_id} cancelled attempt {attempt}"
+                                                             + (f": {cancel.reason}" if cancel.reason else ""),
+                                                     instance_id=self.instance_id, attempt=attempt))
 
     async def _on_resume(self, resume: ResumeRequest) -> Message:
         """Re-send the recent events of an attempt; an error when this instance cannot."""
@@ -322,7 +334,7 @@ class EngineWorker(Service[WorkerConfig]):
             METRICS.stream_resends.inc(len(events))
             for event in events:
                 await self.publish(subject, event)
-        return Ack(request_id=rid, instance_id=self.instance_id)
+        return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
 
     async def publish_event(self, subject: str, event: TokenEvent | ErrorEvent) -> None:
         """Publish one stream event and keep it for re-sending."""

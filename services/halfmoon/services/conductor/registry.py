@@ -18,6 +18,7 @@ class InstanceView(NamedTuple):
     load: Load
     draining: bool
     outstanding: Outstanding = Outstanding()  # the conductor's ledger of work placed here and not done
+    incarnation: str = ""  # the run of the process its last heartbeat named
 
     @property
     def pending(self) -> int:
@@ -33,7 +34,7 @@ class _Entry:
 
     def view(self) -> InstanceView:
         hb = self.heartbeat
-        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.draining)
+        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.draining, incarnation=hb.incarnation)
 
 
 class InstanceTable:

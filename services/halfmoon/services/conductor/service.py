@@ -15,7 +15,15 @@ from halfmoon.protocol.pool import KVEvents, SnapshotRequest
 from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, pooled_steps
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
-from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.scheduling import (
+                                          Placed,
+                                          Readiness,
+                                          ReadinessRequest,
+                                          RejectReason,
+                                          ScheduleAccepted,
+                                          ScheduleRejected,
+                                          ScheduleRequest,
+)
 from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.services.conductor.placement import Placement, PlacementPolicy, place_pair
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
@@ -176,6 +184,11 @@ class ConductorService(Service[ConductorConfig]):
         if heartbeat.role in (Role.DECODE, Role.AGGREGATED):
             self._learn_steps(heartbeat.load)
         now = time.monotonic()
+        earlier = self.table.get(heartbeat.instance_id)
+        if earlier is not None and earlier.incarnation and earlier.incarnation != heartbeat.incarnation:
+            # NOTE: restarted faster than its silence could be noticed: the earlier run and its work are gone
+            # now, not a timeout later; the notice names that run, so work placed on the new one stays.
+            await self._declare_down(earlier, "restarted")
         self.ledger.reconcile(heartbeat.instance_id, heartbeat.load.queue_len + heartbeat.load.running, now)
         if self.table.observe(heartbeat, now):
             self.log.info("instance up", extra={"instance": heartbeat.instance_id, "role": heartbeat.role.value})
@@ -196,10 +209,23 @@ class ConductorService(Service[ConductorConfig]):
                 fitter.record(sample.batch, sample.kv_tokens, sample.seconds)
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
+        known = self.table.get(down.instance_id)
+        if known is not None and down.incarnation and known.incarnation not in ("", down.incarnation):
+            return  # about an earlier run of an instance that is back: the run this table holds is live
         self.block_index.forget(down.instance_id)
         self.ledger.instance_down(down.instance_id, time.monotonic())
-        if down.reason != "silent" and self.table.remove(down.instance_id) is not None:
+        if down.reason == "shutdown" and self.table.remove(down.instance_id) is not None:
             self.log.info("instance left", extra={"instance": down.instance_id, "reason": down.reason})
+
+    async def _declare_down(self, gone: InstanceView, reason: str) -> None:
+        """Forget ``gone`` (one run of an instance) and tell everyone holding work there."""
+        self.block_index.forget(gone.instance_id)
+        self.ledger.instance_down(gone.instance_id, time.monotonic())
+        self.log.warning("instance down", extra={"instance": gone.instance_id, "reason": reason,
+                                                 "incarnation": gone.incarnation})
+        down = InstanceDown(instance_id=gone.instance_id, role=gone.role, reason=reason, timestamp=time.time(),
+                            incarnation=gone.incarnation)
+        await self.publish(self.subjects.down_from(self.role.value), down)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -211,15 +237,11 @@ class ConductorService(Service[ConductorConfig]):
                 continue
             self.ledger.expire(time.monotonic())
             for gone in self.table.expire(time.monotonic()):
-                self.block_index.forget(gone.instance_id)
-                self.ledger.instance_down(gone.instance_id, time.monotonic())
-                self.log.warning("instance silent; dropped", extra={"instance": gone.instance_id})
-                down = InstanceDown(
-                    instance_id=gone.instance_id, role=gone.role, reason="silent", timestamp=time.time()
-                )
-                await self.publish(self.subjects.down_from(self.role.value), down)
+                await self._declare_down(gone, "silent")
 
-    async def _on_schedule(self, request: ScheduleRequest) -> Message:
+    async def _on_schedule(self, request: ScheduleRequest | ReadinessRequest) -> Message:
+        if isinstance(request, ReadinessRequest):
+            return self._readiness()
         if self.draining:
             return self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
         if request.deadline <= time.time():
@@ -247,7 +269,20 @@ class ConductorService(Service[ConductorConfig]):
             predicted_ttft_ms=choice.predicted_ttft_ms,
             pipeline=choice.pipeline,
             predicted_tbt_ms=choice.predicted_tbt_ms,
+            prefill_incarnation=self._incarnation(choice.prefill),
+            decode_incarnation=self._incarnation(choice.decode),
         )
+
+    def _incarnation(self, instance_id: str) -> str:
+        view = self.table.get(instance_id)
+        return view.incarnation if view is not None else ""
+
+    def _readiness(self) -> Readiness:
+        prefill, decode, aggregated = (len(self.table.candidates(role))
+                                       for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED))
+        ready = not self.draining and ((prefill > 0 and decode > 0) or aggregated > 0)
+        return Readiness(conductor=self.instance_id, ready=ready, prefill=prefill, decode=decode,
+                         aggregated=aggregated)
 
     def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,
                 retry_after_s: float | None = None) -> ScheduleRejected:

@@ -22,6 +22,7 @@ from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.guards import check_nesting, check_wire_size
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
+from halfmoon.services.gateway.peers import readiness
 from halfmoon.services.gateway.openapi import openapi_document
 from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -93,6 +94,7 @@ class GatewayApi:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/ready", self.ready, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         document = openapi_document(self.guard.keys is not None, self.model.name)
         app.add_api_route("/openapi.json", lambda: JSONResponse(document), methods=["GET"])
@@ -130,6 +132,19 @@ class GatewayApi:
         if not ok:
             return JSONResponse({"status": "nats_unreachable", "detail": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> JSONResponse:
+        """Readiness, apart from liveness (``/health``): 200 once a conductor that takes schedule requests
+        knows a live prefill and decode instance, or an aggregated one, so a request sent now is placed."""
+        live = await self.health()
+        if live.status_code != 200:
+            return live
+        answer = await readiness(self.client.service)
+        if isinstance(answer, str):
+            return JSONResponse({"status": "no_conductor", "detail": answer}, status_code=503)
+        body = {"status": "ready" if answer.ready else "no_instances", "conductor": answer.conductor,
+                "prefill": answer.prefill, "decode": answer.decode, "aggregated": answer.aggregated}
+        return JSONResponse(body, status_code=200 if answer.ready else 503)
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)

@@ -29,7 +29,7 @@ from halfmoon.protocol.work import CancelRequest, PrefillRequest
 from halfmoon.runtime import Service
 from halfmoon.runtime.rpc import RECONNECT_GRACE_S
 from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
-from halfmoon.services.gateway.peers import Resend, ask_to_resend, schedule
+from halfmoon.services.gateway.peers import SCHEDULE_BACKOFF_S, Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -44,9 +44,9 @@ class Deadlines:
     submit_timeout_s: float
     ttft_timeout_s: float
     itl_timeout_s: float
-    submit_attempts: int = 3
     migration_limit: int = 2
     stall_probe_s: float = 2.0  # quiet this long: ask the instances to re-send
+    instance_wait_s: float = 0.0  # no live instance of a role: wait this long for one (within the deadline)
 
 
 class ServingClient:
@@ -103,9 +103,10 @@ class Generation:
         self.finished = False
         self.order = StreamOrder()  # what reached the client: tokens, and the attempt now streaming
         self.recovery = Recovery(client.deadlines.migration_limit)
-        self._queue: asyncio.Queue[TokenEvent | ErrorEvent | Lost] = asyncio.Queue()
+        self._queue: asyncio.Queue[TokenEvent | ErrorEvent | InstanceDown | Lost] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._watching: set[str] = set()
+        self._incarnations: dict[str, str] = {}  # the runs of the current attempt's instances ("": unknown)
         self._handed_off = False  # decode of the current attempt has streamed
         self._placed_at = 0.0  # when the conductor's placement (and its TTFT prediction) arrived
         self._prediction_recorded = False
@@ -157,7 +158,6 @@ class Generation:
         """Place attempt ``self.attempt`` (continuing after the tokens delivered so far) and submit it."""
         svc, dl = self.client.service, self.client.deadlines
         deadline = time.time() + dl.ttft_timeout_s
-        refused = 0
         while True:
             placement = await self._schedule(deadline)
             placed_at = time.monotonic()
@@ -170,16 +170,19 @@ class Generation:
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)
             try:
-                await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
-                                  codecs.SUBMIT_REPLY, dl.submit_timeout_s,
-                                  responder_grace_s=min(RECONNECT_GRACE_S, max(0.0, deadline - time.time())))
+                ack = await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
+                                        codecs.SUBMIT_REPLY, dl.submit_timeout_s,
+                                        responder_grace_s=min(RECONNECT_GRACE_S, max(0.0, deadline - time.time())))
             except (RemoteError, ProtocolError, nats.errors.Error) as exc:
                 self._unwatch(placement.prefill_instance)
                 self._unwatch(placement.decode_instance)
                 self.recovery.exclude(placement.prefill_instance)
                 code = exc.code if isinstance(exc, RemoteError | ProtocolError) else ErrorCode.UNAVAILABLE
-                if code is ErrorCode.UNAVAILABLE and refused + 1 < dl.submit_attempts:
-                    refused += 1  # surely not taken (draining, gone): the same attempt elsewhere
+                if code is ErrorCode.UNAVAILABLE and time.time() + SCHEDULE_BACKOFF_S < deadline:
+                    # NOTE: surely not taken (draining, gone): the same attempt again, elsewhere if another is
+                    # live, costs no migration; the pause lets the conductor notice a dead instance it still lists
+                    self._event("submit_refused", **{"halfmoon.error": str(exc)})
+                    await asyncio.sleep(SCHEDULE_BACKOFF_S)
                     continue
                 # NOTE: after a timeout it may be working: only a new attempt may go elsewhere, so
                 # that whatever the old one streams is dropped
@@ -191,6 +194,8 @@ class Generation:
                     continue
                 raise GenerationError(code, f"prefill did not take the request: {exc}") from exc
             self.placement, self._handed_off, self._placed_at = placement, False, placed_at
+            self._incarnations = {placement.decode_instance: placement.decode_incarnation,
+                                  placement.prefill_instance: ack.incarnation or placement.prefill_incarnation}
             self._event("placed", **{"halfmoon.prefill": placement.prefill_instance,
                                      "halfmoon.decode": placement.decode_instance,
                                      "halfmoon.resume_index": len(self.order.tokens)})
@@ -207,7 +212,8 @@ class Generation:
             exclude=tuple(sorted(self.recovery.excluded)),
         )
         return await schedule(svc, request, deadline, dl.schedule_timeout_s,
-                              lambda error: self._event("schedule_retry", **{"halfmoon.error": error}))
+                              lambda error: self._event("schedule_retry", **{"halfmoon.error": error}),
+                              dl.instance_wait_s)
 
     def _watch(self, instance_id: str) -> None:
         self._watching.add(instance_id)
@@ -227,17 +233,27 @@ class Generation:
         self._queue.put_nowait(event)
 
     def instance_down(self, down: InstanceDown) -> None:
-        """Migrate unless ``down`` no longer matters: the prefill instance after decode took over, or
+        # NOTE: judged in stream order, against the attempt current then: a notice that arrives while the next
+        # attempt is being placed is about the old one's instance unless it names the run the new one got
+        self._queue.put_nowait(down)
+
+    def _down(self, down: InstanceDown) -> Lost | None:
+        """Migrate unless ``down`` does not concern the current attempt: another run of the instance (a
+        late notice about the run before a restart), the prefill instance after decode took over, or
         leaving gracefully after streaming (a draining prefill hands its requests off before it says goodbye)."""
         p = self.placement
         if p is None or down.instance_id not in (p.prefill_instance, p.decode_instance):
-            return
+            return None
+        if down.incarnation and self._incarnations.get(down.instance_id) not in ("", None, down.incarnation):
+            self._event("stale_instance_down", **{"halfmoon.instance": down.instance_id,
+                                                  "halfmoon.incarnation": down.incarnation})
+            return None
         is_prefill = down.instance_id == p.prefill_instance and down.instance_id != p.decode_instance
         if is_prefill and (self._handed_off or (down.reason == "shutdown" and self.order.tokens)):
-            return
-        self._queue.put_nowait(Lost(self.attempt, f"{down.role.value} instance {down.instance_id} went down "
-                                                  f"({down.reason})", ErrorCode.INSTANCE_DOWN, (down.instance_id,)))
+            return None
         self._event("instance_down", **{"halfmoon.instance": down.instance_id, "halfmoon.reason": down.reason})
+        return Lost(self.attempt, f"{down.role.value} instance {down.instance_id} went down ({down.reason})",
+                    ErrorCode.INSTANCE_DOWN, (down.instance_id,))
 
     async def _migrate(self, lost: Lost) -> None:
         """Place the request again after ``lost``, or raise when it may not migrate any more."""
@@ -310,15 +326,19 @@ class Generation:
                 if self.finished:
                     return
 
-    def _judge(self, item: TokenEvent | ErrorEvent | Lost) -> Lost | list[TokenEvent]:
+    def _judge(self, item: TokenEvent | ErrorEvent | InstanceDown | Lost) -> Lost | list[TokenEvent]:
         """What one queue item means: a failure to recover from, or the events now deliverable."""
         if isinstance(item, TokenEvent):
             return self.order.accept(item)[0]
+        if isinstance(item, InstanceDown):
+            return self._down(item) or []
         if item.attempt != self.attempt:
             return []  # about an attempt already given up
         if isinstance(item, Lost):
             return item
-        if item.code not in (ErrorCode.UNAVAILABLE, ErrorCode.INSTANCE_DOWN, ErrorCode.INTERNAL):
+        # NOTE: CANCELLED here is a cancel this generation did not send (it leaves an attempt before cancelling
+        # it): the request is still wanted, so it goes elsewhere
+        if item.code not in (ErrorCode.UNAVAILABLE, ErrorCode.INSTANCE_DOWN, ErrorCode.INTERNAL, ErrorCode.CANCELLED):
             raise GenerationError(item.code, item.message)
         return Lost(self.attempt, item.message, item.code, ())
 

@@ -10,7 +10,14 @@ from enum import Enum
 import nats.errors
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
-from halfmoon.protocol.scheduling import ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.scheduling import (
+                                          ABSENT_ROLE,
+                                          Readiness,
+                                          ReadinessRequest,
+                                          ScheduleAccepted,
+                                          ScheduleRejected,
+                                          ScheduleRequest,
+)
 from halfmoon.protocol.stream import ResumeRequest
 from halfmoon.runtime import Service
 from halfmoon.services.gateway.attempts import GenerationError
@@ -18,12 +25,17 @@ from halfmoon.telemetry.metrics import METRICS
 
 RESUME_TIMEOUT_S = 1.0
 SCHEDULE_BACKOFF_S = 0.2
+INSTANCE_POLL_S = 0.5  # how often a request waiting for an instance of an absent role asks again
+READY_TIMEOUT_S = 2.0
 
 
 async def schedule(svc: Service, request: ScheduleRequest, deadline: float, timeout_s: float,
-                   on_retry: Callable[[str], None]) -> ScheduleAccepted:
+                   on_retry: Callable[[str], None], instance_wait_s: float = 0.0) -> ScheduleAccepted:
     """Ask the conductors; one that died or did not answer in time is asked again (a standby
-    takes over) until ``deadline``. Raises GenerationError on a rejection or past the deadline."""
+    takes over) until ``deadline``. A rejection because no instance of a role is live is asked again
+    for up to ``instance_wait_s`` (within the deadline): a supervisor brings the instance back in
+    seconds. Raises GenerationError on any other rejection or past the deadline."""
+    wait_until: float | None = None
     while True:
         timeout = min(timeout_s, max(0.1, deadline - time.time()))
         try:
@@ -40,10 +52,27 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
         except ProtocolError as exc:
             raise GenerationError(exc.code, f"conductor sent an invalid reply: {exc.message}") from exc
         if isinstance(reply, ScheduleRejected):
+            if reply.reason in ABSENT_ROLE:
+                wait_until = wait_until or min(deadline, time.time() + instance_wait_s)
+                if time.time() + INSTANCE_POLL_S < wait_until:
+                    METRICS.schedule_retries.inc()
+                    on_retry(f"{reply.reason.value}: waiting for an instance")
+                    await asyncio.sleep(INSTANCE_POLL_S)
+                    continue
             METRICS.rejections.labels(reply.reason.value).inc()
             raise GenerationError(ErrorCode.OVERLOADED, f"request rejected ({reply.reason.value}): {reply.message}",
                                   retry_after_s=reply.retry_after_s)
         return reply
+
+
+async def readiness(svc: Service) -> Readiness | str:
+    """A serving conductor's view of whether a request could be placed now, or why nobody said."""
+    try:
+        return await svc.request(svc.subjects.schedule, ReadinessRequest(), codecs.READINESS_REPLY, READY_TIMEOUT_S)
+    except (RemoteError, nats.errors.Error) as exc:
+        return f"no conductor answered: {exc}"
+    except ProtocolError as exc:
+        return f"conductor sent an invalid reply: {exc.message}"
 
 
 class Resend(Enum):

@@ -40,6 +40,9 @@ class GatewayConfig(ServiceConfig):
         "help": "place a request again at most this often when an instance fails it mid-way (0: never)"})
     stall_probe_s: float = field(default=2.0, metadata={
         "help": "a stream quiet this long asks its instances to re-send what NATS may have dropped"})
+    instance_wait_s: float = field(default=30.0, metadata={
+        "help": "a request finding no live instance of a role waits this long for one (a supervised restart) "
+                "before its 429, within ttft_timeout_s (0: at once)"})
     api_keys_file: str = field(default="", metadata={
         "help": "API keys, one 'KEY TENANT [RPM] [TPM]' per line (KEY may be sha256:HEX); empty: no keys"})
     auth_secret_file: str = field(default="", metadata={
@@ -58,6 +61,8 @@ class GatewayConfig(ServiceConfig):
         for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s", "stall_probe_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.instance_wait_s < 0:
+            raise ValueError(f"instance_wait_s must be >= 0, got {self.instance_wait_s}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.api_keys_file and self.insecure_no_auth:
@@ -112,7 +117,8 @@ class GatewayService(Service[GatewayConfig]):
         cfg = self.config
         self.served = await asyncio.to_thread(ServedModel.load, cfg.model_dir, cfg.model_name, cfg.max_model_len)
         deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s,
-                              migration_limit=cfg.migration_limit, stall_probe_s=cfg.stall_probe_s)
+                              migration_limit=cfg.migration_limit, stall_probe_s=cfg.stall_probe_s,
+                              instance_wait_s=cfg.instance_wait_s)
         self.client = ServingClient(self, self.served.name, deadlines)
         await self.client.start()
         keys, salts = await asyncio.to_thread(cfg.guard_parts)
