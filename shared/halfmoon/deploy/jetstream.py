@@ -1,15 +1,11 @@
 """The JetStream resources of a deployment, created once by the operator's NATS user (``admin``) before
-the services start: ``halfmoon up`` does it after starting NATS, compose's ``jetstream`` job runs this
-module. Services may use their buckets but create none: a role allowed ``STREAM.CREATE`` chooses the new
-stream's subjects, so it could capture and read every other role's traffic.
-
-``python -m halfmoon.deploy.jetstream --url URL --credentials nats-credentials.json`` (idempotent).
+the services start: ``halfmoon up`` does it after starting NATS, compose's ``jetstream`` job runs
+``halfmoon jetstream``. Services may use their buckets but create none: a role allowed ``STREAM.CREATE``
+chooses the new stream's subjects, so it could capture and read every other role's traffic.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 from pathlib import Path
 
 import nats
@@ -33,24 +29,11 @@ async def create_buckets(nc: Client, namespace: str, leadership_ttl_s: float = L
     await js.create_key_value(KeyValueConfig(bucket=leadership_bucket(subjects), history=1, ttl=leadership_ttl_s))
 
 
-async def _main(url: str, credentials: Path, leadership_ttl_s: float) -> None:
+async def create_buckets_as_operator(url: str, credentials: Path, leadership_ttl_s: float) -> None:
+    """``halfmoon jetstream``: connect as ``admin`` with the deployment's credentials file and create them."""
     auth = NatsAuth.load(credentials)
     nc = await nats.connect(url, connect_timeout=10, max_reconnect_attempts=30, **auth.connect_options())
     try:
         await create_buckets(nc, auth.namespace, leadership_ttl_s)
     finally:
         await nc.close()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m halfmoon.deploy.jetstream", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", required=True, help="the NATS server")
-    parser.add_argument("--credentials", required=True, type=Path, help="nats-credentials.json (halfmoon secrets)")
-    parser.add_argument("--leadership-ttl-s", type=float, default=LEADERSHIP_TTL_S,
-                        help="the cache-managers' leadership_ttl_s (every one must run with this value)")
-    args = parser.parse_args()
-    asyncio.run(_main(args.url, args.credentials, args.leadership_ttl_s))
-
-
-if __name__ == "__main__":
-    main()
