@@ -60,11 +60,11 @@ async def timed_request(nc: Any, ns: str, prefill: str, decode: str, prompt: lis
         if event.finish_reason is not None:
             done.set()
 
-    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
+    sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
     started = time.perf_counter()
     await request(nc, subjects.prefill_submit(prefill),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=sampling,
-                                 decode_instance=decode, stream_subject=subjects.stream(rid),
+                                 decode_instance=decode, gateway="gateway-0",
                                  deadline=time.time() + 600, pipeline=pipeline), codecs.SUBMIT_REPLY, 30)
     await asyncio.wait_for(done.wait(), 600)
     await sub.unsubscribe()

@@ -84,6 +84,7 @@ async def gateway_factory(nats_server, namespace, tiny_model_dir):
             itl_timeout_s=10.0,
             max_model_len=256,
             max_body_bytes=16384,
+            max_connections_per_client=256,  # TestFlood opens 208 at once, all from loopback
             drain_timeout_s=5.0,
         )
         settings.update(overrides)

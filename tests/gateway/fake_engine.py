@@ -82,7 +82,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
                 return
             if faulty and s.fail_after is not None and n >= s.fail_after:
                 await self.publish(
-                    req.stream_subject,
+                    self.subjects.stream(req.gateway, req.request_id),
                     ErrorEvent(
                         request_id=req.request_id,
                         code=ErrorCode.INTERNAL,
@@ -105,7 +105,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
                 else None
             )
             await self.publish(
-                req.stream_subject,
+                self.subjects.stream(req.gateway, req.request_id),
                 TokenEvent(
                     request_id=req.request_id,
                     index=sum(len(c) for c in chunks[:n]),

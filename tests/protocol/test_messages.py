@@ -100,7 +100,7 @@ CASES = [
             prompt_token_ids=(1, 2, 3),
             sampling=SAMPLING,
             decode_instance="d0",
-            stream_subject="halfmoon.v1.stream.r-1",
+            gateway="gateway-0",
             deadline=1e9,
         ),
     ),
@@ -113,7 +113,7 @@ CASES = [
             first_logprob=-0.25,
             sampling=SAMPLING,
             kv=KV,
-            stream_subject="halfmoon.v1.stream.r-1",
+            gateway="gateway-0",
             prefill_instance="p0",
             deadline=1e9,
             cached_tokens=4,
@@ -139,7 +139,7 @@ CASES = [
         codecs.DECODE_REQUEST,
         DecodeRequest(
             request_id="r-1", prompt_token_ids=(1, 2, 3, 4), output_token_ids=(5, 6), first_token_id=9,
-            sampling=SAMPLING, kv=KV, stream_subject="halfmoon.v1.stream.r-1", prefill_instance="p0",
+            sampling=SAMPLING, kv=KV, gateway="gateway-0", prefill_instance="p0",
             deadline=1e9, attempt=1, tenant_salt="t",
         ),
     ),
@@ -147,7 +147,7 @@ CASES = [
         codecs.DECODE_REQUEST,
         DecodeRequest(
             request_id="r-1", prompt_token_ids=(1, 2, 3), first_token_id=9, sampling=SAMPLING, kv=None,
-            stream_subject="halfmoon.v1.stream.r-1", prefill_instance="p0", deadline=1e9,
+            gateway="gateway-0", prefill_instance="p0", deadline=1e9,
         ),
     ),
     (codecs.STREAM, TokenEvent(request_id="r-1", index=12, token_ids=(9,), instance_id="d1", attempt=2)),
@@ -311,7 +311,7 @@ class TestInvariants:
     def test_decode_request_kv_must_cover_prompt_and_earlier_output(self):
         with pytest.raises(ValueError, match="kv covers"):
             DecodeRequest(request_id="r", prompt_token_ids=(1, 2, 3, 4, 5, 6), output_token_ids=(7,),
-                          first_token_id=1, sampling=SAMPLING, kv=KV, stream_subject="s", prefill_instance="p",
+                          first_token_id=1, sampling=SAMPLING, kv=KV, gateway="g", prefill_instance="p",
                           deadline=0.0)
         with pytest.raises(ValueError, match="kv covers"):
             DecodeRequest(
@@ -320,7 +320,7 @@ class TestInvariants:
                 first_token_id=1,
                 sampling=SAMPLING,
                 kv=KV,
-                stream_subject="s",
+                gateway="g",
                 prefill_instance="p",
                 deadline=0.0,
             )

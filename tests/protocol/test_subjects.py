@@ -13,7 +13,7 @@ class TestSubjects:
             s.schedule,
             s.prefill_submit("p0"),
             s.decode_submit("d0"),
-            s.stream("r1"),
+            s.stream("g0", "r1"),
             s.heartbeat,
             s.down,
             s.cancel,
@@ -21,7 +21,7 @@ class TestSubjects:
         assert all(subject.startswith("team-a.v1.") for subject in built)
         assert len(set(built)) == len(built)
         assert s.prefill_submit("p0") == "team-a.v1.prefill.p0.submit"
-        assert s.stream("r1") == "team-a.v1.stream.r1"
+        assert s.stream("g0", "r1") == "team-a.v1.stream.g0.r1"
 
     def test_two_namespaces_never_collide(self):
         a, b = Subjects("a"), Subjects("b")
@@ -30,7 +30,9 @@ class TestSubjects:
     @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x>"])
     def test_tokens_with_routing_characters_are_refused(self, bad):
         with pytest.raises(ValueError):
-            Subjects().stream(bad)
+            Subjects().stream("g0", bad)
+        with pytest.raises(ValueError):
+            Subjects().stream(bad, "r1")
         with pytest.raises(ValueError):
             Subjects().decode_submit(bad)
 

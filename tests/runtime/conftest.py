@@ -77,10 +77,10 @@ async def serve(nc, namespace: str, cluster: Cluster, rid: str) -> list[int]:  #
         if event.finish_reason is not None:
             done.set()
 
-    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
+    sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
     await request(nc, subjects.prefill_submit(cluster.prefill.instance_id),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(PROMPT), sampling=GREEDY,
-                                 decode_instance=cluster.decode.instance_id, stream_subject=subjects.stream(rid),
+                                 decode_instance=cluster.decode.instance_id, gateway="gateway-0",
                                  deadline=time.time() + 120), codecs.SUBMIT_REPLY, 10)
     await asyncio.wait_for(done.wait(), 60)
     await sub.unsubscribe()

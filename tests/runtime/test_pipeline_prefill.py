@@ -73,10 +73,10 @@ async def serve(nc: Any, namespace: str, cluster: Cluster, rid: str,
         if isinstance(event, ErrorEvent) or event.finish_reason is not None:
             done.set()
 
-    sub = await nc.subscribe(subjects.stream(rid), cb=on_event)
+    sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
     await request(nc, subjects.prefill_submit(cluster.head.instance_id),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(PROMPT), sampling=GREEDY,
-                                 decode_instance=cluster.decode.instance_id, stream_subject=subjects.stream(rid),
+                                 decode_instance=cluster.decode.instance_id, gateway="gateway-0",
                                  deadline=time.time() + 120, pipeline=pipeline), codecs.SUBMIT_REPLY, 10)
     await asyncio.wait_for(done.wait(), 90)
     await sub.unsubscribe()

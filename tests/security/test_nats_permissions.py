@@ -44,7 +44,7 @@ FORGED = {
     "decode submit": SUBJECTS.decode_submit("decode-0"),
     "InstanceDown as the conductor": SUBJECTS.down_from(Role.CONDUCTOR.value),
     "InstanceDown as decode": SUBJECTS.down_from(Role.DECODE.value),
-    "a token stream": SUBJECTS.stream("cmpl-victim"),
+    "a token stream": SUBJECTS.stream("gateway-0", "cmpl-victim"),
     "a decode heartbeat": SUBJECTS.heartbeat_from(Role.DECODE.value),
     "a pipeline stage's chunk": SUBJECTS.prefill_stage("prefill-0"),
 }

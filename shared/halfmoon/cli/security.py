@@ -1,14 +1,17 @@
 """`halfmoon secrets DIR` and `halfmoon certs DIR`: what a multi-host deployment (compose,
-Kubernetes) needs to run with authentication on, written once and mounted into the services."""
+Kubernetes) needs to run with authentication on, written once and mounted into the services;
+`halfmoon jetstream`: the JetStream buckets the services use, made as the operator once NATS runs."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import secrets
 from pathlib import Path
 
 from halfmoon.core.cluster_keys import new_secret
+from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets_as_operator
 from halfmoon.deploy.nats_auth import ROLES, NatsAuth, TlsFiles, write_private
 
 COMPLETE = ".complete"  # written after every other file
@@ -60,6 +63,12 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jetstream(args: argparse.Namespace) -> int:
+    asyncio.run(create_buckets_as_operator(args.url, Path(args.credentials), args.leadership_ttl_s))
+    print("JetStream buckets ready")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     sec = subparsers.add_parser("secrets", help="NATS users and config, API keys and the tenant-salt secret")
     sec.add_argument("dir", help="output directory (files are mode 0600)")
@@ -78,3 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     certs.add_argument("--hosts", default="nats,localhost,127.0.0.1",
                        help="comma-separated DNS names and IPs the NATS server is reached by")
     certs.set_defaults(func=_certs)
+    js = subparsers.add_parser("jetstream", help="create the JetStream buckets the services use (as admin; idempotent)")
+    js.add_argument("--url", required=True, help="the NATS server")
+    js.add_argument("--credentials", required=True, help="nats-credentials.json, as `halfmoon secrets` wrote it")
+    js.add_argument("--leadership-ttl-s", type=float, default=LEADERSHIP_TTL_S,
+                    help="the cache-managers' leadership_ttl_s (every one must run with this value)")
+    js.set_defaults(func=_jetstream)

@@ -19,6 +19,7 @@ import halfmoon
 import httpx
 import nats
 from halfmoon.core.cluster_keys import new_secret
+from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
@@ -173,6 +174,7 @@ class LocalCluster:
                 self._start_nats(timeout=15)
                 self.nats_url = f"nats://127.0.0.1:{self._nats_port}"
                 progress(f"NATS on {self.nats_url}")
+            asyncio.run(self._create_jetstream())
             for spec, instance_id in self.plan:
                 self.start_instance(spec, instance_id)
             self._starting = True
@@ -284,6 +286,17 @@ class LocalCluster:
         for line in happened:
             self.events(line)
         return happened
+
+    async def _create_jetstream(self) -> None:
+        """As the operator: the buckets services use but may not create (halfmoon.deploy.jetstream)."""
+        options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
+        nc = await nats.connect(self.nats_url, connect_timeout=5, **options)
+        try:
+            # the lease must lapse in the time the cache-managers assume (they run with this environment)
+            ttl = float(self.extra_env.get("HALFMOON_LEADERSHIP_TTL_S", LEADERSHIP_TTL_S))
+            await create_buckets(nc, self.namespace, ttl)
+        finally:
+            await nc.close()
 
     async def _wait_ready(self, expected: set[str], timeout: float, progress: Callable[[str], None]) -> None:
         subjects = Subjects(self.namespace)

@@ -40,8 +40,10 @@ def leadership_bucket(subjects: Subjects) -> str:
 
 
 def _jetstream_kv(bucket: str) -> tuple[str, ...]:
+    """Use of one key-value bucket, never its creation: STREAM.CREATE takes the new stream's subjects from
+    the request, so it would let a role capture every subject (the operator creates buckets at deploy time)."""
     stream = f"KV_{bucket}"
-    return (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
+    return (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>", f"$KV.{bucket}.>")
 
 

@@ -118,13 +118,14 @@ class Subjects:
         """Subscription pattern: WorkDone from every role."""
         return f"{self.root}.work.done.{ANY}"
 
-    def stream(self, request_id: str) -> str:
-        """Pub/sub: TokenEvent | ErrorEvent for one request, consumed by its gateway."""
-        return f"{self.root}.stream.{check_token(request_id, 'request id')}"
+    def stream(self, gateway: str, request_id: str) -> str:
+        """Pub/sub: TokenEvent | ErrorEvent for one request, consumed by the gateway that issued it. Derived
+        from both ids, never carried in a message, so a worker streams only into the request it was given."""
+        return f"{self.root}.stream.{check_token(gateway, 'gateway')}.{check_token(request_id, 'request id')}"
 
     @property
     def stream_any(self) -> str:
-        return f"{self.root}.stream.{ANY}"
+        return f"{self.root}.stream.{ANY}.{ANY}"
 
     # registry: the last token names the sender's role, so subject permissions bind a message to a role
     def heartbeat_from(self, role: str) -> str:

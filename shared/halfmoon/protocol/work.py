@@ -14,7 +14,9 @@ from halfmoon.protocol.subjects import check_token
 class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     """Compute the prompt's KV and first token, then hand off to ``decode_instance``.
 
-    Tokens go to ``stream_subject`` as TokenEvents numbered from index 0. ``deadline`` is
+    Tokens go to ``Subjects.stream(gateway, request_id)`` as TokenEvents numbered from index 0: the
+    stream is derived from the issuing gateway's instance id and the request id, never named by the
+    message, so a forged request can only ever stream into its own request's subject. ``deadline`` is
     absolute unix time; work past it may be dropped with an ErrorEvent(TIMEOUT). The W3C
     trace context travels in the NATS headers, not here.
 
@@ -30,7 +32,7 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     decode_instance: str
-    stream_subject: str
+    gateway: str  # the issuing gateway's instance id: its requests' streams are under its prefix
     deadline: float
     tenant_salt: str | None = None
     tenant: str = ""  # whose pool quota the request's blocks count against ("": none)
@@ -45,8 +47,7 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
             check_token(stage, "pipeline stage")
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        if not self.stream_subject:
-            raise ValueError("stream_subject must not be empty")
+        check_token(self.gateway, "gateway")
         if self.attempt < 0:
             raise ValueError(f"attempt must be >= 0, got {self.attempt}")
 
@@ -148,7 +149,7 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     first_token_id: int
     sampling: SamplingParams
     kv: KVLocation | None
-    stream_subject: str
+    gateway: str  # from the PrefillRequest: decode streams to Subjects.stream(gateway, request_id)
     prefill_instance: str
     deadline: float
     first_logprob: float | None = None
@@ -160,6 +161,7 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
+        check_token(self.gateway, "gateway")
         if self.layers_announced < 0:
             raise ValueError(f"layers_announced must be >= 0, got {self.layers_announced}")
         context = len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -260,7 +260,7 @@ class EngineWorker(Service[WorkerConfig]):
             await self.accept(request)
         except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
-            await self.send_error(request.stream_subject, request.request_id, ErrorCode.INTERNAL,
+            await self.send_error(self.stream_of(request), request.request_id, ErrorCode.INTERNAL,
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}", request.attempt)
         self.done_computing(request.request_id)
 
@@ -335,6 +335,11 @@ class EngineWorker(Service[WorkerConfig]):
             for event in events:
                 await self.publish(subject, event)
         return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
+
+    def stream_of(self, request: Any) -> str:
+        """Where ``request``'s events go (a Prefill/DecodeRequest): derived from its gateway and id, so a
+        forged request cannot aim this instance's output at another request's stream."""
+        return self.subjects.stream(request.gateway, request.request_id)
 
     async def publish_event(self, subject: str, event: TokenEvent | ErrorEvent) -> None:
         """Publish one stream event and keep it for re-sending."""

@@ -28,7 +28,7 @@ class AggregatedService(PrefillService):
         try:
             await self._generate(req, prefix, started)
         except EngineError as exc:
-            await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await self.send_error(self.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
         finally:
             await self.pool.release(prefix.fetched.lease_id)
 
@@ -58,7 +58,7 @@ class AggregatedService(PrefillService):
                         self.record_ttft(time.perf_counter() - started)
                     # the prompt's blocks (out.prompt_kv) go to the pool at once; generated ones in batches
                     saver.progress(out)
-                    await self.publish_event(req.stream_subject, token_event(out, req.sampling, self.instance_id,
+                    await self.publish_event(self.stream_of(req), token_event(out, req.sampling, self.instance_id,
                                                                              cached, req.attempt))
                     if first:
                         self.report_prefilled(req.request_id)

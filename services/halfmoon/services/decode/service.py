@@ -49,7 +49,7 @@ class DecodeService(EngineWorker):
         try:
             await self._generate(req, payloads)
         except EngineError as exc:
-            await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await self.send_error(self.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
         finally:
             if dropping is not None:
                 await dropping
@@ -70,7 +70,7 @@ class DecodeService(EngineWorker):
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=outputs, kv_blocks=payloads):
                     produced += len(out.new_token_ids)
-                    await self.publish_event(req.stream_subject, token_event(out, req.sampling, self.instance_id,
+                    await self.publish_event(self.stream_of(req), token_event(out, req.sampling, self.instance_id,
                                                                              req.cached_tokens, req.attempt))
                     saver.progress(out)
             except asyncio.CancelledError:

@@ -20,6 +20,7 @@ from halfmoon.services.gateway.client import Generation, GenerationError, Servin
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
 from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.guards import check_nesting, check_wire_size
+from halfmoon.services.gateway.http_limits import BodyIdle
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
 from halfmoon.services.gateway.peers import readiness
@@ -185,11 +186,15 @@ class GatewayApi:
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except BodyIdle as exc:  # a slow body would hold its connection for as long as the client likes
+            raise ApiError(408, f"Request body stalled: {exc}.", code="request_timeout",
+                           headers={"connection": "close"}) from None
         return b"".join(chunks)
 
     async def _parse(self, request: Request, kind: Kind) -> CompletionRequest | ChatCompletionRequest:

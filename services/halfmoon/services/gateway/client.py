@@ -121,7 +121,8 @@ class Generation:
     async def __aenter__(self) -> Generation:
         svc = self.client.service
         # NOTE: subscribe before submitting, or the first tokens could arrive to nobody
-        self._sub = await svc.nc.subscribe(svc.subjects.stream(self.request_id), cb=self._on_stream)
+        self._sub = await svc.nc.subscribe(svc.subjects.stream(svc.instance_id, self.request_id),
+                                           cb=self._on_stream)
         try:
             await self._place_and_submit()
         except BaseException:
@@ -163,7 +164,7 @@ class Generation:
             placed_at = time.monotonic()
             prefill = PrefillRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
-                decode_instance=placement.decode_instance, stream_subject=svc.subjects.stream(self.request_id),
+                decode_instance=placement.decode_instance, gateway=svc.instance_id,
                 deadline=deadline, tenant_salt=self.tenant_salt, output_token_ids=tuple(self.order.tokens),
                 attempt=self.attempt, tenant=self.tenant, pipeline=placement.pipeline,
             )

@@ -15,7 +15,6 @@ import msgspec
 from halfmoon.protocol.permissions import rate_limit_bucket
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.core.tenants import Tenant
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -64,10 +63,9 @@ class SharedRateLimiter:
         try:
             kv = await js.key_value(name)
         except BucketNotFoundError:
-            # Windows expire on their own, and losing them in a NATS restart forgives at most one minute:
-            # memory storage spares every admission a disk write.
-            kv = await js.create_key_value(KeyValueConfig(bucket=name, history=1, ttl=2 * WINDOW_S,
-                                                          storage=StorageType.MEMORY))
+            raise RuntimeError(f"the JetStream bucket {name} does not exist: the deployment creates it before the "
+                               "gateways start (halfmoon up does; elsewhere python -m halfmoon.deploy.jetstream, "
+                               "as compose's jetstream job)") from None
         return cls(kv, clock)
 
     async def admit(self, tenant: Tenant, tokens: int) -> Verdict:

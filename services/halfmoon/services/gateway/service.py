@@ -18,6 +18,7 @@ from halfmoon.services.gateway.app import ApiLimits, GatewayApi
 from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.guard import Guard
+from halfmoon.services.gateway.http_limits import BodyIdleTimeout, per_client_protocol
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
@@ -32,6 +33,10 @@ class GatewayConfig(ServiceConfig):
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen address"})
     port: int = field(default=8000, metadata={"help": "HTTP port (0: any free port)"})
     max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest accepted request body"})
+    body_idle_timeout_s: float = field(default=10.0, metadata={
+        "help": "answer 408 and close a connection whose request body sends nothing for this long"})
+    max_connections_per_client: int = field(default=64, metadata={
+        "help": "open HTTP connections one client address may hold; more are answered 503 and closed"})
     schedule_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for the conductor"})
     submit_timeout_s: float = field(default=5.0, metadata={"help": "wait this long for prefill to accept"})
     ttft_timeout_s: float = field(default=60.0, metadata={"help": "fail if no first token by then"})
@@ -58,7 +63,10 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s", "stall_probe_s"):
+        if self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client must be >= 1, got {self.max_connections_per_client}")
+        for name in ("schedule_timeout_s", "submit_timeout_s", "ttft_timeout_s", "itl_timeout_s", "stall_probe_s",
+                     "body_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.instance_wait_s < 0:
@@ -140,7 +148,8 @@ class GatewayService(Service[GatewayConfig]):
         sock.bind((cfg.host, cfg.port))
         self._port = sock.getsockname()[1]
         uv_config = uvicorn.Config(
-            api.build(),
+            BodyIdleTimeout(api.build(), cfg.body_idle_timeout_s),
+            http=per_client_protocol(cfg.max_connections_per_client),
             log_config=None,
             access_log=False,
             lifespan="off",

@@ -68,14 +68,14 @@ class PipelineHead:
         try:
             first, blocks, written = await self._compute(req, keys, fetched)
         except (EngineError, ValueError) as exc:
-            await svc.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await svc.send_error(svc.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
             return
         except (RemoteError, TransferError, OSError) as exc:  # a stage failed: the gateway migrates the request
-            await svc.send_error(req.stream_subject, req.request_id, ErrorCode.UNAVAILABLE,
+            await svc.send_error(svc.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
                                  f"pipelined prefill failed: {exc}", req.attempt)
             return
         svc.done_computing(req.request_id)
-        await svc.publish_event(req.stream_subject, token_event(first, req.sampling, svc.instance_id,
+        await svc.publish_event(svc.stream_of(req), token_event(first, req.sampling, svc.instance_id,
                                                                 first.num_cached_tokens, req.attempt))
         svc.record_ttft(time.perf_counter() - started)
         kv = await blocks.finish(written)
@@ -87,7 +87,7 @@ class PipelineHead:
         try:
             await svc.send_to_decode(req, first, kv, 0)
         except (RemoteError, TransferError, OSError) as exc:
-            await svc.send_error(req.stream_subject, req.request_id, ErrorCode.UNAVAILABLE,
+            await svc.send_error(svc.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
                                  f"hand-off to decode failed: {exc}", req.attempt)
 
     async def _compute(self, req: PrefillRequest, keys: list[bytes],

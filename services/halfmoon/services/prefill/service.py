@@ -117,13 +117,13 @@ class PrefillService(EngineWorker):
             try:
                 first = await self._compute(req, keys, local, fetched, writer)
             except EngineError as exc:
-                await self.send_error(req.stream_subject, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
+                await self.send_error(self.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc),
                                       req.attempt)
                 return
             finished = time.perf_counter()
             self.done_computing(req.request_id)
             # NOTE: the first token's event goes out before the hand-off: decode's tokens follow it
-            await self.publish_event(req.stream_subject, token_event(first, req.sampling, self.instance_id,
+            await self.publish_event(self.stream_of(req), token_event(first, req.sampling, self.instance_id,
                                                                      first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
@@ -136,7 +136,7 @@ class PrefillService(EngineWorker):
             # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
             bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
             code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE
-            await self.send_error(req.stream_subject, req.request_id, code, f"hand-off to decode failed: {exc}",
+            await self.send_error(self.stream_of(req), req.request_id, code, f"hand-off to decode failed: {exc}",
                                   req.attempt)
         finally:
             shipping.cancel()
@@ -218,7 +218,7 @@ class PrefillService(EngineWorker):
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
-            stream_subject=req.stream_subject, prefill_instance=self.instance_id, deadline=req.deadline,
+            gateway=req.gateway, prefill_instance=self.instance_id, deadline=req.deadline,
             cached_tokens=min(first.num_cached_tokens, len(req.prompt_token_ids)),
             output_token_ids=req.output_token_ids, attempt=req.attempt, tenant_salt=req.tenant_salt,
             layers_announced=layers_announced,
