@@ -38,7 +38,9 @@ class Stack:
                   capture=True, quiet=True).stdout.split()
         if not ids:
             return []
-        found = json.loads(run([DOCKER, "inspect", *ids], capture=True, quiet=True).stdout)
+        # a container removed between `ps` and `inspect` (Compose replacing it) is missing from the answer,
+        # which then exits 1: what is there is still listed
+        found = json.loads(run([DOCKER, "inspect", *ids], capture=True, quiet=True, check=False).stdout or "[]")
         self.seen_names.update(c["Name"].lstrip("/") for c in found)
         return found
 
