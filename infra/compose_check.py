@@ -113,7 +113,7 @@ def main() -> int:
     stack = Stack(compose, files, args.project, env, offline, logs)
     verdict = "FAIL"
     try:
-        if stack.containers():
+        if stack.leftovers():
             log(f"removing a previous {args.project} stack")
             stack.down()
         step("images", build_images, offline, image, prefix, compose, files, env, state)

