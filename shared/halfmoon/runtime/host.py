@@ -149,6 +149,7 @@ class ServiceHost:
             draining=svc.draining,
             model=svc.model,
             kv_spec=svc.kv_spec,
+            kernels=svc.kernels,
         )
 
     async def beat(self) -> None:
