@@ -8,7 +8,8 @@ machines get one ``generic`` build for their compiler's default target. Neither 
 level: gcc 12 emits the same code for these kernels with them as without (they convert bfloat16 with
 integer arithmetic and vectorize no matrix tile), so a library for them would be the ``avx512`` one again.
 
-Standard library only: ``setup.py`` loads this file by path to prebuild the libraries at install time.
+Standard library only: ``setup.py`` loads this file by path to prebuild the libraries at install time, and
+the image's build stage runs it as a script (``python kernel_build.py``) with nothing else installed.
 """
 
 from __future__ import annotations
@@ -126,3 +127,8 @@ def prebuild(folder: Path, machine: str | None = None) -> list[Path]:
             target = folder / library_name(source, level)
             built.append(target if target.exists() else compile_into(source, level, target, cc))
     return built
+
+
+if __name__ == "__main__":  # python kernel_build.py: what an image's build stage runs, with no halfmoon installed
+    for path in prebuild(KERNELS):
+        print(path)
