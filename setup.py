@@ -12,6 +12,7 @@ import importlib.util
 import platform
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 from setuptools import Command, find_namespace_packages, setup
 from setuptools.command.build import build
@@ -33,7 +34,7 @@ class BuildKernels(Command):
     """Every kernel for every ISA level of this machine, beside its source."""
 
     description = "compile the engine's C kernels for every ISA level of this machine"
-    user_options = []
+    user_options: ClassVar[list[tuple[str, str, str]]] = []
     editable_mode = False
 
     def initialize_options(self) -> None:
