@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 from halfmoon.cli.model_tools import make_tiny_model
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.kernel_build import KERNELS
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,11 @@ def make_engine(model: Path, **overrides: object) -> LLMEngine:
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def kernel_sources_alone(folder: Path) -> Path:
+    """A copy of the kernels' sources in ``folder``, without the libraries an install may have put beside them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in (*KERNELS.glob("*.c"), *KERNELS.glob("*.h")):
+        shutil.copy(source, folder)
+    return folder

@@ -13,7 +13,7 @@ from halfmoon.engine.attention import AttentionBatch, SeqAttention, paged_attent
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.protocol.sampling import SamplingParams
 
-from tests.engine.conftest import make_engine, random_prompts
+from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ class TestEngine:
 class TestFallback:
     def test_switched_off_or_without_a_compiler_it_is_none(self, monkeypatch, tmp_path: Path) -> None:
         def fresh() -> kernels.DecodeKernel | None:
-            native.library.cache_clear()
+            native.loaded.cache_clear()
             return decode_kernel()
 
         try:
@@ -98,8 +98,9 @@ class TestFallback:
             assert fresh() is None
             monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "1")
             monkeypatch.setenv("CC", "no-such-compiler")
-            monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path))
-            assert fresh() is None and not list(tmp_path.iterdir())
+            monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path / "cache"))
+            monkeypatch.setattr(native, "KERNELS", kernel_sources_alone(tmp_path / "sources"))
+            assert fresh() is None and not (tmp_path / "cache").exists()
         finally:
             monkeypatch.undo()
             fresh()

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from tests.engine.conftest import make_engine, random_prompts
+from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
 
 BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 values
 ROWS = [1, 7, 300]
@@ -96,16 +96,17 @@ class TestFallback:
     def test_switched_off_or_without_a_compiler_it_is_the_modules(self, monkeypatch, tmp_path: Path) -> None:
         try:
             monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "0")
-            native.library.cache_clear()
+            native.loaded.cache_clear()
             assert type(layer_ops(torch.device("cpu"))) is LayerOps
             monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "1")
             monkeypatch.setenv("CC", "no-such-compiler")
-            monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path))
-            native.library.cache_clear()
-            assert type(ops_module.layer_ops(torch.device("cpu"))) is LayerOps and not list(tmp_path.iterdir())
+            monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path / "cache"))
+            monkeypatch.setattr(native, "KERNELS", kernel_sources_alone(tmp_path / "sources"))
+            native.loaded.cache_clear()
+            assert type(ops_module.layer_ops(torch.device("cpu"))) is LayerOps and not (tmp_path / "cache").exists()
         finally:
             monkeypatch.undo()
-            native.library.cache_clear()
+            native.loaded.cache_clear()
 
 
 def greedy_with_logprobs(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:

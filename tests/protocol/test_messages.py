@@ -17,6 +17,7 @@ from halfmoon.protocol import (
     Heartbeat,
     InstanceDown,
     KVLocation,
+    KernelReport,
     KVProgress,
     Load,
     Placed,
@@ -176,6 +177,7 @@ CASES = [
             interval_s=0.5,
             draining=True,
             model="tiny",
+            kernels=KernelReport(kind="native", isa="avx2", reason="layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0)"),
         ),
     ),
     (codecs.DOWN, InstanceDown(instance_id="d0", role=Role.DECODE, reason="silent", timestamp=2.0)),
@@ -284,6 +286,31 @@ class TestTypedDecodeErrors:
                 codecs.HEARTBEAT.decode(msgspec.msgpack.encode(raw))
             assert info.value.code is ErrorCode.MALFORMED
             raw["load"]["steps"] = msgspec.msgpack.decode(codecs.HEARTBEAT.encode(beat))["load"]["steps"]
+
+    def test_heartbeats_with_and_without_a_kernel_report_cross_old_and_new_peers(self):
+        """``kernels`` is optional both ways: a new peer decodes an old heartbeat (no field), an old peer's
+        Heartbeat (the struct before the field) decodes a new one."""
+
+        class OldHeartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_field="kind"):
+            v: int
+            instance_id: str
+            role: Role
+            address: str
+            load: Load
+            timestamp: float
+            interval_s: float
+            draining: bool = False
+            model: str = ""
+
+        beat = next(m for _, m in CASES if isinstance(m, Heartbeat) and m.kernels is not None)
+        old = msgspec.msgpack.decode(codecs.HEARTBEAT.encode(beat), type=OldHeartbeat)
+        assert (old.instance_id, old.load) == (beat.instance_id, beat.load)
+        assert codecs.HEARTBEAT.decode(msgspec.msgpack.encode(old)) == msgspec.structs.replace(beat, kernels=None)
+        raw = msgspec.msgpack.decode(codecs.HEARTBEAT.encode(beat))
+        raw["kernels"] = {"kind": "compiled"}
+        with pytest.raises(ProtocolError) as info:
+            codecs.HEARTBEAT.decode(msgspec.msgpack.encode(raw))
+        assert info.value.code is ErrorCode.MALFORMED
 
     def test_error_converts_to_reply(self):
         reply = ProtocolError(ErrorCode.UNKNOWN_KIND, "x").to_reply()

@@ -74,6 +74,7 @@ def _up(args: argparse.Namespace) -> int:
     from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console()
     run_dir = Path(args.run_dir)
@@ -107,8 +108,11 @@ def _up(args: argparse.Namespace) -> int:
     table = Table(title="instances", show_edge=False)
     table.add_column("instance")
     table.add_column("Prometheus metrics")
+    table.add_column("kernels")
     for instance, url in cluster.metrics_urls().items():
-        table.add_row(instance, url)
+        kernels = cluster.kernels.get(instance)
+        kernels_cell = Text("") if kernels is None else Text(str(kernels), "yellow" if kernels.kind == "fallback" else "")
+        table.add_row(instance, url, kernels_cell)
     console.print(table)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

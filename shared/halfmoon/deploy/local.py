@@ -24,6 +24,7 @@ from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
+from halfmoon.protocol.registry import KernelReport
 from halfmoon.protocol.subjects import Subjects
 
 # The folders that hold the ``halfmoon`` namespace package (``shared/`` and ``services/`` in a checkout,
@@ -110,6 +111,7 @@ class LocalCluster:
         self.events = events
         self.supervision = Supervision(policy)
         self.metrics_ports: dict[str, int] = {}
+        self.kernels: dict[str, KernelReport] = {}  # each engine instance's, from its heartbeats
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._restart_at: dict[str, float] = {}  # exited, restarting at this monotonic time
         self._coming_up: set[str] = set()  # restarted, not yet serving
@@ -306,6 +308,8 @@ class LocalCluster:
 
         async def on_heartbeat(msg) -> None:  # type: ignore[no-untyped-def]
             beat = codecs.HEARTBEAT.decode(msg.data)
+            if beat.kernels is not None:
+                self.kernels[beat.instance_id] = beat.kernels
             if beat.instance_id in expected and beat.instance_id not in seen and self.read_ready(beat.instance_id):
                 seen.add(beat.instance_id)
                 progress(f"{beat.instance_id} up ({len(seen)}/{len(expected)})")

@@ -78,5 +78,5 @@ class DecodeKernel:
 def decode_kernel() -> DecodeKernel | None:
     """The kernel, built or taken from the cache (native.library keeps it loaded); None where it cannot be
     (the reason is logged once)."""
-    library = native.library("decode_attention", "HALFMOON_DECODE_KERNEL")
+    library = native.library("decode_attention")
     return DecodeKernel(library) if library is not None else None

@@ -96,7 +96,7 @@ class NativeLayerOps(LayerOps):
 
 def layer_ops(device: torch.device) -> LayerOps:
     """The kernel's forms on a CPU where the kernel builds, else the modules'."""
-    library = native.library("layer_ops", "HALFMOON_LAYER_OPS_KERNEL") if device.type == "cpu" else None
+    library = native.library("layer_ops") if device.type == "cpu" else None
     return NativeLayerOps(library) if library is not None else LayerOps()
 
 

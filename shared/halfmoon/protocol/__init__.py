@@ -1,7 +1,7 @@
 """The wire protocol: NATS subjects and the msgspec messages they carry (docs/PROTOCOL.md)."""
 
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, StepSample
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, KernelReport, Load, Role, StepSample
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, FinishReason, ResumeRequest, StreamEvent, TokenEvent, Usage
@@ -29,6 +29,7 @@ __all__ = [
     "ErrorReply",
     "FinishReason",
     "Heartbeat",
+    "KernelReport",
     "InstanceDown",
     "KVLocation",
     "KVProgress",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
+from typing import Literal
 
 import msgspec
 from halfmoon.core.kv_spec import KVSpec
@@ -71,6 +72,19 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("load counts must be >= 0")
 
 
+class KernelReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The CPU kernels an engine runs: ``native``, the C kernels built for ISA level ``isa`` (``reason``
+    names any of them not loaded), or ``fallback``, PyTorch's operators alone, and ``reason`` why."""
+
+    kind: Literal["native", "fallback"]
+    isa: str = ""
+    reason: str = ""
+
+    def __str__(self) -> str:
+        detail = self.isa if self.kind == "native" else self.reason
+        return f"{self.kind} ({detail})" + (f"; {self.reason}" if self.kind == "native" and self.reason else "")
+
+
 class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     """Periodic "I am alive" with load.
 
@@ -90,6 +104,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     model: str = ""
     kv_spec: KVSpec | None = None  # engine instances: the KV identity their blocks carry
     incarnation: str = ""
+    kernels: KernelReport | None = None  # engine instances; absent from other roles and older peers
 
     def __post_init__(self) -> None:
         check_token(self.instance_id, "instance_id")

@@ -13,7 +13,15 @@ from typing import ClassVar, Generic, TypeVar
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Codec, Message
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, down_sender_ok, heartbeat_sender_ok
+from halfmoon.protocol.registry import (
+    Heartbeat,
+    InstanceDown,
+    KernelReport,
+    Load,
+    Role,
+    down_sender_ok,
+    heartbeat_sender_ok,
+)
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime import rpc
 from halfmoon.runtime.config import ServiceConfig
@@ -86,6 +94,11 @@ class Service(ABC, Generic[C]):
     @property
     def kv_spec(self) -> KVSpec | None:
         """The KV identity of an engine instance (reported in heartbeats); None for other roles."""
+        return None
+
+    @property
+    def kernels(self) -> KernelReport | None:
+        """The CPU kernels an engine instance runs (reported in heartbeats); None for other roles."""
         return None
 
     def load(self) -> Load:

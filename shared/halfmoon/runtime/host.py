@@ -150,6 +150,7 @@ class ServiceHost:
             model=svc.model,
             incarnation=svc.incarnation,
             kv_spec=svc.kv_spec,
+            kernels=svc.kernels,
         )
 
     async def beat(self) -> None:

@@ -16,13 +16,14 @@ import msgspec
 import nats
 
 from halfmoon.core.kv_spec import KVSpec
+from halfmoon.engine import native
 from halfmoon.engine.async_engine import AsyncEngine, StepTiming
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import EngineStats, LLMEngine
 from halfmoon.policy.state import SERVING_SLO, RecentSamples
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
-from halfmoon.protocol.registry import Load, Role, StepSample
+from halfmoon.protocol.registry import KernelReport, Load, Role, StepSample
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.runtime.base import Service
@@ -165,6 +166,7 @@ class EngineWorker(Service[WorkerConfig]):
         self.meter = LoadMeter(config.block_size)
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
         self.engine: AsyncEngine | None = None
+        self._kernels: KernelReport | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
         self._streams: dict[str, str] = {}  # the stream subject each task in ``_tasks`` publishes on
@@ -189,6 +191,10 @@ class EngineWorker(Service[WorkerConfig]):
         return self.engine.kv_spec if self.engine else None
 
     @property
+    def kernels(self) -> KernelReport | None:
+        return self._kernels
+
+    @property
     @abstractmethod
     def submit_subject(self) -> str: ...
 
@@ -205,6 +211,10 @@ class EngineWorker(Service[WorkerConfig]):
     async def start(self) -> None:
         config = self.config.engine_config()
         self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
+        # NOTE: after the engine is built: its kernels are loaded (or not) by then, and report() reads that
+        self._kernels = kernels = native.report(config.torch_device.type)
+        METRICS.engine_kernels.labels(self.instance_id, kernels.kind, kernels.isa, kernels.reason).set(1)
+        self.log.info("engine kernels", extra={"kernels": str(kernels)})
         layout = self.engine.layout.keyed(self.cluster_keys.kv_mac)  # seals and verifies the pool's blocks
         self.endpoints = OneSidedEndpoints(self.config)
         self.transfer = self.endpoints.client(self.cluster_keys)

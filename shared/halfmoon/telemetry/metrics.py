@@ -148,6 +148,10 @@ class Metrics:
         self.ledger_cleared = Gauge(
             "halfmoon_conductor_ledger_cleared", "ledger entries cleared since the conductor started, by how",
             ["how"], registry=r)
+        self.engine_kernels = Gauge(
+            "halfmoon_engine_kernels", "1 for the CPU kernels an engine instance runs: kind native (isa: the C "
+            "kernels' ISA level) or fallback (PyTorch's operators; reason: why)", ["instance", "kind", "isa", "reason"],
+            registry=r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self._sources: list[ScrapeSource] = []
 
