@@ -100,8 +100,7 @@ def materialise_smollm2(directory: str | Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are plain float32 once dequantised; drop the GGUF marker so they save as safetensors.
-    # hf_quantizer is a plain attribute transformers sets; torch types a module's attributes Tensor | Module
-    model.hf_quantizer = None  # type: ignore[assignment]  # see above
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
