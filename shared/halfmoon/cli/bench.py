@@ -52,7 +52,7 @@ def drive(endpoint: Any, requests: Sequence[Any], concurrency: int, paced: bool,
         task = progress.add_task(title, total=len(requests), failed=0)
         outcome = asyncio.run(run(endpoint, requests, concurrency, _advance(progress, task), paced=paced))
     summary = summarise(outcome.results, outcome.duration_s, slo)
-    if before is not None:
+    if before is not None and metrics_url:
         summary["prediction_error"] = prediction_error(before, scrape_prediction_error(metrics_url))
     return summary
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from halfmoon.cli.bench_driver import RequestResult
@@ -94,7 +95,8 @@ def summarise(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> 
     }
 
 
-class Histogram(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Histogram:
     """Cumulative bucket counts of one Prometheus histogram (every label set summed)."""
 
     buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending, ending at +Inf

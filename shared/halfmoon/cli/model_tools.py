@@ -104,7 +104,7 @@ def materialise_smollm2(directory: str | Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are plain float32 once dequantised; drop the GGUF marker so they save as safetensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]

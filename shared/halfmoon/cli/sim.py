@@ -96,7 +96,7 @@ def summary_dict(result, scale: float | None) -> dict:
         replicas=[r._asdict() for r in result.replicas], pulled_blocks=result.pulled_blocks,
         wasted_prefill_s=result.wasted_prefill_s, pipelined=result.pipelined, sim_seconds=result.sim_seconds,
         wall_seconds=result.wall_seconds, requests_per_wall_s=s.requests / max(result.wall_seconds, 1e-9),
-        config={k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+        config={k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v)
                 for k, v in dataclasses.asdict(result.config).items()},
     )
     if scale is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from halfmoon.cli.trace_sources import (
     REQUEST_ID,
@@ -17,6 +17,9 @@ from halfmoon.cli.trace_sources import (
     SpanSource,
     TraceSourceError,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console, JustifyMethod
 
 DEFAULT_TRACE_FILE = ".halfmoon/traces.jsonl"
 BAR_WIDTH = 40
@@ -105,7 +108,7 @@ def key_attributes(span: Span) -> str:
     return f"ERROR {text}".rstrip() if span.status == "ERROR" else text
 
 
-def render_waterfall(fall: Waterfall, console) -> None:  # type: ignore[no-untyped-def]
+def render_waterfall(fall: Waterfall, console: Console) -> None:
     from rich.table import Table
 
     console.print(
@@ -114,7 +117,7 @@ def render_waterfall(fall: Waterfall, console) -> None:  # type: ignore[no-untyp
         soft_wrap=True,
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("start ms", "right"),
         ("dur ms", "right"),
         ("timeline", "left"),
@@ -122,8 +125,9 @@ def render_waterfall(fall: Waterfall, console) -> None:  # type: ignore[no-untyp
         ("instance", "left"),
         ("span", "left"),
         ("attributes", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=name != "attributes")  # type: ignore[arg-type]
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name != "attributes")
     for hop in fall.hops:
         s = hop.span
         style = "red" if s.status == "ERROR" else None
@@ -145,18 +149,19 @@ def render_waterfall(fall: Waterfall, console) -> None:  # type: ignore[no-untyp
     console.print(table)
 
 
-def render_slowest(rows: list[RequestSummary], console) -> None:  # type: ignore[no-untyped-def]
+def render_slowest(rows: list[RequestSummary], console: Console) -> None:
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("request id", "left"),
         ("total ms", "right"),
         ("started (UTC)", "left"),
         ("status", "left"),
         ("trace id", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))  # type: ignore[arg-type]
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))
     for row in rows:
         table.add_row(
             row.request_id, f"{row.total_ms:.2f}", f"{row.started:%Y-%m-%d %H:%M:%S.%f}", row.status, row.trace_id

@@ -30,7 +30,7 @@ import hmac
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -157,7 +157,10 @@ def _tags(layout: BlockLayout, payload: Payload, key: bytes, num_tokens: int, la
             for layer in layers]
 
 
-def seal_block(layout: BlockLayout, payload: bytearray | memoryview, key: bytes) -> bytearray | memoryview:
+WritableBlock = TypeVar("WritableBlock", bytearray, memoryview)  # sealed in place, returned as given
+
+
+def seal_block(layout: BlockLayout, payload: WritableBlock, key: bytes) -> WritableBlock:
     """Give ``payload`` (writable) a fresh salt and the MAC of every layer under ``key``, in place."""
     _checked(layout, payload)
     salt_block(payload)

@@ -27,6 +27,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import Heartbeat
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
+from nats.aio.msg import Msg
 
 Status = Literal["ok", "error", "lost"]
 
@@ -66,7 +67,7 @@ class StreamingLoad:
             self._thread.join(self.deadline_s + 10)
         return self.outcomes
 
-    def wait(self, what: str, condition, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    def wait(self, what: str, condition: Callable[[], bool], timeout: float = 120.0) -> None:
         end = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > end:
@@ -111,7 +112,8 @@ class StreamingLoad:
 
 def read_stream(started: float, lines: list[str]) -> Outcome:
     """Judge one SSE response: complete, a clear error event, or cut off."""
-    text, finish = [], None
+    text: list[str] = []
+    finish = None
     for line in lines:
         if not line.startswith("data: "):
             continue
@@ -156,7 +158,7 @@ def kill_while_streaming(cluster: LocalCluster, instance_id: str, timeout: float
         nc = await operator_nats(cluster)
         streaming = asyncio.Event()
 
-        async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+        async def on_event(msg: Msg) -> None:
             event = codecs.STREAM.decode(msg.data)
             if isinstance(event, TokenEvent) and event.instance_id == instance_id:
                 streaming.set()
@@ -191,7 +193,9 @@ def restart_nats(cluster: LocalCluster, down_s: float) -> None:
     time.sleep(down_s)
     port = int(cluster.nats_url.rsplit(":", 1)[1])
     cluster.respawn_nats()  # the launcher's config and port: same users and permissions
-    wait_for_port(port, 15, cluster._nats)  # noqa: SLF001
+    respawned = cluster._nats  # noqa: SLF001
+    assert respawned is not None, "the launcher did not respawn its NATS"
+    wait_for_port(port, 15, respawned)
 
 
 def heartbeats(cluster: LocalCluster, listen_s: float) -> dict[str, Heartbeat]:
@@ -200,7 +204,7 @@ def heartbeats(cluster: LocalCluster, listen_s: float) -> dict[str, Heartbeat]:
         seen: dict[str, Heartbeat] = {}
         nc = await operator_nats(cluster)
 
-        async def on_beat(msg) -> None:  # type: ignore[no-untyped-def]
+        async def on_beat(msg: Msg) -> None:
             beat = codecs.HEARTBEAT.decode(msg.data)
             seen[beat.instance_id] = beat
 
@@ -214,6 +218,7 @@ def heartbeats(cluster: LocalCluster, listen_s: float) -> dict[str, Heartbeat]:
 
 async def operator_nats(cluster: LocalCluster) -> nats.NATS:
     """A NATS connection with the operator's credentials (when the cluster has any): taps see every subject."""
+    assert cluster.nats_url is not None, "the cluster has not started"
     options = cluster.nats_auth.connect_options() if cluster.nats_auth is not None else {}
     return await nats.connect(cluster.nats_url, connect_timeout=5, **options)
 

@@ -41,7 +41,7 @@ def instances(counts: dict[str, int]) -> list[tuple[ServiceSpec, str]]:
     unknown = set(counts) - {s.name for s in (*SERVICES, *OPTIONAL_SERVICES)}
     if unknown:
         raise ValueError(f"unknown services {sorted(unknown)}")
-    result = []
+    result: list[tuple[ServiceSpec, str]] = []
     for spec in (*SERVICES, *OPTIONAL_SERVICES):
         count = counts.get(spec.name, 0 if spec in OPTIONAL_SERVICES else 1)
         if count < 0 or (count > 1 and not spec.scalable):

@@ -142,7 +142,7 @@ class BlockPool(PrefixIndex[bytes]):
         return []
 
     def evict(self, n: int, now: float = 0.0) -> list[bytes]:
-        out = []
+        out: list[bytes] = []
         while self._evictable and len(out) < n:
             index, _ = self._evictable.popitem(last=False)
             out.append(self._forget(index))

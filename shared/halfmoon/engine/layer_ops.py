@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import Protocol, TypeGuard
 
 import torch
 from halfmoon.engine import native
@@ -21,6 +22,13 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 # Norms whose forward is LlamaRMSNorm's: float32 mean of squares, rsqrt, scale, weight times bfloat16.
 RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 SILUS = frozenset({"SiLU", "SiLUActivation"})
+
+
+class RMSNormWeights(Protocol):
+    """What the kernel reads of one of RMS_NORMS."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
 
 
 class LayerOps:
@@ -55,7 +63,7 @@ class NativeLayerOps(LayerOps):
         for function in (self._rms_norm, self._rotary, self._silu_mul):
             function.restype = None
 
-    def _norm_into(self, module: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+    def _norm_into(self, module: RMSNormWeights, x: torch.Tensor, residual: torch.Tensor | None,
                    total: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(x)
         rows, dim = x.shape
@@ -100,7 +108,7 @@ def layer_ops(device: torch.device) -> LayerOps:
     return NativeLayerOps(library) if library is not None else LayerOps()
 
 
-def _known_norm(module: torch.nn.Module) -> bool:
+def _known_norm(module: torch.nn.Module) -> TypeGuard[RMSNormWeights]:
     weight = module.weight
     return (type(module).__name__ in RMS_NORMS and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.is_contiguous())

@@ -59,7 +59,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device) -> LoadedMod
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load weights from {path!r}: {exc}") from exc
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types to() by functools.wraps: self unbound
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError):

@@ -16,7 +16,7 @@ from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.layer_ops import layer_ops
 from halfmoon.engine.scheduler import ScheduledChunk
-from halfmoon.engine.weights import Projection, serving_layers
+from halfmoon.engine.weights import Projection, llama_family, serving_layers
 
 
 def _spans(runs: list[list[int]], block_size: int, context: int) -> tuple[tuple[int, int], ...]:
@@ -35,19 +35,20 @@ def _spans(runs: list[list[int]], block_size: int, context: int) -> tuple[tuple[
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager) -> None:
         self.model = model
-        self.decoder = model.model
+        llm = llama_family(model)
+        self.decoder = llm.model
         self.cache = cache
         self.blocks = blocks
         self.device = cache.data.device
-        config = model.config
+        config = llm.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.layers = serving_layers(self.decoder.layers)
-        head = model.get_output_embeddings()
+        head = llm.get_output_embeddings()
         self.lm_head = Projection(head.weight.detach(), head.bias)
-        if self.lm_head.packed and head.weight is not model.get_input_embeddings().weight:
-            model.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
+        if self.lm_head.packed and head.weight is not llm.get_input_embeddings().weight:
+            llm.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
         self.layer_hook = LayerHook()
         self.decode_kernel = decode_kernel() if self.device.type == "cpu" else None
         self.layer_ops = layer_ops(self.device)
@@ -109,8 +110,9 @@ class ModelRunner:
         for index in layers:
             layer = self.layers[index]
             qkv = layer.qkv(normed).view(tokens, heads + 2 * kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                qkv = torch.cat([layer.q_norm(qkv[:, :heads]), layer.k_norm(qkv[:, heads:heads + kv_heads]),
+            if layer.qk_norm is not None:
+                q_norm, k_norm = layer.qk_norm
+                qkv = torch.cat([q_norm(qkv[:, :heads]), k_norm(qkv[:, heads:heads + kv_heads]),
                                  qkv[:, heads + kv_heads:]], dim=1)
             qk = ops.rotate(qkv[:, :heads + kv_heads], cos, sin)  # one rotation for the query and key heads
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]

@@ -13,8 +13,8 @@ compare them with transformers).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,14 +54,71 @@ class Projection:
         return F.linear(x, self.weight, self.bias)
 
 
+class HFAttention(Protocol):
+    """The attributes of a Llama-family attention module that serving reads."""
+
+    q_proj: torch.nn.Linear
+    k_proj: torch.nn.Linear
+    v_proj: torch.nn.Linear
+    o_proj: torch.nn.Linear
+    scaling: float
+
+
+class HFMLP(Protocol):
+    gate_proj: torch.nn.Linear
+    up_proj: torch.nn.Linear
+    down_proj: torch.nn.Linear
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+class HFDecoderLayer(Protocol):
+    input_layernorm: torch.nn.Module
+    post_attention_layernorm: torch.nn.Module
+    self_attn: HFAttention
+    mlp: HFMLP
+
+
+class HFConfig(Protocol):
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+class HFDecoder(Protocol):
+    """A Llama-family model's decoder stack (``LlamaModel`` and its kin)."""
+
+    layers: Iterable[HFDecoderLayer]  # a ModuleList
+    embed_tokens: torch.nn.Embedding
+    norm: torch.nn.Module
+    rotary_emb: torch.nn.Module
+
+
+class HFCausalLM(Protocol):
+    """A Llama-family causal LM (``LlamaForCausalLM`` and its kin), as far as serving reads it."""
+
+    model: HFDecoder
+    config: HFConfig
+
+    def get_input_embeddings(self) -> torch.nn.Embedding: ...
+
+    def get_output_embeddings(self) -> torch.nn.Linear: ...
+
+    def set_output_embeddings(self, value: torch.nn.Module | None) -> None: ...
+
+
+def llama_family(model: torch.nn.Module) -> HFCausalLM:
+    """``model`` typed as the Llama-family causal LM that the loader admits (SUPPORTED_ARCHITECTURES):
+    torch types every submodule and attribute found by ``nn.Module.__getattr__`` as ``Tensor | Module``."""
+    return cast(HFCausalLM, model)
+
+
 class ServingLayer(NamedTuple):
     """One decoder layer's modules and fused projections. ``qkv``'s output is the query heads, then the
     key heads, then the value heads; ``gate_up``'s is the gate half, then the up half."""
 
     input_norm: torch.nn.Module
     qkv: Projection
-    q_norm: torch.nn.Module | None  # per-head norms of Qwen3
-    k_norm: torch.nn.Module | None
+    qk_norm: tuple[torch.nn.Module, torch.nn.Module] | None  # per-head query and key norms of Qwen3
     o: Projection
     scaling: float
     post_norm: torch.nn.Module
@@ -70,16 +127,16 @@ class ServingLayer(NamedTuple):
     down: Projection
 
 
-def serving_layers(layers: torch.nn.ModuleList) -> list[ServingLayer]:
+def serving_layers(layers: Iterable[HFDecoderLayer]) -> list[ServingLayer]:
     """The serving form of a Llama-family model's decoder layers. Takes their weights over: each HF
     layer's projections are dropped from it, so the model is not held in memory twice."""
-    out = []
+    out: list[ServingLayer] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         out.append(ServingLayer(
             input_norm=layer.input_layernorm,
             qkv=Projection.fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-            q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+            qk_norm=(attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") and hasattr(attn, "k_norm") else None,
             o=Projection.fuse([attn.o_proj]), scaling=attn.scaling,
             post_norm=layer.post_attention_layernorm,
             gate_up=Projection.fuse([mlp.gate_proj, mlp.up_proj]), act=mlp.act_fn,

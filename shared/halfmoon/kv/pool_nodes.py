@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from halfmoon.kv.pool_types import NodeSpec, Replica, Tier
-from halfmoon.policy.eviction import Watermarks, make_eviction
+from halfmoon.policy.eviction import EvictionPolicy, Watermarks, make_eviction
 from halfmoon.storage.allocator import ExtentAllocator, OutOfSpace
 
 
@@ -25,7 +25,7 @@ class NodeLedger:
         self.alloc = ExtentAllocator(dram, alignment) if dram else None
         self._used = {tier: 0 for tier in spec.capacity if tier is not Tier.DRAM}
         self.blocks = {tier: 0 for tier in spec.capacity}
-        self.policies = {tier: make_eviction(eviction) for tier in spec.capacity}
+        self.policies: dict[Tier, EvictionPolicy[bytes]] = {tier: make_eviction(eviction) for tier in spec.capacity}
         self.available = {tier: True for tier in spec.capacity}
 
     def capacity(self, tier: Tier) -> int:
@@ -48,8 +48,11 @@ class NodeLedger:
         if not self.usable(tier):
             return None
         if tier is Tier.DRAM:
+            alloc = self.alloc
+            if alloc is None:  # a DRAM tier of no bytes
+                return None
             try:
-                ext = self.alloc.allocate(size) if offset is None else self.alloc.claim(offset, size)
+                ext = alloc.allocate(size) if offset is None else alloc.claim(offset, size)
             except (OutOfSpace, ValueError):  # full, or a misaligned offset from an inventory
                 return None
             self.blocks[tier] += 1
@@ -62,6 +65,7 @@ class NodeLedger:
 
     def release(self, replica: Replica) -> None:
         if replica.tier is Tier.DRAM:
+            assert self.alloc is not None, "a DRAM replica was allocated here"
             self.alloc.free(replica.offset)
         else:
             self._used[replica.tier] -= replica.size

@@ -45,9 +45,9 @@ class PoolState:
         self._next_id += 1
         return self._next_id
 
-    def protected(self, key: object) -> bool:
+    def protected(self, key: bytes) -> bool:
         """Not an eviction candidate: unknown, still being written, leased or being moved."""
-        block = self.blocks.get(key)  # type: ignore[call-overload]
+        block = self.blocks.get(key)
         return block is None or not block.visible or block.leases > 0 or block.busy > 0
 
     def add_replica(self, key: bytes, block: Block, replica: Replica, now: float) -> None:

@@ -79,7 +79,8 @@ class PrefillCostModel(NamedTuple):
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float, float]]) -> PrefillCostModel:
         """Fit from ``(new_tokens, cached_tokens, seconds)`` measurements."""
-        return cls(_fit(samples, prefill_features, "prefill"))  # type: ignore[arg-type]
+        c0, c1, c2, c3 = _fit(samples, prefill_features, "prefill")
+        return cls((c0, c1, c2, c3))
 
     def predict(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         if new_tokens <= 0:
@@ -89,7 +90,8 @@ class PrefillCostModel(NamedTuple):
 
     def scaled(self, factor: float) -> PrefillCostModel:
         """The same shape, every prediction times ``factor``."""
-        return PrefillCostModel(tuple(c * factor for c in self.coef))  # type: ignore[arg-type]
+        c0, c1, c2, c3 = self.coef
+        return PrefillCostModel((c0 * factor, c1 * factor, c2 * factor, c3 * factor))
 
 
 class DecodeCostModel(NamedTuple):
@@ -100,7 +102,8 @@ class DecodeCostModel(NamedTuple):
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float, float]]) -> DecodeCostModel:
         """Fit from ``(batch_size, context_tokens, seconds)`` measurements."""
-        return cls(_fit(samples, decode_features, "decode"))  # type: ignore[arg-type]
+        c0, c1, c2 = _fit(samples, decode_features, "decode")
+        return cls((c0, c1, c2))
 
     def predict(self, batch_size: float, context_tokens: float) -> float:
         if batch_size <= 0:
@@ -110,7 +113,8 @@ class DecodeCostModel(NamedTuple):
 
     def scaled(self, factor: float) -> DecodeCostModel:
         """The same shape, every prediction times ``factor``."""
-        return DecodeCostModel(tuple(c * factor for c in self.coef))  # type: ignore[arg-type]
+        c0, c1, c2 = self.coef
+        return DecodeCostModel((c0 * factor, c1 * factor, c2 * factor))
 
     @property
     def per_context_token(self) -> float:

@@ -80,4 +80,7 @@ class SloAwareDecode:
         what a rejection reports (None when it fits none)."""
         predicted = [(self.predicted_tbt(inst, context_tokens, at), inst.id) for inst in instances
                      if self.fits(inst, context_tokens, at)]
-        return DecodeChoice(*reversed(min(predicted))) if predicted else None
+        if not predicted:
+            return None
+        tbt, instance_id = min(predicted)
+        return DecodeChoice(instance_id, tbt)

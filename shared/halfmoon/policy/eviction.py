@@ -6,9 +6,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # a tracked block's key
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Generic[K]):
     """Orders cached blocks for eviction.
 
     Contract: the policy only ranks; it never removes a block by itself. The owner calls
@@ -21,32 +24,32 @@ class EvictionPolicy(ABC):
     """
 
     @abstractmethod
-    def on_insert(self, key: Hashable, *, now: float, chain_position: int = 0) -> None:
+    def on_insert(self, key: K, *, now: float, chain_position: int = 0) -> None:
         """Start tracking ``key``; ``chain_position`` is the block's index in its prefix chain."""
 
     @abstractmethod
-    def on_access(self, key: Hashable, *, now: float) -> None:
+    def on_access(self, key: K, *, now: float) -> None:
         """Record a hit on a tracked key."""
 
     @abstractmethod
-    def on_remove(self, key: Hashable) -> None:
+    def on_remove(self, key: K) -> None:
         """Stop tracking ``key`` (unknown keys are ignored)."""
 
     @abstractmethod
-    def victims(self, n: int, protected: Callable[[Hashable], bool] = lambda _k: False) -> list[Hashable]:
+    def victims(self, n: int, protected: Callable[[K], bool] = lambda _k: False) -> list[K]:
         """Up to ``n`` unprotected keys, first to evict first."""
 
     @abstractmethod
     def __len__(self) -> int: ...
 
-    def __contains__(self, key: Hashable) -> bool:  # pragma: no cover - overridden
+    def __contains__(self, key: K) -> bool:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def keys(self) -> Iterable[Hashable]:  # pragma: no cover - overridden
+    def keys(self) -> Iterable[K]:  # pragma: no cover - overridden
         raise NotImplementedError
 
 
-class _BucketedPolicy(EvictionPolicy):
+class _BucketedPolicy(EvictionPolicy[K]):
     """Keys grouped into integer buckets, each kept in recency order (oldest first).
 
     ``victims`` walks the buckets in ``_bucket_order`` and each bucket oldest first, so every
@@ -57,8 +60,8 @@ class _BucketedPolicy(EvictionPolicy):
     descending = False
 
     def __init__(self) -> None:
-        self._where: dict[Hashable, int] = {}
-        self._buckets: dict[int, OrderedDict[Hashable, None]] = {}
+        self._where: dict[K, int] = {}
+        self._buckets: dict[int, OrderedDict[K, None]] = {}
 
     def _initial_bucket(self, chain_position: int) -> int:
         return 0
@@ -66,11 +69,11 @@ class _BucketedPolicy(EvictionPolicy):
     def _bucket_after_access(self, bucket: int) -> int:
         return bucket
 
-    def _place(self, key: Hashable, bucket: int) -> None:
+    def _place(self, key: K, bucket: int) -> None:
         self._where[key] = bucket
         self._buckets.setdefault(bucket, OrderedDict())[key] = None
 
-    def _unplace(self, key: Hashable) -> int | None:
+    def _unplace(self, key: K) -> int | None:
         bucket = self._where.pop(key, None)
         if bucket is not None:
             members = self._buckets[bucket]
@@ -79,13 +82,13 @@ class _BucketedPolicy(EvictionPolicy):
                 del self._buckets[bucket]
         return bucket
 
-    def on_insert(self, key: Hashable, *, now: float, chain_position: int = 0) -> None:
+    def on_insert(self, key: K, *, now: float, chain_position: int = 0) -> None:
         if key in self._where:
             self.on_access(key, now=now)
         else:
             self._place(key, self._initial_bucket(chain_position))
 
-    def on_access(self, key: Hashable, *, now: float) -> None:
+    def on_access(self, key: K, *, now: float) -> None:
         bucket = self._where.get(key)
         if bucket is None:
             return
@@ -96,11 +99,11 @@ class _BucketedPolicy(EvictionPolicy):
             self._unplace(key)
             self._place(key, new_bucket)
 
-    def on_remove(self, key: Hashable) -> None:
+    def on_remove(self, key: K) -> None:
         self._unplace(key)
 
-    def victims(self, n: int, protected: Callable[[Hashable], bool] = lambda _k: False) -> list[Hashable]:
-        out: list[Hashable] = []
+    def victims(self, n: int, protected: Callable[[K], bool] = lambda _k: False) -> list[K]:
+        out: list[K] = []
         if n <= 0:
             return out
         for bucket in sorted(self._buckets, reverse=self.descending):
@@ -114,18 +117,18 @@ class _BucketedPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._where)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._where
 
-    def keys(self) -> Iterable[Hashable]:
+    def keys(self) -> Iterable[K]:
         return self._where.keys()
 
 
-class LRUEviction(_BucketedPolicy):
+class LRUEviction(_BucketedPolicy[K]):
     """Least recently inserted-or-hit first (Mooncake Store's default)."""
 
 
-class LFUEviction(_BucketedPolicy):
+class LFUEviction(_BucketedPolicy[K]):
     """Fewest hits first (insert counts as one use); ties go least recently used first."""
 
     def _initial_bucket(self, chain_position: int) -> int:
@@ -135,7 +138,7 @@ class LFUEviction(_BucketedPolicy):
         return bucket + 1
 
 
-class LengthAwareEviction(_BucketedPolicy):
+class LengthAwareEviction(_BucketedPolicy[K]):
     """Deepest prefix-chain position first; ties go least recently used first.
 
     A block at position i is reusable only by requests that also match blocks 0..i-1, so it
@@ -158,7 +161,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
-def make_eviction(name: str) -> EvictionPolicy:
+def make_eviction(name: str) -> EvictionPolicy[K]:
     try:
         return EVICTION_POLICIES[name]()
     except KeyError:

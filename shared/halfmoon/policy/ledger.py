@@ -46,7 +46,8 @@ class Stage(NamedTuple):
     tokens: int = 0
 
 
-class Outstanding(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Outstanding:
     """What the ledger holds for one instance."""
 
     count: int = 0

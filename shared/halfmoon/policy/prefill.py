@@ -179,4 +179,4 @@ def make_prefill_policy(name: str, cost: CostModels, slo: SLO = SLO(), **kwargs:
         cls = PREFILL_POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown prefill policy {name!r}; choose from {sorted(PREFILL_POLICIES)}") from None
-    return cls(cost, slo, **kwargs)  # type: ignore[arg-type]
+    return cls(cost, slo, **kwargs)

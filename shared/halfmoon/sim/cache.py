@@ -16,7 +16,7 @@ class NodeCache(PrefixIndex[Hashable]):
     owning :class:`ClusterCache`, which keeps the cluster-wide holder index.
     """
 
-    def __init__(self, node: str, cluster: ClusterCache, policy: EvictionPolicy) -> None:
+    def __init__(self, node: str, cluster: ClusterCache, policy: EvictionPolicy[Hashable]) -> None:
         self.node = node
         self.cluster = cluster
         self.policy = policy

@@ -150,10 +150,12 @@ class CoupledSim(SimBase):
         first, growth, size = node.extra
         self.decoded(batch, batch.close(k))
         if node.kind == PREFILLING and self.chunked:
-            rid = node.chunk[0]
+            chunk = node.chunk
+            assert chunk is not None, "a chunked node prefilling holds its chunk"
+            rid = chunk[0]
             self.out.prefill_s[rid] += k * first + growth * k * (k - 1) / 2
-            node.chunk[1] += k * size
-            if node.chunk[1] >= self.trace[rid].input_length:
+            chunk[1] += k * size
+            if chunk[1] >= self.trace[rid].input_length:
                 node.chunk = None
                 self._prefilled(node, rid, batch.t0)
         elif node.kind == PREFILLING:

@@ -59,8 +59,8 @@ class DisaggregatedSim(SimBase):
         self.decode = [_DecodeNode(f"d{i}", DecodeBatch(self.cost.decode)) for i in range(config.decode_nodes)]
         self._prefill_by_id = {n.id: n for n in self.prefill}
         self._decode_idx = {n.id: i for i, n in enumerate(self.decode)}
-        self.cache = ClusterCache([n.id for n in self.prefill], config.per_node_blocks(config.prefill_nodes), config.eviction)
-        prefill_kwargs = {"seed": config.seed} if config.prefill_policy == "random" else {}
+        self.cache: ClusterCache = ClusterCache([n.id for n in self.prefill], config.per_node_blocks(config.prefill_nodes), config.eviction)
+        prefill_kwargs: dict[str, float] = {"seed": config.seed} if config.prefill_policy == "random" else {}
         if config.prefill_policy == "global-cache-aware":
             prefill_kwargs = {"balancing_threshold": config.balancing_threshold}
         self.decode_policy = SloAwareDecode(self.cost.decode, config.slo)
@@ -114,6 +114,7 @@ class DisaggregatedSim(SimBase):
             self.reject(rid, late=False)
             return
         choice = decision.prefill
+        assert choice is not None, "an accepted decision carries its prefill choice"
         node = self._prefill_by_id[choice.instance_id]
         local = choice.prefix_blocks - len(choice.pulls)
         # a pipeline holds all its stages from when the busiest one is free until the last chunk leaves

@@ -71,6 +71,11 @@ class StorageTier(ABC):
     @abstractmethod
     async def usage(self) -> TierUsage: ...
 
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Configured bytes."""
+
     async def close(self) -> None:
         """Release the tier's resources (the stored blocks survive where the backend is durable)."""
 

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 
 from halfmoon.storage.allocator import Extent, ExtentAllocator, OutOfSpace
 from halfmoon.storage.base import BlockNotFound, Buffer, StorageTier, TierFull, TierUsage, check_key
-from halfmoon.storage.segment import create_segment
+from halfmoon.storage.segment import create_segment, segment_buffer
 
 
 class ShmTier(StorageTier):
     def __init__(self, capacity: int, name: str | None = None, alignment: int = 64) -> None:
         self._alloc = ExtentAllocator(capacity, alignment)
         self._shm = create_segment(name, self._alloc.capacity)
-        self._buf = self._shm.buf  # NOTE: never released separately; SharedMemory.close() does
+        self._buf = segment_buffer(self._shm)  # NOTE: never released separately; SharedMemory.close() does
         self._blocks: dict[bytes, Extent] = {}  # visible blocks
         self._pending: dict[bytes, Extent] = {}  # reserved, being written in place
 

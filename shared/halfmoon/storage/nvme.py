@@ -21,7 +21,7 @@ class DirTier(StorageTier):
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.root = Path(root)
-        self.capacity = capacity
+        self._capacity = capacity
         self.root.mkdir(parents=True, exist_ok=True)
         self._sizes: dict[bytes, int] = {}
         for path in self.root.glob("*/*"):
@@ -30,6 +30,10 @@ class DirTier(StorageTier):
             else:
                 path.unlink()  # leftover temp file of an interrupted write
         self._used = sum(self._sizes.values())
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def _path(self, key: bytes) -> Path:
         name = check_key(key).hex()

@@ -15,8 +15,17 @@ def create_segment(name: str | None, size: int) -> SharedMemory:
     if size <= 0:
         raise ValueError(f"segment size must be positive, got {size}")
     shm = SharedMemory(name=name, create=True, size=size)
-    os.fchmod(shm._fd, SEGMENT_MODE)  # NOTE: explicit, not left to SharedMemory's default and the umask
+    # NOTE: explicit, not left to SharedMemory's default and the umask
+    os.fchmod(shm._fd, SEGMENT_MODE)  # type: ignore[attr-defined]  # typeshed omits POSIX SharedMemory's _fd
     return shm
+
+
+def segment_buffer(shm: SharedMemory) -> memoryview:
+    """The mapping of an open segment (``SharedMemory.buf`` is None only once it is closed)."""
+    buf = shm.buf
+    if buf is None:
+        raise ValueError(f"segment {shm.name} is closed")
+    return buf
 
 
 class AttachedSegment:

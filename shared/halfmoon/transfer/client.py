@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import msgspec
 
@@ -44,7 +45,7 @@ class TransferClient:
         cached = self._transports.get(address)
         if cached is not None and _stale(cached):  # the node restarted: new paths, no failures held against them
             await cached.close()
-            for path in cached.paths:  # type: ignore[attr-defined]
+            for path in cached.paths:
                 self.health.succeeded(address, path.kind)
             cached = None
         if cached is None:
@@ -69,6 +70,7 @@ class TransferClient:
         paths = []
         for kind in path_kinds(set(self._openers), (hello.offers or NO_OFFERS).kinds(), shm is not None):
             if kind == "shm":
+                assert shm is not None, "path_kinds offers shm only with the segment attached"
                 paths.append(Path(kind, shm))
             elif kind == "tcp":
                 paths.append(Path(kind, tcp))
@@ -97,7 +99,7 @@ class TransferClient:
         self._transports.clear()
 
 
-def _stale(transport: Transport) -> bool:
+def _stale(transport: Transport) -> TypeGuard[PathFailover]:
     """A node's only path is TCP, which outlives a restart; more paths may include its old segment."""
     return isinstance(transport, PathFailover) and any(
         isinstance(p.transport, ShmTransport) and not p.transport.current for p in transport.paths)

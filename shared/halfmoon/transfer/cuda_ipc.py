@@ -53,7 +53,7 @@ class PinnedStaging:
         with torch.cuda.stream(self.stream):
             self.buffer[: flat.numel()].copy_(flat, non_blocking=True)
         self.stream.synchronize()
-        return memoryview(self.buffer.numpy())[: flat.numel()]
+        return self.buffer.numpy().data[: flat.numel()]
 
     def from_host(self, data: memoryview | bytes, out: torch.Tensor) -> torch.Tensor:
         src = memoryview(data).cast("B")
@@ -90,7 +90,7 @@ def export_ipc(tensor: torch.Tensor) -> CudaIpcHandle:
         raise ValueError("only CUDA tensors can be exported through CUDA IPC")
     storage = tensor.untyped_storage()
     device, handle, size, offset, rc_handle, rc_offset, event, sync = storage._share_cuda_()
-    return CudaIpcHandle(list(tensor.shape), list(tensor.stride()), tensor.storage_offset(),
+    return CudaIpcHandle(list(tensor.shape), list(tensor.stride()), int(tensor.storage_offset()),
                          str(tensor.dtype).removeprefix("torch."), device, handle, size, offset,
                          rc_handle, rc_offset, event, sync)
 

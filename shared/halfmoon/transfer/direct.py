@@ -89,6 +89,7 @@ class DirectTransport(Transport):
 
     async def _read(self, batch: ReadBatch) -> list[memoryview | None]:
         self._check_attached()
+        extents: Sequence[Extent]
         if batch.extents is None:
             extents = await self.locate(batch.keys, batch.caps)
         elif len(batch.extents) != len(batch.keys) or any(

@@ -63,7 +63,8 @@ def attempt_order(
     """(replica index, path kind) to try, in order: each replica's healthy paths in preference
     order, replicas in the given order; paths in cool-down go last, so a request is never
     refused while any path might still work."""
-    healthy, cooling = [], []
+    healthy: list[tuple[int, str]] = []
+    cooling: list[tuple[int, str]] = []
     for i, rep in enumerate(replicas):
         for kind in kinds(rep.address):
             (healthy if health.healthy(rep.address, kind, now) else cooling).append((i, kind))
@@ -188,7 +189,7 @@ class FailoverReader:
                 continue
             self.health.succeeded(rep.address, kind)
             self.attempts.append((rep.address, kind, "ok"))
-            return views  # type: ignore[return-value]
+            return views
         if missing is not None and all(outcome.startswith("missing") for *_, outcome in self.attempts):
             raise missing
         tried = "; ".join(f"{a} {k}: {o}" for a, k, o in self.attempts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -27,23 +27,26 @@ def address_of(buf: Buffer) -> int:
     return int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
-class Registrar(Protocol):
+H = TypeVar("H")  # what a registration returns: an ibv memory region, Mooncake's address
+
+
+class Registrar(Protocol[H]):
     """What registers memory with a device or engine (``ibv_reg_mr``, Mooncake's ``register_memory``)."""
 
-    def register(self, region: Region) -> object: ...
+    def register(self, region: Region) -> H: ...
 
-    def unregister(self, handle: object) -> None: ...
+    def unregister(self, handle: H) -> None: ...
 
 
-class LocalMemory:
+class LocalMemory(Generic[H]):
     """Contract: ``pin(buf)`` registers ``buf`` once (idempotent) and keeps a reference, so its
     pages stay valid while registered; ``staging(n)`` returns a registered writable buffer of at
     least ``n`` bytes, valid until the next ``staging`` call (callers hold ``lock`` around
     their use); ``pinned(buf)`` tells whether a transfer can use ``buf`` in place."""
 
-    def __init__(self, registrar: Registrar, initial_staging: int = 1 << 20) -> None:
+    def __init__(self, registrar: Registrar[H], initial_staging: int = 1 << 20) -> None:
         self._registrar = registrar
-        self.registrations: Registrations[object] = Registrations()
+        self.registrations: Registrations[H] = Registrations()
         self._keep: list[object] = []
         self._staging: bytearray | None = None
         self._staging_region: Region | None = None

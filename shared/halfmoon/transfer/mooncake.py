@@ -61,14 +61,14 @@ class MooncakeEngine:
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._lock = threading.Lock()
 
-    def register(self, region: Region) -> object:
+    def register(self, region: Region) -> int:
         with self._lock:
             rc = self.engine.register_memory(region.addr, region.length)
         if rc != 0:
             raise TransferError(f"mooncake: registering {region.length} bytes failed (rc {rc})")
         return region.addr
 
-    def unregister(self, handle: object) -> None:
+    def unregister(self, handle: int) -> None:
         with self._lock:
             self.engine.unregister_memory(handle)
 

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
+from typing import Any, Protocol
 
 import msgspec
 
@@ -39,6 +40,35 @@ from halfmoon.transfer.transport import TransferError
 
 SYSTEM_DIST = os.environ.get("HALFMOON_PYVERBS_PATH", "/usr/lib/python3/dist-packages")
 POLL_BATCH = 32
+
+
+class VerbsObject(Protocol):
+    """A pyverbs resource: freed by ``close()``."""
+
+    def close(self) -> None: ...
+
+
+class MemoryRegion(VerbsObject, Protocol):
+    """pyverbs' ``MR``."""
+
+    lkey: int
+    rkey: int
+
+
+class QueuePair(VerbsObject, Protocol):
+    """pyverbs' ``QP``; the attributes and work requests are pyverbs' own objects."""
+
+    qp_num: int
+
+    def to_rts(self, attr: Any) -> None: ...
+
+    def post_send(self, wr: Any) -> None: ...
+
+
+class CompletionQueue(VerbsObject, Protocol):
+    """pyverbs' ``CQ``: ``poll`` returns how many completions it took and the work completions."""
+
+    def poll(self, num_entries: int) -> tuple[int, list[Any]]: ...
 
 
 class RdmaUnavailable(RuntimeError):
@@ -105,7 +135,7 @@ class VerbsDevice:
         self.limits = PostLimits(max_sge=min(16, dev.max_sge), max_wr=64, max_message=min(1 << 30, attr.max_msg_sz),
                                  queue_depth=min(256, dev.max_qp_wr))
 
-    def register(self, region: Region, remote: bool = False) -> object:
+    def register(self, region: Region, remote: bool = False) -> MemoryRegion:
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
@@ -114,10 +144,10 @@ class VerbsDevice:
             access |= e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
         return MR(self.pd, region.length, access, address=region.addr)
 
-    def unregister(self, handle: object) -> None:
-        handle.close()  # type: ignore[attr-defined]
+    def unregister(self, handle: MemoryRegion) -> None:
+        handle.close()
 
-    def queue_pair(self) -> tuple[object, object, RdmaEndpoint]:
+    def queue_pair(self) -> tuple[QueuePair, CompletionQueue, RdmaEndpoint]:
         """An RC queue pair with a completion queue of its own (so no path polls another's)."""
         import pyverbs.enums as e
         from pyverbs.cq import CQ
@@ -130,7 +160,7 @@ class VerbsDevice:
         psn = int.from_bytes(os.urandom(3), "little")
         return qp, cq, RdmaEndpoint(qp.qp_num, psn, self.lid, self.gid, int(self.mtu))
 
-    def connect(self, qp: object, local: RdmaEndpoint, peer: RdmaEndpoint) -> None:
+    def connect(self, qp: QueuePair, local: RdmaEndpoint, peer: RdmaEndpoint) -> None:
         """RESET -> INIT -> RTR -> RTS towards the peer's queue pair."""
         import pyverbs.enums as e
         from pyverbs.addr import GID, AHAttr, GlobalRoute
@@ -144,7 +174,7 @@ class VerbsDevice:
         attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
         gr = GlobalRoute(dgid=GID(peer.gid), sgid_index=self.gid_index) if peer.gid else None
         attr.ah_attr = AHAttr(port_num=self.port, dlid=peer.lid, is_global=int(gr is not None), gr=gr)
-        qp.to_rts(attr)  # type: ignore[attr-defined]
+        qp.to_rts(attr)
 
     def close(self) -> None:
         for obj in (self.pd, self.ctx):
@@ -160,13 +190,13 @@ class VerbsSegment:
         self.device = device
         self.region = Region(address_of(segment), segment.nbytes)
         self.mr = device.register(self.region, remote=True)
-        self._qps: list[object] = []
+        self._qps: list[VerbsObject] = []
 
     def accept(self, client: RdmaEndpoint) -> RdmaEndpoint:
         qp, cq, local = self.device.queue_pair()
         self.device.connect(qp, local, client)
         self._qps += [qp, cq]
-        rkey = self.mr.rkey  # type: ignore[attr-defined]
+        rkey = self.mr.rkey
         return msgspec.structs.replace(local, segment_addr=self.region.addr, segment_rkey=rkey,
                                        segment_size=self.region.length)
 
@@ -180,8 +210,8 @@ class VerbsSegment:
 
     def close(self) -> None:
         for obj in self._qps:
-            obj.close()  # type: ignore[attr-defined]
-        self.mr.close()  # type: ignore[attr-defined]
+            obj.close()
+        self.mr.close()
 
 
 class VerbsPath(OneSidedPath):
@@ -190,7 +220,7 @@ class VerbsPath(OneSidedPath):
     kind = "rdma"
 
     def __init__(
-        self, device: VerbsDevice, qp: object, cq: object, node: RdmaEndpoint, timeout_s: float = 30.0
+        self, device: VerbsDevice, qp: QueuePair, cq: CompletionQueue, node: RdmaEndpoint, timeout_s: float = 30.0
     ) -> None:
         self.device, self.qp, self.cq, self.node = device, qp, cq, node
         self.segment_size = node.segment_size
@@ -217,7 +247,7 @@ class VerbsPath(OneSidedPath):
                 chain = SendWR(wr_id=wr_id, opcode=opcode, num_sge=len(sges), sg=sges, send_flags=flags, next_wr=chain)
                 chain.set_wr_rdma(self.node.segment_rkey, wr.remote)
                 keep.append(chain)
-            self.qp.post_send(chain)  # type: ignore[attr-defined]
+            self.qp.post_send(chain)
         while not done.done:
             self._poll(done, deadline)
         try:
@@ -228,7 +258,7 @@ class VerbsPath(OneSidedPath):
     def _poll(self, done: Completions, deadline: float) -> None:
         import pyverbs.enums as e
 
-        n, wcs = self.cq.poll(POLL_BATCH)  # type: ignore[attr-defined]
+        n, wcs = self.cq.poll(POLL_BATCH)
         for wc in wcs[:n]:
             done.complete(wc.wr_id, wc.status == e.IBV_WC_SUCCESS, f"status {wc.status}")
         if n == 0 and time.monotonic() > deadline:
@@ -238,8 +268,8 @@ class VerbsPath(OneSidedPath):
 
     def close(self) -> None:
         self.memory.close()
-        self.qp.close()  # type: ignore[attr-defined]
-        self.cq.close()  # type: ignore[attr-defined]
+        self.qp.close()
+        self.cq.close()
 
 
 Exchange = Callable[[TcpTransport, RdmaEndpoint], Awaitable[RdmaEndpoint]]
@@ -267,8 +297,8 @@ def rdma_opener(device: VerbsDevice, exchange: Exchange) -> Opener:
             node = await exchange(control, local)
             device.connect(qp, local, node)
         except BaseException:
-            qp.close()  # type: ignore[attr-defined]
-            cq.close()  # type: ignore[attr-defined]
+            qp.close()
+            cq.close()
             raise
         return OneSidedTransport(control, VerbsPath(device, qp, cq, node))
 

@@ -16,8 +16,9 @@ import contextlib
 import logging
 import socket
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import cache
+from typing import Any
 
 from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
 from halfmoon.core.keys import key_hex
@@ -103,17 +104,17 @@ class BlockServer:
         sock.listen(128)
         sock.setblocking(False)
         self._listener = sock
-        self._spawn(self._accept_loop())
+        self._spawn(self._accept_loop(sock))
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
+            conn, _ = await loop.sock_accept(listener)
             if len(self._channels) >= self.max_connections:
                 self.refused_connections += 1
                 conn.close()  # before reading anything: a flood costs a socket, never a buffer
@@ -224,7 +225,7 @@ class BlockServer:
         """Configured bytes per tier, DRAM first; S3's is its configured quota (no listing)."""
         out = [0] * len(Tier)
         for tier, store in self.store.tiers.items():
-            out[tier] = store.capacity  # type: ignore[attr-defined]
+            out[tier] = store.capacity
         return out
 
     async def _control(self, req: Request, reserved: set[bytes]) -> Response:
@@ -248,11 +249,11 @@ class BlockServer:
             )
         if req.op is Op.RESERVE:
             try:  # one allocation for the batch: per-block bookkeeping is what small blocks cost
-                exts = dram.reserve_batch(req.keys, req.sizes, req.offsets or None)
+                reservations = dram.reserve_batch(req.keys, req.sizes, req.offsets or None)
             except (StorageError, ValueError) as exc:
                 return Response(False, error=f"{type(exc).__name__}: {exc}")
             reserved.update(req.keys)
-            return Response(True, offsets=[e.offset for e in exts], sizes=[e.size for e in exts])
+            return Response(True, offsets=[e.offset for e in reservations], sizes=[e.size for e in reservations])
         if req.op is Op.COMMIT:
             if req.sizes:  # written in place at offsets the cache-manager chose: claim them now
                 claimed = await self._control(Request(Op.RESERVE, req.keys, req.sizes, req.offsets), reserved)

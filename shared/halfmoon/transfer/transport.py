@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
@@ -81,6 +81,30 @@ class Transport(ABC):
     Implementations provide ``_read``/``_write``: ``write`` validates a batch before anything moves,
     ``read`` turns missing blocks into ``BlockNotFound``."""
 
+    @overload
+    async def read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        caps: Sequence[bytes] = (),
+        missing_ok: Literal[False] = False,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
+        check: BlockHook | None = None,
+    ) -> list[memoryview]: ...
+
+    @overload
+    async def read(
+        self,
+        keys: Sequence[bytes],
+        *,
+        caps: Sequence[bytes] = (),
+        missing_ok: bool,
+        extents: Sequence[Extent] | None = None,
+        into: memoryview | None = None,
+        check: BlockHook | None = None,
+    ) -> list[memoryview | None]: ...
+
     async def read(
         self,
         keys: Sequence[bytes],
@@ -90,7 +114,7 @@ class Transport(ABC):
         extents: Sequence[Extent] | None = None,
         into: memoryview | None = None,
         check: BlockHook | None = None,
-    ) -> list[memoryview | None]:
+    ) -> list[memoryview] | list[memoryview | None]:
         views = await self._read(ReadBatch(keys, caps, extents, into, check))
         if not missing_ok and None in views:
             raise BlockNotFound([k for k, v in zip(keys, views) if v is None])
