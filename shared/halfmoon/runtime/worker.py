@@ -15,9 +15,10 @@ import msgspec
 import nats
 
 from halfmoon.core.kv_spec import KVSpec
-from halfmoon.engine.async_engine import AsyncEngine, StepTiming
+from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.engine import EngineStats, LLMEngine
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.interface import Engine, EngineStats, StepTiming
 from halfmoon.policy.state import RecentSamples
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
@@ -158,7 +159,7 @@ class EngineWorker(Service[WorkerConfig]):
         super().__init__(config, tracer_provider)
         self.meter = LoadMeter(config.block_size)
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
-        self.engine: AsyncEngine | None = None
+        self.engine: Engine | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
         self.replay = ReplayBuffer()
@@ -270,6 +271,11 @@ class EngineWorker(Service[WorkerConfig]):
             self._report(request_id, WorkOutcome.FAILED if failed else WorkOutcome.COMPLETED)
             if request_id not in self._tasks:
                 self._reported.pop(request_id, None)  # no task whose end reports again
+
+    def record_ttft(self, seconds: float) -> None:
+        """A request's first token took ``seconds`` here (its load estimate, and the TTFT metric)."""
+        self.meter.on_first_token(seconds)
+        METRICS.ttft.labels(self.instance_id).observe(seconds)
 
     def report_prefilled(self, request_id: str) -> None:
         """An instance doing both parts of a request tells the conductors its prefill part is over (its
