@@ -46,7 +46,8 @@ class _Request:
 class LLMEngine:
     """A paged-KV, continuously batching engine over a local Llama-family model.
 
-    Not thread-safe: one caller drives ``step``; services run it in one worker thread.
+    Not thread-safe: one caller drives ``step``. Services never see it: ``AsyncEngine`` runs it on one
+    thread behind the ``Engine`` interface (engine/interface.py), whose contract its methods follow.
     """
 
     def __init__(self, config: EngineConfig) -> None:
