@@ -87,7 +87,7 @@ def instrument(prefill: PrefillService, decode: DecodeService, layers: int, time
     timeline.wrap(LayerWriter, "_ship", lambda layers_, *a: f"prefill: seal+write+announce {last}"
                   if layers_.stop == layers else None)
     timeline.wrap(prefill, "publish_event", "prefill: first token's event")
-    timeline.wrap(prefill, "publish_cache_events", "prefill: cache events (engine call + publish)")
+    timeline.wrap(prefill.prefix, "publish_cache_events", "prefill: cache events (engine call + publish)")
     timeline.wrap(prefill.handoff, "send", "prefill: kv_write (commit, write whole, put_end, park)")
     timeline.wrap(prefill.handoff, "commit", "prefill: kv_commit after the signal (commit, put_end)")
     timeline.wrap(ShmTransport, "commit", "prefill: COMMIT to the node")

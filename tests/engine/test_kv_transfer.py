@@ -8,7 +8,8 @@ import pytest
 import torch
 from halfmoon.core.block_format import decode_block, decode_layer, read_header, seal_block, verify_block, verify_layer
 from halfmoon.core.errors import KVFormatError
-from halfmoon.engine.engine import PREFILL_DONE, LLMEngine
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.interface import PREFILL_DONE, RequestKV
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol.sampling import SamplingParams
 
@@ -28,7 +29,7 @@ def prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> int:
 
 
 def decode(engine: LLMEngine, prompt: list[int], first: int, blocks: list[bytes]) -> list[int]:
-    engine.add_request("d", prompt, GREEDY, output_token_ids=[first], kv_blocks=blocks)
+    engine.add_request("d", prompt, GREEDY, output_token_ids=[first], kv=RequestKV(source=blocks))
     tokens = [first]
     while engine.has_unfinished():
         for out in engine.step():
@@ -57,7 +58,7 @@ class TestExportImport:
         (prompt,) = random_prompts(source.vocab_size, [48], seed=3)
         first = prefill(source, "p", prompt)
         blocks = source.export_kv("p")
-        target.add_request("d", prompt, GREEDY, output_token_ids=[first], kv_blocks=blocks)
+        target.add_request("d", prompt, GREEDY, output_token_ids=[first], kv=RequestKV(source=blocks))
         (chunk,) = target.scheduler.schedule()
         assert (chunk.start, chunk.num_tokens) == (48, 1)
 
@@ -74,7 +75,7 @@ class TestPromptExportWithTheFirstToken:
         prefill(exporter, "p", prompt)
         expected = [bytes(b) for b in exporter.export_kv("p")[start:length // 16]]
         one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        engine.add_request("a", prompt, one_token, export_prompt_from=start)
+        engine.add_request("a", prompt, one_token, kv=RequestKV(export_prompt_from=start))
         outputs = []
         while engine.has_unfinished():  # 32-token chunks: 45 tokens take two steps
             outputs.extend(engine.step())
@@ -85,7 +86,7 @@ class TestPromptExportWithTheFirstToken:
     def test_later_outputs_carry_none(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama)
         (prompt,) = random_prompts(engine.vocab_size, [40], seed=2)
-        engine.add_request("a", prompt, GREEDY, export_prompt_from=0)
+        engine.add_request("a", prompt, GREEDY, kv=RequestKV(export_prompt_from=0))
         outputs = []
         while engine.has_unfinished():
             outputs.extend(engine.step())
@@ -125,7 +126,8 @@ class TestBlockPayload:
             decode_block(engine.layout, flipped, keys[0])
         other = make_engine(tiny_models["qwen2"])
         with pytest.raises(KVFormatError):
-            other.add_request("foreign", prompt, GREEDY, output_token_ids=[first], kv_blocks=blocks)
+            other.add_request("foreign", prompt, GREEDY, output_token_ids=[first],
+                              kv=RequestKV(source=blocks))
         assert decode(engine, prompt, first, blocks)[:1] == [first]
 
 

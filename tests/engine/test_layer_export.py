@@ -9,6 +9,7 @@ from halfmoon.core.block_format import read_header
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.hooks import LayerHook
+from halfmoon.engine.interface import RequestKV
 from halfmoon.protocol.sampling import SamplingParams
 
 from tests.engine.conftest import make_engine, random_prompts
@@ -29,7 +30,7 @@ class _Sink:
 
 
 def run_prefill(engine: LLMEngine, prompt: list[int], sink: _Sink, first_block: int = 0) -> None:
-    engine.add_request("p", prompt, GREEDY, prefill_only=True, layer_sink=sink, stream_from_block=first_block)
+    engine.add_request("p", prompt, GREEDY, prefill_only=True, kv=RequestKV(sink=sink, sink_from_block=first_block))
     while engine.has_unfinished():
         engine.step()
 
@@ -88,7 +89,7 @@ class TestOverlap:
         engine = make_engine(tiny_llama)
         (prompt,) = random_prompts(engine.vocab_size, [20], seed=5)
         with pytest.raises(InvalidRequestError, match="prefill-only"):
-            engine.add_request("x", prompt, GREEDY, layer_sink=_Sink())
+            engine.add_request("x", prompt, GREEDY, kv=RequestKV(sink=_Sink()))
         sink = _Sink()
         run_prefill(engine, prompt, sink)
         engine.release("p")

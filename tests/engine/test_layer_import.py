@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.hooks import LayerHook, LayerHooks
-from halfmoon.engine.layer_import import LayerSource, LayerUnavailable, ReadyKV
+from halfmoon.engine.interface import LayerSource, LayerUnavailable, RequestKV
+from halfmoon.engine.layer_import import ReadyKV
 from halfmoon.protocol.sampling import SamplingParams
 
 from tests.engine.conftest import make_engine, random_prompts
@@ -75,8 +76,8 @@ class TestLayerwiseImport:
         engine, events = make_engine(tiny_llama), []
         engine.runner.layer_hook = LayerHooks(engine.layer_import, Computed(events), engine.layer_export)
         source = Arriving(ReadyKV(engine.layout, blocks), events)
-        layered = run(engine, {"r": (prompt, {"kv_layers": source})})["r"]
-        whole = run(make_engine(tiny_llama), {"r": (prompt, {"kv_blocks": blocks})})["r"]
+        layered = run(engine, {"r": (prompt, {"kv": RequestKV(source=source)})})["r"]
+        whole = run(make_engine(tiny_llama), {"r": (prompt, {"kv": RequestKV(source=blocks)})})["r"]
         cold = run(make_engine(tiny_llama), {"r": (prompt, {})})["r"]
         assert layered == whole and layered[0] == cold[0] and layered[1] == 32  # two blocks not recomputed
         layers = engine.layout.num_layers
@@ -90,7 +91,7 @@ class TestLayerwiseImport:
         blocks, _ = pool_blocks(tiny_llama, a)
         engine, events = make_engine(tiny_llama), []
         source = Arriving(ReadyKV(engine.layout, blocks), events, lost_at=1)
-        out = run(engine, {"lost": (a, {"kv_layers": source}), "other": (b, {})})
+        out = run(engine, {"lost": (a, {"kv": RequestKV(source=source)}), "other": (b, {})})
         expected = run(make_engine(tiny_llama), {"lost": (a, {}), "other": (b, {})})
         assert out["lost"][0] == expected["lost"][0] and out["other"] == expected["other"]
         assert out["lost"][1] == 0  # recomputed from the start: nothing counted as cached
@@ -104,5 +105,5 @@ class TestLayerwiseImport:
         engine, events = make_engine(tiny_llama), []
         run(engine, {"warm": (prompt, {"block_keys": keys})})  # the local cache now holds both blocks
         source = Arriving(ReadyKV(engine.layout, blocks), events)
-        run(engine, {"r": (prompt, {"kv_layers": source, "block_keys": keys})})
+        run(engine, {"r": (prompt, {"kv": RequestKV(source=source), "block_keys": keys})})
         assert events == [] and source.closed

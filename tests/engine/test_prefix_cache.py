@@ -6,6 +6,7 @@ from pathlib import Path
 
 from halfmoon.core.keys import BlockHasher
 from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.interface import RequestKV
 from halfmoon.protocol.sampling import SamplingParams
 
 from tests.engine.conftest import make_engine, random_prompts
@@ -76,7 +77,7 @@ class TestImportAfterLocal:
         blocks = source.export_kv("p")
         run(target, "warmup", prompt[:33], block_keys=keys[:2])  # target holds blocks 0-1 locally
         assert target.cached_prefix_blocks(keys) == 2
-        tokens, cached = run(target, "t", prompt, block_keys=keys, kv_blocks=blocks[2:4], kv_start_block=2)
+        tokens, cached = run(target, "t", prompt, block_keys=keys, kv=RequestKV(source=blocks[2:4], start_block=2))
         assert cached == 64
         expected, _ = run(make_engine(tiny_llama), "cold", prompt)
         assert tokens == expected

@@ -9,7 +9,7 @@ import pytest
 import torch
 from halfmoon.core.errors import InvalidRequestError, OutOfKVBlocksError, UnknownRequestError
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.engine.stage import StageChunk, StageResult, hidden_bytes, hidden_tensor, split_layers
+from halfmoon.engine.interface import StageChunk, StageResult, hidden_bytes, hidden_tensor, split_layers
 from halfmoon.protocol.sampling import SamplingParams
 
 from tests.engine.conftest import make_engine, random_prompts

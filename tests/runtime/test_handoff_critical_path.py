@@ -97,4 +97,4 @@ class TestCacheEventsFollowTheHandOff:
     async def test_decode_has_the_request_before_prefill_publishes_cache_events(  # type: ignore[no-untyped-def]
             self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
         await held_until_decode_received(cluster, nc, namespace, tiny_model_dir, "r-events",
-                                         cluster.prefill, "publish_cache_events", "prefill publishes its cache events")
+                                         cluster.prefill.prefix, "publish_cache_events", "prefill publishes its cache events")

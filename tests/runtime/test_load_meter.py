@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from halfmoon.engine.async_engine import StepTiming
-from halfmoon.engine.engine import EngineStats
+from halfmoon.engine.interface import EngineStats, StepTiming
 from halfmoon.runtime.worker import LoadMeter
 
 

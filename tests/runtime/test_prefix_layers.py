@@ -14,13 +14,13 @@ from tests.runtime.conftest import Cluster, expected_tokens, running, serve
 
 def capture_fetches(cluster: Cluster) -> list[Fetched]:
     fetched: list[Fetched] = []
-    fetch = cluster.prefill.fetch_pooled
+    fetch = cluster.prefill.prefix.fetch_pooled
 
     async def spy(keys: Any) -> Fetched:
         fetched.append(await fetch(keys))
         return fetched[-1]
 
-    cluster.prefill.fetch_pooled = spy  # type: ignore[method-assign]
+    cluster.prefill.prefix.fetch_pooled = spy  # type: ignore[method-assign]
     return fetched
 
 

@@ -1,4 +1,4 @@
-"""Drive an LLMEngine from asyncio: the engine steps in its own thread, callers await streams."""
+"""Halfmoon's own engine behind the ``Engine`` interface: an LLMEngine stepping in its own thread."""
 
 from __future__ import annotations
 
@@ -8,49 +8,31 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from halfmoon.core.block_format import BlockLayout
 from halfmoon.core.errors import EngineError
 from halfmoon.core.kv_spec import KVSpec
-from halfmoon.engine.engine import EngineStats, LLMEngine, RequestOutput
-from halfmoon.engine.stage import StageChunk, StageResult
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.interface import (NO_KV, Engine, EngineStats, RequestKV, RequestOutput, StageChunk, StageResult,
+                                       StepTiming)
 from halfmoon.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
 _STOP = object()
 
 
-class StepTiming(NamedTuple):
-    """One engine step: when it ended, how long it took, how many sequences it advanced, how many of
-    those were decoding (past their first token), how many KV blocks were in use after it, and how many
-    tokens it computed (more than ``num_decoding``: prompt tokens shared the step)."""
+class AsyncEngine(Engine):
+    """``Engine`` over an LLMEngine built and stepped on one thread of its own.
 
-    ended: float
-    seconds: float
-    num_outputs: int
-    num_decoding: int = 0
-    kv_blocks: int = 0
-    num_tokens: int = 0
-
-    @property
-    def shared_with_prefill(self) -> bool:
-        return self.num_tokens > self.num_decoding
-
-
-class AsyncEngine:
-    """Contract: every engine call happens on the engine thread, in submission order.
-
-    ``generate`` yields the request's RequestOutputs as steps produce them and ends after
-    the finished one; an engine error while adding surfaces from the first ``anext``. A
-    caller that stops iterating early must ``abort``. ``call(fn)`` runs ``fn(engine)`` on
-    the engine thread between steps (KV export, release). ``cached_prefix_blocks`` is the one read
-    that does not wait for the step in progress. ``stats()``, ``kv_spec``, ``layout`` and
-    ``model_name`` may be read from any thread: the stats are a snapshot taken on the engine
-    thread after every step and command, the rest never change. ``run_stage``, ``stage_payloads`` and
-    ``release_stage`` run one pipeline stage of a request (engine/stage.py) between steps.
+    Every engine call happens on that thread, between steps, in submission order.
+    ``cached_prefix_blocks`` is the one read that does not wait for the step in progress. The stats are
+    a snapshot taken on the engine thread after every step and command; ``kv_spec``, ``layout``,
+    ``model_name``, ``hidden_size`` and ``dtype`` never change once started. ``call(fn)`` runs
+    ``fn(engine)`` on the engine thread: it is this class's own, for tests that need to hold or look
+    into the engine, and no part of ``Engine``.
     """
 
     def __init__(self, make_engine: Callable[[], LLMEngine],
@@ -62,11 +44,11 @@ class AsyncEngine:
         self._failure: BaseException | None = None
         self._engine: LLMEngine
         self._stats = EngineStats(0, 0, 0, 0)
-        self.kv_spec: KVSpec
-        self.layout: BlockLayout
-        self.model_name = ""
-        self.hidden_size = 0
-        self.dtype: torch.dtype = torch.float32
+        self._kv_spec: KVSpec
+        self._layout: BlockLayout
+        self._model_name = ""
+        self._hidden_size = 0
+        self._dtype: torch.dtype = torch.float32
         # NOTE: the engine is built and stepped on this one thread. torch's OpenMP pool belongs to
         # the thread that starts it; a second torch thread in the process halves the first one's speed.
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine", daemon=True)
@@ -86,9 +68,9 @@ class AsyncEngine:
     def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
         try:
             self._engine = make_engine()
-            self.kv_spec, self.layout, self.model_name = (self._engine.kv_spec, self._engine.layout,
-                                                          self._engine.model_name)
-            self.hidden_size, self.dtype = self._engine.hidden_size, self._engine.config.torch_dtype
+            self._kv_spec, self._layout, self._model_name = (self._engine.kv_spec, self._engine.layout,
+                                                             self._engine.model_name)
+            self._hidden_size, self._dtype = self._engine.hidden_size, self._engine.config.torch_dtype
             self._stats = self._engine.stats()
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's side
             self._failure = exc
@@ -134,6 +116,26 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
     # ---------------------------------------------------------------- asyncio
+    @property
+    def kv_spec(self) -> KVSpec:
+        return self._kv_spec
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self._layout
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -152,15 +154,17 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
-    async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                       **options: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                       output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
+                       kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[Any] = asyncio.Queue()
 
         def add() -> None:
             self._streams[request_id] = (loop, stream)
             try:
-                self._engine.add_request(request_id, prompt_token_ids, params, **options)
+                self._engine.add_request(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
+                                         block_keys=block_keys, prefill_only=prefill_only, kv=kv)
             except EngineError as exc:
                 self._streams.pop(request_id, None)
                 loop.call_soon_threadsafe(stream.put_nowait, exc)
@@ -175,20 +179,29 @@ class AsyncEngine:
                 return
 
     def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
-        """How many leading blocks of ``block_keys`` the local prefix cache holds, read now on the caller's
-        thread. Going through ``call`` would wait for the step in progress, and the request, added after
-        the next step had begun, would wait for that one too. The answer is a hint: the engine reuses
-        only what its cache still holds when it schedules the request, and uses KV imported from a block
-        on only where that reuse reaches it (scheduler ``_reuse``); the rest it computes."""
+        """Read now on the caller's thread. Going through ``call`` would wait for the step in progress,
+        and the request, added after the next step had begun, would wait for that one too. The engine
+        uses KV imported from a block on only where its cache's reuse reaches it (scheduler ``_reuse``);
+        the rest it computes."""
         # NOTE: each key is one dict membership test, atomic against the engine thread's changes.
         return self._engine.cached_prefix_blocks(block_keys)
 
+    async def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        return await self.call(lambda engine: engine.take_cache_events())
+
+    async def cached_block_keys(self) -> list[bytes]:
+        return await self.call(lambda engine: engine.cached_block_keys())
+
+    async def release(self, request_id: str) -> None:
+        await self.call(lambda engine: engine.release(request_id))
+
+    async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> list[bytearray]:
+        return await self.call(lambda engine: engine.export_kv(request_id, first_block, end_block))
+
     async def run_stage(self, chunk: StageChunk) -> StageResult:
-        """Run one chunk of a request through a range of layers (a pipeline stage); EngineError when refused."""
         return await self.call(lambda engine: engine.stages.run(chunk))
 
     async def stage_payloads(self, request_id: str, layers: range) -> list[bytearray]:
-        """The stage's layers of every block the request computed here, in pool format (unsealed)."""
         return await self.call(lambda engine: engine.stages.payloads(request_id, layers))
 
     async def release_stage(self, request_id: str) -> bool:

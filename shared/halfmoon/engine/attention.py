@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from halfmoon.engine.decode_kernel import DecodeBatch, DecodeKernel
+from halfmoon.engine.seq_attention import SeqAttention
 
 
 class PagedKVCache:
@@ -53,21 +54,6 @@ class PagedKVCache:
         slots = self._slots(block_ids, kv.shape[2])
         target = self.data[first_layer:first_layer + kv.shape[0]]
         target.index_copy_(3, slots, kv[:, :, : slots.numel()].transpose(2, 3).to(self.data.device, self.data.dtype))
-
-
-class SeqAttention(NamedTuple):
-    """One sequence's share of a step.
-
-    Its queries are rows ``[query_start, query_start + query_len)`` of the step; its keys are
-    the cache slots ``spans`` (half-open ranges, in position order), the last ``query_len`` of
-    them its own new tokens. ``mask`` is ``[query_len, context]`` when earlier context is
-    cached (the causal diagonal is offset); None means plain causal (or one decode query).
-    """
-
-    query_start: int
-    query_len: int
-    spans: tuple[tuple[int, int], ...]
-    mask: torch.Tensor | None
 
 
 class AttentionBatch(NamedTuple):

@@ -38,7 +38,7 @@ class BlockManager:
                    end of what this sequence computed before (0 at admission)
 
         ``comp`` and ``new_comp`` already have blocks (own, or shared from the prefix cache).
-        ``ext_comp`` is KV imported from the pool (``add_request(kv_blocks=...)``): it gets its
+        ``ext_comp`` is KV imported from the pool (``add_request(kv=RequestKV(source=...))``): it gets its
         slots here together with ``new`` and the engine copies it in before the step computes
         ``new``; it is counted as computed, never recomputed. Blocks are only ever appended.
         """

@@ -19,7 +19,7 @@ import torch
 from halfmoon.engine import native
 
 if TYPE_CHECKING:
-    from halfmoon.engine.attention import SeqAttention
+    from halfmoon.engine.seq_attention import SeqAttention
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

@@ -6,7 +6,6 @@ from collections.abc import Sequence as Seq
 import random
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from halfmoon.core.block_format import BlockLayout, encode_block
 from halfmoon.core.detokenizer import IncrementalDetokenizer
@@ -24,35 +23,17 @@ from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.context import context_limit
 from halfmoon.engine.hooks import LayerHooks
-from halfmoon.engine.layer_export import LayerExport, LayerSink
-from halfmoon.engine.layer_import import LayerImport, LayerSource, ReadyKV
+from halfmoon.engine.interface import NO_KV, PREFILL_DONE, EngineStats, LayerSource, RequestKV, RequestOutput
+from halfmoon.engine.layer_export import LayerExport
+from halfmoon.engine.layer_import import LayerImport, ReadyKV
 from halfmoon.engine.loader import load_model
 from halfmoon.engine.model_runner import ModelRunner
 from halfmoon.engine.sampler import Sampler
 from halfmoon.engine.scheduler import Scheduler
 from halfmoon.engine.sequence import Sequence, SequenceStatus
-from halfmoon.engine.stage import PipelineStages
+from halfmoon.engine.stage import PipelineStages, StageParts
 from halfmoon.engine.step_budget import StepBudget
 from halfmoon.protocol.sampling import SamplingParams
-
-PREFILL_DONE = "prefill_done"
-
-
-class RequestOutput(NamedTuple):
-    """What one step produced for one request (deltas, not totals, except the counts)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    compute_s: float = 0.0  # the request's share of every step so far, by the tokens each step computed for it
-    prompt_kv: Seq[bytearray] = ()  # add_request's export_prompt_from: the prompt's full blocks from there on
-
 
 @dataclass
 class _Request:
@@ -62,19 +43,11 @@ class _Request:
     export_prompt_from: int | None = None
 
 
-class EngineStats(NamedTuple):
-    """The engine's load at one moment, as the services report it."""
-
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-
-
 class LLMEngine:
     """A paged-KV, continuously batching engine over a local Llama-family model.
 
-    Not thread-safe: one caller drives ``step``; services run it in one worker thread.
+    Not thread-safe: one caller drives ``step``. Services never see it: ``AsyncEngine`` runs it on one
+    thread behind the ``Engine`` interface (engine/interface.py), whose contract its methods follow.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -108,7 +81,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self._requests: dict[str, _Request] = {}
         self._arrivals = 0
-        self.stages = PipelineStages(self)  # requests this engine runs one pipeline stage of
+        # requests this engine runs one pipeline stage of
+        self.stages = PipelineStages(StageParts(self.layout, self.hidden_size, self.vocab_size, self.max_model_len,
+                                                self.tokenizer, self.blocks, self.cache, self.runner, self.sampler,
+                                                self.token_ending, self.request_seed))
 
     def _eos_ids(self) -> frozenset[int]:
         found = getattr(self.model.generation_config, "eos_token_id", None)
@@ -143,49 +119,35 @@ class LLMEngine:
                                      f"({self.blocks.pool.num_blocks})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    output_token_ids: Seq[int] = (), kv_blocks: Seq[bytes | memoryview] = (),
-                    kv_layers: LayerSource | None = None, kv_start_block: int = 0, block_keys: Seq[bytes] = (), prefill_only: bool = False,
-                    layer_sink: LayerSink | None = None, stream_from_block: int = 0,
-                    export_prompt_from: int | None = None) -> None:
-        """Queue a request.
+                    output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
+                    kv: RequestKV = NO_KV) -> None:
+        """Queue a request (the parameters are ``Engine.generate``'s, engine/interface.py).
 
-        ``output_token_ids`` continues a request whose first tokens were produced elsewhere
-        (a prefill instance). ``kv_blocks`` are payloads (see ``export_kv``) holding KV of
-        consecutive blocks from block ``kv_start_block`` on, fetched from the pool; they are
-        used when the local prefix cache reaches that block, and not recomputed. ``kv_layers``
-        is such KV still arriving, layer by layer (engine/layer_import.py); give one or the other.
-        ``block_keys`` are the content keys of the prompt's full blocks: matching ones are
-        reused from the local prefix cache, and computed ones are cached there.
-        ``prefill_only`` stops after the first sampled token and keeps the KV for
-        ``export_kv`` until ``release``. ``layer_sink`` (prefill-only requests) receives blocks
-        ``stream_from_block`` onwards layer by layer as the last prompt chunk computes them
-        (engine/layer_export.py). With ``export_prompt_from``, the first output carries the payloads of
-        the prompt's full blocks from that block on (``RequestOutput.prompt_kv``), taken before the
-        request can finish and free them.
+        ``kv.source`` payloads are the blocks ``export_kv`` makes; they, or a ``LayerSource``, are
+        copied in layer by layer (engine/layer_import.py) where the local prefix cache's reuse reaches
+        ``kv.start_block``, and not recomputed. ``kv.sink`` is fed by engine/layer_export.py. A
+        prefill-only request keeps its KV for ``export_kv`` until ``release``.
         """
         tokens = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
         self._validate(request_id, tokens, outputs, params)
-        if layer_sink is not None and not prefill_only:
-            raise InvalidRequestError("layer-wise export is for prefill-only requests")
         size = self.config.block_size
         if len(block_keys) > len(tokens) // size:
             raise InvalidRequestError("more block keys than full prompt blocks")
+        source = (None if not kv.has_source else kv.source if isinstance(kv.source, LayerSource)
+                  else ReadyKV(self.layout, kv.source))
+        kv.check(prefill_only=prefill_only, num_tokens=len(tokens) + len(outputs),
+                 source_tokens=source.num_tokens if source is not None else 0, block_size=size)
         seq = Sequence(request_id, tokens, params, self._arrivals, outputs, tuple(block_keys),
                        seed=self.request_seed())
-        if kv_blocks and kv_layers is not None:
-            raise InvalidRequestError("give kv_blocks or kv_layers, not both")
-        source = ReadyKV(self.layout, kv_blocks) if kv_blocks else kv_layers
         if source is not None:
-            if kv_start_block * size + source.num_tokens >= seq.num_tokens:
-                raise InvalidRequestError("imported KV must leave at least the last token to compute")
-            seq.kv_import, seq.kv_import_start = source, kv_start_block
+            seq.kv_import, seq.kv_import_start = source, kv.start_block
         self._arrivals += 1
         seq.hold_kv = prefill_only
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
-        self._requests[request_id] = _Request(seq, detok, prefill_only, export_prompt_from)
-        if layer_sink is not None:
-            self.layer_export.watch(request_id, stream_from_block, layer_sink)
+        self._requests[request_id] = _Request(seq, detok, prefill_only, kv.export_prompt_from)
+        if kv.sink is not None:
+            self.layer_export.watch(request_id, kv.sink_from_block, kv.sink)
         self.scheduler.add(seq)
 
     def request_seed(self) -> int:
@@ -310,12 +272,14 @@ class LLMEngine:
         return (text + detokenizer.flush() if reason not in (None, PREFILL_DONE) else text), reason
 
     # ------------------------------------------------------------------ KV I/O
-    def export_kv(self, request_id: str) -> list[bytearray]:
-        """Payloads of the request's computed KV, ``block_size`` tokens each (the last may be partial)."""
+    def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> list[bytearray]:
+        """Payloads of the request's computed KV in blocks ``first_block`` to ``end_block`` (exclusive; None:
+        all), ``block_size`` tokens each (the last computed one may be partial); fewer when fewer are computed."""
         request = self._requests.get(request_id)
         if request is None:
             raise UnknownRequestError(request_id)
-        return self._payloads(request.seq, 0, -(-request.seq.num_computed_tokens // self.config.block_size))
+        computed = -(-request.seq.num_computed_tokens // self.config.block_size)
+        return self._payloads(request.seq, first_block, computed if end_block is None else min(end_block, computed))
 
     def _payloads(self, seq: Sequence, first: int, end: int) -> list[bytearray]:
         """Pool-format payloads of the computed KV in blocks ``first`` to ``end`` (exclusive)."""

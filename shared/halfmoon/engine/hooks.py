@@ -6,7 +6,7 @@ from abc import ABC
 from collections.abc import Sequence as Seq
 
 from halfmoon.engine.attention import PagedKVCache
-from halfmoon.engine.scheduler import ScheduledChunk
+from halfmoon.engine.sequence import ScheduledChunk
 
 
 class LayerHook(ABC):

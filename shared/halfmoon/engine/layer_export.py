@@ -9,18 +9,14 @@ chunk, layer ``l`` of every token is final.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 from halfmoon.core.block_format import BlockLayout, blank_block
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.hooks import LayerHook
-from halfmoon.engine.scheduler import ScheduledChunk
-
-LayerSink = Callable[[int, list[bytearray]], None]
-"""Called on the engine thread with a completed layer and the request's payloads (the same list every
-time; layers after it are still zero). It must not block: hand the work to another thread or loop."""
+from halfmoon.engine.interface import LayerSink
+from halfmoon.engine.sequence import ScheduledChunk
 
 
 class _Stream:

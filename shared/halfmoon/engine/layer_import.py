@@ -8,38 +8,15 @@ layer fails only its own sequence: the engine recomputes that one and the step's
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 import torch
 from halfmoon.core.block_format import BlockLayout, decode_block
-from halfmoon.core.errors import EngineError
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.hooks import LayerHook
-from halfmoon.engine.scheduler import ScheduledChunk
-from halfmoon.engine.sequence import Sequence
-
-
-class LayerUnavailable(EngineError):
-    """A layer of an imported prefix will not arrive (lost, corrupt, too late)."""
-
-
-class LayerSource(ABC):
-    """KV of ``num_tokens`` consecutive tokens from a block boundary, by layer. Contract: ``layer(l)``
-    is called on the engine thread for l = 0, 1, ... in order; it returns ``[2, tokens, heads,
-    dim]`` once that layer is in and intact (blocking until then) or raises ``LayerUnavailable``;
-    ``close`` says no more layers will be asked for (a source may stop its transfers)."""
-
-    @property
-    @abstractmethod
-    def num_tokens(self) -> int: ...
-
-    @abstractmethod
-    def layer(self, layer: int) -> torch.Tensor: ...
-
-    def close(self) -> None:
-        return None
+from halfmoon.engine.interface import LayerSource, LayerUnavailable
+from halfmoon.engine.sequence import ScheduledChunk, Sequence
 
 
 class ReadyKV(LayerSource):

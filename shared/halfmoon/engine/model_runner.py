@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
-from halfmoon.engine.attention import AttentionBatch, PagedKVCache, SeqAttention, paged_attention
+from halfmoon.engine.attention import AttentionBatch, PagedKVCache, paged_attention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.layer_ops import layer_ops
-from halfmoon.engine.scheduler import ScheduledChunk
+from halfmoon.engine.seq_attention import SeqAttention
+from halfmoon.engine.sequence import ScheduledChunk
 from halfmoon.engine.weights import Projection, llama_family, serving_layers
 
 

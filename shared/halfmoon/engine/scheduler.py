@@ -6,20 +6,8 @@ from collections import deque
 from typing import NamedTuple
 
 from halfmoon.engine.block_manager import BlockManager
-from halfmoon.engine.sequence import Sequence, SequenceStatus
+from halfmoon.engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 from halfmoon.engine.step_budget import StepBudget
-
-
-class ScheduledChunk(NamedTuple):
-    """``seq`` computes ``num_tokens`` tokens starting at ``start`` in this step."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
 
 
 class StepShape(NamedTuple):

@@ -1,15 +1,12 @@
-"""One request's state inside the engine."""
+"""One request's state inside the engine, and the part of it one step computes."""
 
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import NamedTuple
 
-from typing import TYPE_CHECKING
-
+from halfmoon.engine.interface import LayerSource
 from halfmoon.protocol.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from halfmoon.engine.layer_import import LayerSource
 
 
 class SequenceStatus(Enum):
@@ -67,3 +64,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+class ScheduledChunk(NamedTuple):
+    """``seq`` computes ``num_tokens`` tokens starting at ``start`` in this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Sequence as Seq
 
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.engine import RequestOutput
+from halfmoon.engine.interface import RequestOutput
 from halfmoon.runtime.worker import EngineWorker
 
 STORE_EVERY_BLOCKS = 4  # store generated KV once this many new full blocks are computed
@@ -28,7 +28,8 @@ class GeneratedKV:
         self._task: asyncio.Task[None] | None = None
 
     def progress(self, out: RequestOutput) -> None:
-        """Note ``out``'s tokens; store once ``STORE_EVERY_BLOCKS`` new full blocks are computed. Payloads the engine exported with the output (``prompt_kv``) are stored at once, even if it ended."""
+        """Note ``out``'s tokens; store once ``STORE_EVERY_BLOCKS`` new full blocks are computed. Payloads the
+        engine exported with the output (``prompt_kv``) are stored at once, even if it ended."""
         self.tokens.extend(out.new_token_ids)
         if out.prompt_kv:
             # NOTE: the first output is the only one with prompt_kv, so no store is in flight yet.
@@ -50,7 +51,7 @@ class GeneratedKV:
         assert worker.engine is not None
         if not payloads:
             try:
-                payloads = (await worker.engine.call(lambda e: e.export_kv(rid)))[start:end]
+                payloads = await worker.engine.export_kv(rid, start, end)
             except EngineError:
                 return  # finished or preempted meanwhile: nothing to store now
         keys = worker.engine.kv_spec.hasher(self.tenant_salt).keys(tokens)[start:end]

@@ -29,7 +29,7 @@ from halfmoon.transfer.framing import MISSING
 from halfmoon.transfer.transport import BlockHook, TransferError
 
 if TYPE_CHECKING:  # NOTE: only workers hold engines; the pool protocol itself needs no torch
-    from halfmoon.engine.layer_import import LayerSource
+    from halfmoon.engine.interface import LayerSource
 
 CACHE_TIMEOUT_S = 2.0
 FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)

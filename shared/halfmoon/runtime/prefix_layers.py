@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from halfmoon.core.block_format import BlockLayout, LayerVerifier
 from halfmoon.core.layer_plan import layer_ranges
-from halfmoon.engine.layer_import import LayerSource, LayerUnavailable
+from halfmoon.engine.interface import LayerSource, LayerUnavailable
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.runtime.pool_client import FAILURES
 from halfmoon.telemetry.metrics import METRICS

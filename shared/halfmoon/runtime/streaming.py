@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from halfmoon.engine.engine import RequestOutput
+from halfmoon.engine.interface import RequestOutput
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.stream import TokenEvent, Usage
 

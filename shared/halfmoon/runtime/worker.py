@@ -17,9 +17,10 @@ import nats
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine import native
-from halfmoon.engine.async_engine import AsyncEngine, StepTiming
+from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
-from halfmoon.engine.engine import EngineStats, LLMEngine
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.interface import Engine, EngineStats, StepTiming
 from halfmoon.policy.state import SERVING_SLO, RecentSamples
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
@@ -165,7 +166,7 @@ class EngineWorker(Service[WorkerConfig]):
         super().__init__(config, tracer_provider)
         self.meter = LoadMeter(config.block_size)
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
-        self.engine: AsyncEngine | None = None
+        self.engine: Engine | None = None
         self._kernels: KernelReport | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
@@ -248,7 +249,7 @@ class EngineWorker(Service[WorkerConfig]):
         self._reported.pop(rid, None)
         self._accepted += 1
         self._tasks[rid], self._attempts[rid] = task, request.attempt
-        self._streams[rid] = request.stream_subject
+        self._streams[rid] = self.stream_of(request)
         task.add_done_callback(lambda t, rid=rid: self._forget(rid, t))
         return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
 
@@ -288,6 +289,11 @@ class EngineWorker(Service[WorkerConfig]):
             self._report(request_id, WorkOutcome.FAILED if failed else WorkOutcome.COMPLETED)
             if request_id not in self._tasks:
                 self._reported.pop(request_id, None)  # no task whose end reports again
+
+    def record_ttft(self, seconds: float) -> None:
+        """A request's first token took ``seconds`` here (its load estimate, and the TTFT metric)."""
+        self.meter.on_first_token(seconds)
+        METRICS.ttft.labels(self.instance_id).observe(seconds)
 
     def report_prefilled(self, request_id: str) -> None:
         """An instance doing both parts of a request tells the conductors its prefill part is over (its

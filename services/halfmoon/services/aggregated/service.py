@@ -1,8 +1,9 @@
 """Aggregated instance: prefills and decodes each request in its own engine, with no hand-off.
 
-It takes PrefillRequests like a prefill instance (the conductor places both phases here), reuses the
-prompt's prefix from its local cache and the KVCache pool, and, like a decode instance, stores the
-blocks it computes (the prompt's at once, generated ones as they fill) in the pool for the others.
+It takes PrefillRequests like a prefill instance (the conductor places both phases here) and is built
+from the same parts as the two: a prefill's prefix reuse (its local cache, then the KVCache pool, and
+the conductor told what the local cache holds) and a decode's store of the blocks it computes (the
+prompt's at once, generated ones as they fill) in the pool for the others.
 """
 
 from __future__ import annotations
@@ -11,20 +12,39 @@ import asyncio
 import time
 
 from halfmoon.core.errors import EngineError
+from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import PrefillRequest
 from halfmoon.runtime.generated_kv import GeneratedKV
+from halfmoon.runtime.prefix_reuse import Prefix, PrefixReuse
 from halfmoon.runtime.streaming import token_event
-from halfmoon.services.prefill.service import Prefix, PrefillService
+from halfmoon.runtime.worker import EngineWorker, WorkerConfig
+from opentelemetry.trace import TracerProvider
 
 
-class AggregatedService(PrefillService):
+class AggregatedService(EngineWorker):
     role = Role.AGGREGATED
+    submit_codec = codecs.PREFILL_REQUEST
+
+    def __init__(self, config: WorkerConfig, tracer_provider: TracerProvider | None = None) -> None:
+        super().__init__(config, tracer_provider)
+        self.prefix = PrefixReuse(self)
+
+    @property
+    def submit_subject(self) -> str:
+        return self.subjects.prefill_submit(self.instance_id)
+
+    def accept(self, request: PrefillRequest):  # type: ignore[no-untyped-def, override]
+        return self._serve(request)
+
+    async def start(self) -> None:
+        await super().start()
+        await self.prefix.start()
 
     async def _serve(self, req: PrefillRequest) -> None:
         started = time.perf_counter()
-        prefix = await self.fetch_prefix(req)
+        prefix = await self.prefix.fetch(req)
         try:
             await self._generate(req, prefix, started)
         except EngineError as exc:
@@ -35,23 +55,20 @@ class AggregatedService(PrefillService):
     async def _generate(self, req: PrefillRequest, prefix: Prefix, started: float) -> None:
         assert self.engine is not None
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
-        reused = prefix.local + len(prefix.fetched.payloads)
         saver = GeneratedKV(self, req.request_id, req.tenant_salt, [*req.prompt_token_ids, *req.output_token_ids],
-                            reused)
+                            prefix.reused)
         cached: int | None = None
         with self.tracer.start_as_current_span("aggregated.generate") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
             span.set_attribute("halfmoon.prompt_tokens", len(req.prompt_token_ids))
-            span.set_attribute("halfmoon.blocks_hit", prefix.local + len(prefix.fetched.payloads))
+            span.set_attribute("halfmoon.blocks_hit", prefix.reused)
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
-                                                      kv_blocks=[] if prefix.fetched.layers else prefix.fetched.payloads,
-                                                      kv_layers=prefix.fetched.layers, kv_start_block=prefix.local,
-                                                      block_keys=self.prompt_keys(req, prefix.keys),
+                                                      block_keys=self.prefix.prompt_keys(req, prefix.keys),
                                                       # taken on the engine thread: a short answer may end, and
                                                       # its KV be freed, before a later export could run
-                                                      export_prompt_from=reused):
+                                                      kv=prefix.kv(export_prompt_from=prefix.reused)):
                     first = cached is None
                     if cached is None:
                         cached = out.num_cached_tokens
@@ -62,7 +79,7 @@ class AggregatedService(PrefillService):
                                                                              cached, req.attempt))
                     if first:
                         self.report_prefilled(req.request_id)
-                        await self.publish_cache_events((context - cached, cached, out.compute_s))
+                        await self.prefix.publish_cache_events((context - cached, cached, out.compute_s))
             except asyncio.CancelledError:
                 await saver.close(wait=False)
                 await self.engine.abort(req.request_id)

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Mapping
 
 from halfmoon.core.errors import EngineError
+from halfmoon.engine.interface import RequestKV
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
@@ -68,7 +69,7 @@ class DecodeService(EngineWorker):
             outputs = [*req.output_token_ids, req.first_token_id]
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
-                                                      output_token_ids=outputs, kv_blocks=payloads):
+                                                      output_token_ids=outputs, kv=RequestKV(source=payloads)):
                     produced += len(out.new_token_ids)
                     await self.publish_event(self.stream_of(req), token_event(out, req.sampling, self.instance_id,
                                                                              req.cached_tokens, req.attempt))

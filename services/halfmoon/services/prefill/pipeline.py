@@ -6,9 +6,12 @@ each and sends the hidden states to stage 1 (StageWork over NATS request/reply),
 computes chunk ``c + 1`` while stage 1 computes chunk ``c``. A stage runs its layers (keeping their KV
 for the later chunks), passes its output to the next stage, and the last one samples the first token.
 With the chunk that ends the prompt every stage writes its layers of the request's blocks into the
-extents the head reserved (service/stage_blocks.py); the head commits them and hands off to decode.
+extents the head reserved (runtime/stage_blocks.py); the head commits them and hands off to decode.
 Chunks are at most ``prefill_chunk_size`` tokens, fewer where their hidden states would not fit in
 one NATS message.
+
+Both parts work for an engine worker and are handed what they use of the prefill service (its prefix
+lookups, its hand-off to decode); the service owns them, they never see it.
 """
 
 from __future__ import annotations
@@ -17,25 +20,28 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import torch
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.engine import PREFILL_DONE, RequestOutput
-from halfmoon.engine.stage import StageChunk, StageResult, hidden_bytes, hidden_tensor, split_layers
+from halfmoon.engine.interface import (PREFILL_DONE, RequestOutput, StageChunk, StageResult, hidden_bytes,
+                                       hidden_tensor, split_layers)
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, Message, RemoteError
 from halfmoon.protocol.pipeline import StageDone, StageWork, chunk_tokens
-from halfmoon.protocol.work import PrefillRequest
+from halfmoon.protocol.work import KVLocation, PrefillRequest
 from halfmoon.runtime.pool_client import Fetched
+from halfmoon.runtime.prefix_reuse import PrefixReuse
 from halfmoon.runtime.stage_blocks import PipelineBlocks, write_stage_layers
 from halfmoon.runtime.streaming import token_event
+from halfmoon.runtime.worker import EngineWorker
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
 
-if TYPE_CHECKING:
-    from halfmoon.services.prefill.service import PrefillService
+SendToDecode = Callable[[PrefillRequest, RequestOutput, KVLocation | None, int], Awaitable[None]]
+"""Hands a prefilled request to its decode instance: the first token, where its KV is, layers announced."""
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -44,70 +50,72 @@ def dtype_name(dtype: torch.dtype) -> str:
 class PipelineHead:
     """Stage 0 of the requests submitted here with a ``pipeline``."""
 
-    def __init__(self, service: PrefillService) -> None:
-        self.svc = service
+    def __init__(self, worker: EngineWorker, prefix: PrefixReuse, send_to_decode: SendToDecode) -> None:
+        self.worker = worker
+        self.prefix = prefix
+        self.send_to_decode = send_to_decode
 
     def chunk_tokens(self) -> int:
-        svc = self.svc
-        assert svc.engine is not None
-        return chunk_tokens(svc.config.prefill_chunk_size, svc.nc.max_payload,
-                            svc.engine.hidden_size * svc.engine.dtype.itemsize)
+        worker = self.worker
+        assert worker.engine is not None
+        return chunk_tokens(worker.config.prefill_chunk_size, worker.nc.max_payload,
+                            worker.engine.hidden_size * worker.engine.dtype.itemsize)
 
     async def serve(self, req: PrefillRequest) -> None:
-        svc = self.svc
+        worker = self.worker
         started = time.perf_counter()
-        keys = svc.block_keys(req)
-        fetched = await svc.pool.fetch_prefix(keys[:(len(req.prompt_token_ids) - 1) // svc.config.block_size])
+        keys = self.prefix.block_keys(req)
+        fetched = await worker.pool.fetch_prefix(keys[:(len(req.prompt_token_ids) - 1) // worker.config.block_size])
         try:  # NOTE: the lease keeps the reused prefix in the pool until decode was handed its locations
             await self._serve(req, keys, fetched, started)
         finally:
-            await svc.pool.release(fetched.lease_id)
+            await worker.pool.release(fetched.lease_id)
 
     async def _serve(self, req: PrefillRequest, keys: list[bytes], fetched: Fetched, started: float) -> None:
-        svc = self.svc
+        worker = self.worker
         try:
             first, blocks, written = await self._compute(req, keys, fetched)
         except (EngineError, ValueError) as exc:
-            await svc.send_error(svc.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await worker.send_error(worker.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
             return
         except (RemoteError, TransferError, OSError) as exc:  # a stage failed: the gateway migrates the request
-            await svc.send_error(svc.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
+            await worker.send_error(worker.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
                                  f"pipelined prefill failed: {exc}", req.attempt)
             return
-        svc.done_computing(req.request_id)
-        await svc.publish_event(svc.stream_of(req), token_event(first, req.sampling, svc.instance_id,
+        worker.done_computing(req.request_id)
+        await worker.publish_event(worker.stream_of(req), token_event(first, req.sampling, worker.instance_id,
                                                                 first.num_cached_tokens, req.attempt))
-        svc.record_ttft(time.perf_counter() - started)
+        worker.record_ttft(time.perf_counter() - started)
         kv = await blocks.finish(written)
         if first.finish_reason != PREFILL_DONE:
             return
         if kv is None:
-            svc.log.warning("pipelined prefill without complete blocks in the pool: decode recomputes",
+            worker.log.warning("pipelined prefill without complete blocks in the pool: decode recomputes",
                             extra={"request_id": req.request_id})
         try:
-            await svc.send_to_decode(req, first, kv, 0)
+            await self.send_to_decode(req, first, kv, 0)
         except (RemoteError, TransferError, OSError) as exc:
-            await svc.send_error(svc.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
+            await worker.send_error(worker.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
                                  f"hand-off to decode failed: {exc}", req.attempt)
 
     async def _compute(self, req: PrefillRequest, keys: list[bytes],
                        fetched: Fetched) -> tuple[RequestOutput, PipelineBlocks, set[int]]:
-        svc, rid, prompt = self.svc, req.request_id, req.prompt_token_ids
-        engine = svc.engine
+        worker, rid, prompt = self.worker, req.request_id, req.prompt_token_ids
+        engine = worker.engine
         assert engine is not None
-        stages = (svc.instance_id, *req.pipeline)
+        stages = (worker.instance_id, *req.pipeline)
         if len(set(stages)) != len(stages):
             raise ValueError(f"a pipeline's stages are distinct instances, got {stages}")
         bounds = split_layers(engine.layout.num_layers, len(stages))
         mine = range(0, bounds[1])
-        blocks = PipelineBlocks(svc.pool, svc.transfer, rid, svc.config.block_size, len(prompt), keys,
+        blocks = PipelineBlocks(worker.pool, worker.transfer, rid, worker.config.block_size, len(prompt), keys,
                                 fetched.locations)
         opening = asyncio.create_task(blocks.open(req.tenant))  # put_start overlaps the first chunks
         sends: list[asyncio.Task[StageDone]] = []
-        cached = len(fetched.payloads) * svc.config.block_size
+        cached = len(fetched.payloads) * worker.config.block_size
         size = self.chunk_tokens()
         try:
-            with svc.tracer.start_as_current_span("prefill.pipeline") as span:
+            with worker.tracer.start_as_current_span("prefill.pipeline") as span:
                 span.set_attribute("halfmoon.request_id", rid)
                 span.set_attribute("halfmoon.stages", ",".join(stages))
                 span.set_attribute("halfmoon.blocks_hit", len(fetched.payloads))
@@ -130,8 +138,8 @@ class PipelineHead:
                                      index=index, start=start, token_ids=part, prompt_len=len(prompt),
                                      hidden=hidden_bytes(out.hidden), dtype=dtype_name(engine.dtype),
                                      sampling=req.sampling, deadline=req.deadline, last=last, **extra)
-                    sends.append(asyncio.create_task(svc.request(
-                        svc.subjects.prefill_stage(stages[1]), work, codecs.STAGE_REPLY,
+                    sends.append(asyncio.create_task(worker.request(
+                        worker.subjects.prefill_stage(stages[1]), work, codecs.STAGE_REPLY,
                         max(1.0, req.deadline - time.time()))))
                 # the head's layers of every block go out while the later stages run the last chunk
                 written = await blocks.write(await engine.stage_payloads(rid, mine), mine)
@@ -156,8 +164,8 @@ class StageServer:
 
     SWEEP_S = 1.0
 
-    def __init__(self, service: PrefillService) -> None:
-        self.svc = service
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
         self._deadlines: dict[str, float] = {}
         self._forwards: dict[str, list[asyncio.Task[StageDone]]] = defaultdict(list)
         self._sweeper: asyncio.Task[None] | None = None
@@ -172,20 +180,20 @@ class StageServer:
                 await self._sweeper
 
     async def on_work(self, work: StageWork) -> Message:
-        svc, rid = self.svc, work.request_id
-        engine = svc.engine
+        worker, rid = self.worker, work.request_id
+        engine = worker.engine
         assert engine is not None
-        if work.stages[work.stage] != svc.instance_id or work.dtype != dtype_name(engine.dtype):
+        if work.stages[work.stage] != worker.instance_id or work.dtype != dtype_name(engine.dtype):
             return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"stage {work.stage} of {work.stages} in "
-                              f"{work.dtype} sent to {svc.instance_id} ({dtype_name(engine.dtype)})")
-        if work.index == 0 and svc.draining:
-            return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{svc.instance_id} is draining", retryable=True)
-        prefix = await svc.pool.read(work.prefix) if work.prefix else []
+                              f"{work.dtype} sent to {worker.instance_id} ({dtype_name(engine.dtype)})")
+        if work.index == 0 and worker.draining:
+            return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{worker.instance_id} is draining", retryable=True)
+        prefix = await worker.pool.read(work.prefix) if work.prefix else []
         if any(block is None for block in prefix):
             return ErrorReply(code=ErrorCode.UNAVAILABLE, retryable=True,
-                              message=f"{svc.instance_id} could not read the reused prefix of {rid}")
+                              message=f"{worker.instance_id} could not read the reused prefix of {rid}")
         if rid not in self._deadlines:
-            svc.begin_computing(rid)  # its load, and its WorkDone, for the conductors' ledgers
+            worker.begin_computing(rid)  # its load, and its WorkDone, for the conductors' ledgers
         self._deadlines[rid] = work.deadline
         try:
             out = await engine.run_stage(StageChunk(rid, work.token_ids, work.start, work.layers,
@@ -196,7 +204,7 @@ class StageServer:
             written = await self._write(work) if work.last else set()
         except EngineError as exc:
             await self._drop(rid, failed=True)
-            return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"{svc.instance_id}: {exc}")
+            return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"{worker.instance_id}: {exc}")
         if work.last:
             await self._drop(rid)
         if work.stage + 1 == len(work.stages):
@@ -205,25 +213,25 @@ class StageServer:
         return await self._forward(work, out, written)
 
     async def _write(self, work: StageWork) -> set[int]:
-        engine = self.svc.engine
+        engine = self.worker.engine
         assert engine is not None
         payloads = await engine.stage_payloads(work.request_id, work.layers)
         # NOTE: the pool's layout carries the cluster's MAC key; the engine's does not
-        return await write_stage_layers(self.svc.transfer, self.svc.pool.layout,
+        return await write_stage_layers(self.worker.transfer, self.worker.pool.layout,
                                         dict(zip(work.block_indexes, work.blocks)),
                                         dict(zip(work.block_indexes, work.salts)), payloads, work.layers)
 
     async def _forward(self, work: StageWork, out: StageResult, written: set[int]) -> Message:
         """Send the chunk on to the next stage: without waiting for earlier chunks, but the last chunk's
         answer comes once every chunk is through (the first token, and what every later stage wrote)."""
-        svc, rid = self.svc, work.request_id
+        worker, rid = self.worker, work.request_id
         assert out.hidden is not None
         keep = tuple(i for i in work.block_indexes if i in written)
         where = dict(zip(work.block_indexes, zip(work.blocks, work.salts)))
         onward = msgspec.structs.replace(work, stage=work.stage + 1, hidden=hidden_bytes(out.hidden),
                                          block_indexes=keep, blocks=tuple(where[i][0] for i in keep),
                                          salts=tuple(where[i][1] for i in keep))
-        sending = asyncio.create_task(svc.request(svc.subjects.prefill_stage(work.stages[work.stage + 1]), onward,
+        sending = asyncio.create_task(worker.request(worker.subjects.prefill_stage(work.stages[work.stage + 1]), onward,
                                                   codecs.STAGE_REPLY, max(1.0, work.deadline - time.time())))
         if not work.last:
             self._forwards[rid].append(sending)
@@ -239,14 +247,14 @@ class StageServer:
         self._deadlines.pop(request_id, None)
         for task in self._forwards.pop(request_id, []):
             task.cancel()
-        assert self.svc.engine is not None
-        await self.svc.engine.release_stage(request_id)
-        self.svc.done_computing(request_id, failed)
+        assert self.worker.engine is not None
+        await self.worker.engine.release_stage(request_id)
+        self.worker.done_computing(request_id, failed)
 
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.SWEEP_S)
             now = time.time()
             for rid in [rid for rid, deadline in self._deadlines.items() if deadline < now]:
-                self.svc.log.warning("pipeline stage expired: its head never finished it", extra={"request_id": rid})
+                self.worker.log.warning("pipeline stage expired: its head never finished it", extra={"request_id": rid})
                 await self._drop(rid, failed=True)
