@@ -234,9 +234,10 @@ class PoolIndex(PrefixMatcher[bytes]):
         return True
 
     def remove_replica(self, key: bytes, node_id: str, tier: Tier, offset: int) -> list[Order]:
-        """Drop one replica (the block with its last one), leased or not; FREE orders for it (none if unknown)."""
+        """Drop one visible replica (the block with its last one), leased or not; FREE orders for it (none if
+        unknown, or still being written: a reader never saw that one)."""
         block = self._st.blocks.get(key)
-        if block is None:
+        if block is None or not block.visible:
             return []
         return [self._st.drop_replica(key, block, r) for r in list(block.replicas)
                 if (r.node, r.tier) == (node_id, tier) and (tier is not Tier.DRAM or r.offset == offset)]
