@@ -245,3 +245,20 @@ class TestOrdersRacingRemoval:
         assert leftover.kind is OrderKind.FREE and leftover.src == orders[0].dst
         assert idx.stats().tiers[1].used == 3 * MB  # the other three demotions still reserved
         assert idx.order_done(orders[0].order_id, True, now=2) == []  # idempotent
+
+
+class TestCorruptReplica:
+    def test_only_the_reported_replica_goes_and_the_key_can_be_placed_again(self) -> None:
+        idx = index(node("a"), node("bb"), replicas=2)
+        store(idx, KEYS[:2])
+        (hit, _) = idx.lookup(KEYS[:2], now=1).hits
+        damaged, other = hit
+        elsewhere = idx.remove_replica(KEYS[0], damaged.node, damaged.tier, damaged.offset + 1)
+        assert elsewhere == []  # another extent on that node is another replica
+        (freed,) = idx.remove_replica(KEYS[0], damaged.node, damaged.tier, damaged.offset)
+        assert (freed.kind, freed.src) == (OrderKind.FREE, damaged)
+        assert idx.lookup(KEYS[:1], now=2).hits == [(other,)]
+        (last,) = idx.remove_replica(KEYS[0], other.node, other.tier, other.offset)
+        assert last.src == other and idx.lookup(KEYS[:2], now=3).hits == []
+        assert not idx.put_start(KEYS[:1], [MB], now=4)[0].exists  # the next computation writes it again
+        assert idx.remove_replica(KEYS[0], "a", Tier.DRAM, 0) == []  # pending, not a replica a reader saw

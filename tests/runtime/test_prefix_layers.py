@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.runtime.pool_client import Fetched
+from halfmoon.telemetry.metrics import METRICS
 
 from tests.runtime.conftest import Cluster, expected_tokens, running, serve
 
@@ -47,9 +48,15 @@ class TestPrefixFromThePool:
                 with dram.view(key) as view:
                     view[extent.size - 1] ^= 0xFF
             fetched = capture_fetches(cluster)
+            reported = METRICS.pool_corrupt_blocks._value.get()
             assert await serve(nc, namespace, cluster, "r-again") == expected
-            (again,) = fetched
+            (again,) = fetched[-1:]
             assert again.layers is not None and not await again.layers.wait()
+            assert METRICS.pool_corrupt_blocks._value.get() - reported == 2  # both blocks reported and dropped
+            # written again from the recomputed KV: the next request reads them intact
+            assert await serve(nc, namespace, cluster, "r-third") == expected
+            third = fetched[-1]
+            assert len(third.locations) == 2 and third.layers is not None and await third.layers.wait()
 
     async def test_a_whole_read_goes_where_the_lookup_said_without_asking_the_node(  # type: ignore[no-untyped-def]
             self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:

@@ -233,6 +233,15 @@ class PoolIndex(PrefixMatcher[bytes]):
                 block.leases -= 1
         return True
 
+    def remove_replica(self, key: bytes, node_id: str, tier: Tier, offset: int) -> list[Order]:
+        """Drop one visible replica (the block with its last one), leased or not; FREE orders for it (none if
+        unknown, or still being written: a reader never saw that one)."""
+        block = self._st.blocks.get(key)
+        if block is None or not block.visible:
+            return []
+        return [self._st.drop_replica(key, block, r) for r in list(block.replicas)
+                if (r.node, r.tier) == (node_id, tier) and (tier is not Tier.DRAM or r.offset == offset)]
+
     def remove(self, keys: Iterable[bytes]) -> list[Order]:
         """Drop blocks even when leased (an explicit purge); returns FREE orders for their replicas."""
         return [order for key in keys if key in self._st.blocks for order in self._st.drop_block(key)]

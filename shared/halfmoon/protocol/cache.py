@@ -71,6 +71,15 @@ class Release(Message, frozen=True, kw_only=True, tag="release"):
     lease_id: str
 
 
+class CorruptBlocks(Message, frozen=True, kw_only=True, tag="corrupt_blocks"):
+    """Replicas a reader got from the pool that failed their MAC (damaged bytes, or sealed under another
+    key), as the lookup gave them: the cache-manager drops each (the replica, not the key: a block
+    written again since is another replica), so the next computation of that prefix writes them again."""
+
+    reporter: str
+    blocks: tuple[BlockLocation, ...]
+
+
 class CacheAck(Message, frozen=True, kw_only=True, tag="cache_ack"):
     """Reply to PutEnd / Release: how many keys or leases it affected."""
 

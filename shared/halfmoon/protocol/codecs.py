@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from halfmoon.protocol.base import Ack, Codec, ErrorReply
-from halfmoon.protocol.cache import CacheAck, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
+from halfmoon.protocol.cache import CacheAck, CorruptBlocks, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
 from halfmoon.protocol.pool import (
                                   KVEvents,
                                   OrderBatch,
@@ -57,5 +57,6 @@ ORDER_RESULTS: Codec[OrderResults | ErrorReply] = Codec(OrderResults | ErrorRepl
 CACHE_STATS_REQUEST: Codec[StatsRequest] = Codec(StatsRequest)
 CACHE_STATS: Codec[PoolStatsReply | ErrorReply] = Codec(PoolStatsReply | ErrorReply)
 CACHE_REMOVE: Codec[RemoveRequest] = Codec(RemoveRequest)
+CACHE_CORRUPT: Codec[CorruptBlocks] = Codec(CorruptBlocks)
 KV_EVENTS: Codec[KVEvents] = Codec(KVEvents)
 KV_SNAPSHOT_REQUEST: Codec[SnapshotRequest] = Codec(SnapshotRequest)

@@ -55,7 +55,7 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
     s = subjects
     own = (s.heartbeat_from(role.value), s.down_from(role.value))
     inbox = (f"{inbox_prefix(role.value)}.>",)
-    pool = tuple(s.cache(op) for op in ("lookup", "release", "remove", "put_start", "put_end"))
+    pool = tuple(s.cache(op) for op in ("lookup", "release", "remove", "corrupt", "put_start", "put_end"))
     engine_listens = (s.heartbeat, s.down, s.cancel, s.resume_any)  # transfer nodes' whereabouts; cancellations
     if role is Role.GATEWAY:
         return Permissions(publish=(*own, s.schedule, s.prefill_submit_any, s.cancel, s.resume_any,

@@ -186,4 +186,4 @@ class Subjects:
 
 
 # request/reply: put_start, put_end, lookup, release; pub/sub: report (transfer inventories)
-CACHE_OPERATIONS = frozenset({"put_start", "put_end", "lookup", "release", "report", "remove", "stats"})
+CACHE_OPERATIONS = frozenset({"put_start", "put_end", "lookup", "release", "report", "remove", "corrupt", "stats"})

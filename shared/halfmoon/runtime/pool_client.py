@@ -18,7 +18,7 @@ from halfmoon.core.block_format import BlockLayout, Sealer, Verifier
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ProtocolError, RemoteError
-from halfmoon.protocol.cache import Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
+from halfmoon.protocol.cache import CorruptBlocks, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.runtime.base import Service
@@ -101,6 +101,7 @@ class PoolClient:
         stored as while the rest of the batch arrives; None where a block is missing, corrupt,
         sealed under another key, its node unreachable or its capability refused."""
         out: list[memoryview | None] = [None] * len(replicas)
+        corrupt: list[BlockLocation] = []
         by_node: dict[str, list[int]] = defaultdict(list)
         for index, replica in enumerate(replicas):
             if replica.key is not None:
@@ -121,7 +122,23 @@ class PoolClient:
                 continue
             for index, view, intact in zip(indexes, views, verifier.intact):
                 out[index] = view if intact else None
+                if view is not None and not intact:
+                    corrupt.append(replicas[index])
+        await self.report_corrupt(corrupt)
         return out
+
+    async def report_corrupt(self, blocks: Sequence[BlockLocation]) -> None:
+        """Have the cache-manager drop replicas that failed their MAC; otherwise every later reader of the
+        prefix reads them, fails and recomputes, and nobody writes them again."""
+        if not blocks:
+            return
+        svc = self.service
+        try:
+            await svc.request(svc.subjects.cache("corrupt"), CorruptBlocks(reporter=svc.instance_id,
+                                                                          blocks=tuple(blocks)),
+                              codecs.CACHE_ACK, CACHE_TIMEOUT_S)
+        except FAILURES as exc:
+            svc.log.warning("corrupt blocks not reported; they stay in the pool", extra={"error": str(exc)})
 
     async def release(self, lease_id: str | None) -> None:
         if lease_id is None:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 from halfmoon.core.block_format import BlockLayout, LayerVerifier
@@ -38,8 +38,10 @@ class PrefixLayers(LayerSource):
     ``wait_s``; ``payloads`` are the blocks' bytes, whole once every layer arrived."""
 
     def __init__(self, layout: BlockLayout, blocks: Sequence[BlockLocation], block_size: int,
-                 transfer: TransferClient, tracer: Tracer, log: logging.Logger, wait_s: float = LAYER_WAIT_S) -> None:
+                 transfer: TransferClient, tracer: Tracer, log: logging.Logger,
+                 report_corrupt: Callable[[Sequence[BlockLocation]], Awaitable[None]], wait_s: float = LAYER_WAIT_S) -> None:
         self.layout, self.blocks, self.block_size = layout, list(blocks), block_size
+        self.report_corrupt = report_corrupt
         self.transfer, self.tracer, self.log, self.wait_s = transfer, tracer, log, wait_s
         self.payloads = [bytearray(loc.size) for loc in self.blocks]
         self._checks = [LayerVerifier(layout, payload, loc.key or b"", block_size)
@@ -87,9 +89,10 @@ class PrefixLayers(LayerSource):
             views = await (await self.transfer.transport(address)).read_ranges(ranges)
             for target, view in zip(targets, views):
                 target[:] = view
-        for index, check in enumerate(self._checks):
-            if not check.intact(layer):
-                raise LayerUnavailable(f"block {index} layer {layer} failed its MAC")
+        failed = [index for index, check in enumerate(self._checks) if not check.intact(layer)]
+        if failed:
+            await self.report_corrupt([self.blocks[i] for i in failed])
+            raise LayerUnavailable(f"blocks {failed} layer {layer} failed their MAC")
 
     def _advance(self, arrived: int, failure: str) -> None:
         with self._changed:

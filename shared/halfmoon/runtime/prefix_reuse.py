@@ -77,7 +77,7 @@ class PrefixReuse:
         if not (first and worker.config.layerwise_prefix and await worker.pool.ranged(first)):
             return await worker.pool.read_prefix(found)
         layers = PrefixLayers(worker.pool.layout, first, worker.config.block_size, worker.transfer, worker.tracer,
-                              worker.log)
+                              worker.log, worker.pool.report_corrupt)
         layers.start()
         return Fetched(layers.payloads, first, found.lease_id, layers)
 

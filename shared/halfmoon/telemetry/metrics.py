@@ -73,6 +73,9 @@ class Metrics:
         )
         self.rejections = Counter("halfmoon_rejections", "requests refused", ["reason"], registry=r)
         self.errors = Counter("halfmoon_errors", "failures", ["kind"], registry=r)
+        self.pool_corrupt_blocks = Counter(
+            "halfmoon_pool_corrupt_blocks", "pool blocks readers reported failing their MAC, dropped", registry=r
+        )
         # reliability (docs/RELIABILITY.md): the request path's recoveries
         self.migrations = Counter(
             "halfmoon_migrations", "requests placed again after an instance failed them", ["reason"], registry=r

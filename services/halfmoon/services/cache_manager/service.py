@@ -40,6 +40,7 @@ from halfmoon.protocol.base import ErrorCode, ErrorReply, RemoteError
 from halfmoon.protocol.cache import (
     BlockReplicas,
     CacheAck,
+    CorruptBlocks,
     Lookup,
     LookupResult,
     PutEnd,
@@ -118,6 +119,7 @@ class CacheManagerConfig(ServiceConfig):
 class NodeInfo(NamedTuple):
     address: str
     segment: str
+    incarnation: str = ""  # the run of the node process its heartbeats named when it joined
 
 
 class CacheManagerService(Service[CacheManagerConfig]):
@@ -181,6 +183,7 @@ class CacheManagerService(Service[CacheManagerConfig]):
                     ("lookup", codecs.CACHE_LOOKUP, self._lookup),
                     ("release", codecs.CACHE_RELEASE, self._release),
                     ("remove", codecs.CACHE_REMOVE, self._remove),
+                    ("corrupt", codecs.CACHE_CORRUPT, self._corrupt),
                     ("stats", codecs.CACHE_STATS_REQUEST, self._stats))
         self._served = [await self.serve(cache(op), codec, handler, span_name=f"cache.{op}", queue=queue)
                         for op, codec, handler in handlers]
@@ -213,7 +216,10 @@ class CacheManagerService(Service[CacheManagerConfig]):
     # ------------------------------------------------------------------ membership
     async def _on_heartbeat(self, beat: Heartbeat, _headers: Mapping[str, str]) -> None:
         node = beat.instance_id
-        if beat.role is not Role.TRANSFER or not beat.address or node in self.nodes or node in self._joining:
+        if beat.role is not Role.TRANSFER or not beat.address or node in self._joining:
+            return
+        known = self.nodes.get(node)
+        if known is not None and (known.address, known.incarnation) == (beat.address, beat.incarnation):
             return
         self._joining.add(node)
         transport = TcpTransport(beat.address, pool_size=1, keys=self.cluster_keys)
@@ -228,9 +234,14 @@ class CacheManagerService(Service[CacheManagerConfig]):
         finally:
             self._joining.discard(node)
             await transport.close()
+        if node in self.nodes:
+            # NOTE: a restarted node (new run, port or segment): what the index holds for it is the dead run's,
+            # so it goes, and the blocks come back from the inventory the new run just reported
+            lost = self.index.remove_node(node, time.time())
+            self.log.info("transfer node restarted", extra={"node": node, "lost_blocks": len(lost)})
         capacity = {Tier(t): c for t, c in enumerate(hello.capacities) if c > 0} or {Tier.DRAM: 1 << 30}
         self.index.add_node(NodeSpec(node, beat.address, hello.segment, capacity))
-        self.nodes[node] = NodeInfo(beat.address, hello.segment)
+        self.nodes[node] = NodeInfo(beat.address, hello.segment, beat.incarnation)
         items = [InventoryItem(k, Tier(t), o, s)
                  for k, t, o, s in zip(inventory.keys, inventory.tiers, inventory.offsets, inventory.sizes)]
         refused = self.index.rebuild(node, items, time.time())
@@ -238,6 +249,9 @@ class CacheManagerService(Service[CacheManagerConfig]):
                                                       "tiers": [t.name for t in capacity]})
 
     async def _on_down(self, down: InstanceDown, _headers: Mapping[str, str]) -> None:
+        known = self.nodes.get(down.instance_id)
+        if known is not None and down.incarnation and known.incarnation not in ("", down.incarnation):
+            return  # about the run before a restart: the run that joined since is live
         if self.nodes.pop(down.instance_id, None) is not None:
             lost = self.index.remove_node(down.instance_id, time.time())
             self.log.info("transfer node left", extra={"node": down.instance_id, "lost_blocks": len(lost)})
@@ -284,6 +298,18 @@ class CacheManagerService(Service[CacheManagerConfig]):
         orders = self.index.remove(req.keys)
         self._orders.extend(orders)
         return CacheAck(count=len({o.key for o in orders}))
+
+    async def _corrupt(self, req: CorruptBlocks) -> CacheAck:
+        node_at = {info.address: node for node, info in self.nodes.items()}
+        orders = [order for loc in req.blocks if loc.key is not None and loc.address in node_at
+                  for order in self.index.remove_replica(loc.key, node_at[loc.address], loc.tier, loc.offset)]
+        self._orders.extend(orders)
+        dropped = len(orders)
+        METRICS.pool_corrupt_blocks.inc(dropped)
+        if dropped:
+            self.log.warning("corrupt blocks dropped from the pool", extra={"reporter": req.reporter,
+                                                                           "blocks": dropped})
+        return CacheAck(count=dropped)
 
     async def _stats(self, _req: StatsRequest) -> PoolStatsReply:
         return stats_reply(self.index.stats())

@@ -74,6 +74,8 @@ class PrefillService(EngineWorker):
                                                                      first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
+            if prefix.fetched.layers is not None and not await prefix.fetched.layers.wait():
+                await self._store_recomputed(req, prefix)
             try:
                 if first.finish_reason == PREFILL_DONE:
                     await self._hand_off(req, first, writer, shipping)
@@ -113,6 +115,22 @@ class PrefillService(EngineWorker):
             if req.attempt:
                 span.set_attribute("halfmoon.attempt", req.attempt)
             return outputs[-1]
+
+    async def _store_recomputed(self, req: PrefillRequest, prefix: Prefix) -> None:
+        """The pool's blocks whose layers did not arrive intact, written again from the KV the engine
+        recomputed in their place (the damaged ones were reported and dropped): the next request reuses
+        them, and the hand-off points decode at the new copies, not at the damaged ones."""
+        assert self.engine is not None
+        fetched, start = prefix.fetched, prefix.local
+        try:
+            payloads = await self.engine.export_kv(req.request_id, start, start + len(fetched.locations))
+        except EngineError:
+            return  # gone meanwhile: the next computation of this prefix writes them
+        keys = prefix.keys[start:start + len(payloads)]
+        stored = await self.pool.store(keys, payloads, first_position=start, tenant=req.tenant)
+        for index, key in enumerate(keys):
+            if key in stored:
+                fetched.locations[index] = stored[key]
 
     async def start(self) -> None:
         await super().start()
