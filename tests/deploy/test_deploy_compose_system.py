@@ -92,6 +92,13 @@ def secured_nats(compose: dict[str, Any], namespace: str, tmp_path: Path) -> Ite
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, 15, proc)
+        # the `jetstream` job's command: the key-value buckets, made by the admin user before any service starts
+        job = compose["services"]["jetstream"]["command"]
+        assert job[:2] == ["halfmoon", "jetstream"]
+        mapped = {"nats://nats:4222": f"nats://127.0.0.1:{port}",
+                  "/secrets/nats-credentials.json": str(secrets / "nats-credentials.json")}
+        subprocess.run([sys.executable, "-m", "halfmoon.cli.main", *(mapped.get(a, a) for a in job[1:])],
+                       check=True, env=service_env(), timeout=60)
         yield f"nats://127.0.0.1:{port}", secrets
     finally:
         proc.terminate()
