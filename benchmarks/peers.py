@@ -35,6 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import aiperf_driver
+from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmServer
 from halfmoon.cli.bench import (
     DEFAULT_TRACE,
     PREDICTION_METRIC,
@@ -48,11 +53,6 @@ from halfmoon.cli.bench_driver import Endpoint
 from halfmoon.cli.bench_stats import SLO, false_rejections
 from halfmoon.cli.bench_workload import TraceScaling, fixed_requests, trace_requests
 from halfmoon.sim.trace import load_trace
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks import aiperf_driver
-from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmServer
 
 # The conductor's admission off: no decode-side early rejection, and a TTFT SLO nothing reaches (the
 # TTFT check of Algorithm 1 applies whatever the admission policy)

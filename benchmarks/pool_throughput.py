@@ -31,6 +31,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.pool_security import grants, handoff_cases
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
@@ -39,7 +40,6 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 
-from benchmarks.pool_security import grants, handoff_cases
 
 class Result(NamedTuple):
     name: str

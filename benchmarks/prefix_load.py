@@ -22,6 +22,11 @@ import tempfile
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server, timed_request
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.runtime import ServiceHost
 from halfmoon.runtime.worker import WorkerConfig
@@ -32,11 +37,6 @@ from halfmoon.services.cache_manager.service import (
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
-from rich.console import Console
-from rich.progress import track
-from rich.table import Table
-
-from benchmarks.inproc import model_or_default, nats_server, timed_request
 
 SECRET = "prefix-load-benchmark-0123456789"
 TWO_TOKENS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # the second from decode

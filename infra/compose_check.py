@@ -34,7 +34,18 @@ import time
 from pathlib import Path
 
 from compose_checks import Reference, check_heal, check_metrics, check_nats_loss, check_serve, check_trace
-from compose_engine import REPO, Failed, Skipped, build_images, compose_command, ensure_engine, free_port, log, poll, run
+from compose_engine import (
+    REPO,
+    Failed,
+    Skipped,
+    build_images,
+    compose_command,
+    ensure_engine,
+    free_port,
+    log,
+    poll,
+    run,
+)
 from compose_stack import RETRIED, Stack
 
 SKIP = 77
@@ -72,7 +83,7 @@ def main() -> int:
                 detail = fn(*a)
             except (Failed, Skipped):
                 raise
-            except Exception as exc:  # noqa: BLE001 - any surprise is this step's failure, with its type
+            except Exception as exc:  # any surprise is this step's failure, with its type
                 raise Failed(f"{type(exc).__name__}: {exc}") from exc
         except Failed as exc:
             results.append((name, "FAIL", time.monotonic() - t0, str(exc)))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from halfmoon.cli.main import main as halfmoon
 from halfmoon.cli.model_tools import cached_model
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
-
 from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 PROMPT_TOKENS = 2000

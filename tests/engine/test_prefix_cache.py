@@ -8,7 +8,6 @@ from halfmoon.core.keys import BlockHasher
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.interface import RequestKV
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

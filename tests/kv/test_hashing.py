@@ -6,6 +6,7 @@ import hashlib
 import struct
 
 import pytest
+
 from halfmoon.core.keys import ROOT_KEY, BlockHasher, Namespace
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.runtime.pool_client import Fetched
-
 from tests.runtime.conftest import Cluster, expected_tokens, running, serve
 
 

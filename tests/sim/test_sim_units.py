@@ -1,6 +1,7 @@
 import json
 
 import pytest
+
 from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache

@@ -7,11 +7,11 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
+
 from halfmoon.storage.base import BlockNotFound, StorageTier, TierFull, TierUnavailable
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.nvme import DirTier
 from halfmoon.storage.s3 import S3Config, S3Tier
-
 from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
 
 

@@ -13,6 +13,7 @@ import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
+
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound

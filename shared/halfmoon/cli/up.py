@@ -46,8 +46,8 @@ def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
 
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
     """The gateway's auth settings and the line that tells the user what they mean."""
-    from halfmoon.deploy.nats_auth import write_private
     from halfmoon.core.tenants import KeyRing, is_loopback
+    from halfmoon.deploy.nats_auth import write_private
 
     keys = args.api_keys_file or os.environ.get("HALFMOON_API_KEYS_FILE", "")
     env = {"HALFMOON_HOST": args.host}
@@ -69,12 +69,13 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
 
 
 def _up(args: argparse.Namespace) -> int:
-    from halfmoon.deploy.local import LocalCluster
-    from halfmoon.deploy.nats_auth import NatsAuth
-    from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from halfmoon.deploy.local import LocalCluster
+    from halfmoon.deploy.nats_auth import NatsAuth
+    from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
 
     console = Console()
     run_dir = Path(args.run_dir)

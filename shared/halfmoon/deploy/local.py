@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import halfmoon
 import httpx
 import nats
+
+import halfmoon
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config

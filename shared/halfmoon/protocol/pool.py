@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from halfmoon.core.locations import Replica
 from halfmoon.protocol.base import Message
 

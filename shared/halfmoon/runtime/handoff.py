@@ -16,6 +16,8 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+from opentelemetry.trace import Tracer
+
 from halfmoon.core.block_format import BlockLayout, Sealer
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.tiers import Tier
@@ -27,7 +29,6 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.capability import sign_park
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
-from opentelemetry.trace import Tracer
 
 TRANSFER_WAIT_S = 1.0  # no live node for this long: hand off without the pool (decode recomputes)
 PARK_TTL_S = 300.0  # a parked block is read once by decode, soon; then the capability is useless

@@ -13,6 +13,9 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from nats.errors import Error as NatsError
+from opentelemetry.trace import Tracer
+
 from halfmoon.core.block_format import BlockLayout, Sealer, salt_block, seal_layers
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.layer_plan import LayerBatches, layer_ranges
@@ -22,8 +25,6 @@ from halfmoon.protocol.work import BlockLocation, KVProgress
 from halfmoon.runtime.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
-from nats.errors import Error as NatsError
-from opentelemetry.trace import Tracer
 
 Progress = Callable[[KVProgress], Awaitable[None]]
 

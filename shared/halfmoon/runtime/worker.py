@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import nats
+from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine import native
@@ -35,7 +36,6 @@ from halfmoon.runtime.replay import ReplayBuffer
 from halfmoon.runtime.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
-from opentelemetry.trace import TracerProvider
 
 LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
 
@@ -269,7 +269,7 @@ class EngineWorker(Service[WorkerConfig]):
         """Run one request; a bug fails that request with an error event, never silently."""
         try:
             await self.accept(request)
-        except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
+        except Exception as exc:  # reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
             await self.send_error(self.stream_of(request), request.request_id, ErrorCode.INTERNAL,
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}", request.attempt)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.errors import EngineError
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
@@ -20,7 +22,6 @@ from halfmoon.runtime.generated_kv import GeneratedKV
 from halfmoon.runtime.prefix_reuse import Prefix, PrefixReuse
 from halfmoon.runtime.streaming import token_event
 from halfmoon.runtime.worker import EngineWorker, WorkerConfig
-from opentelemetry.trace import TracerProvider
 
 
 class AggregatedService(EngineWorker):

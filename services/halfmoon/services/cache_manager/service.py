@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import nats.errors
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import (
@@ -65,8 +68,6 @@ from halfmoon.transfer.capability import Right
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
-from nats.aio.subscription import Subscription
-from opentelemetry.trace import TracerProvider
 
 ORDER_TIMEOUT_S = 30.0
 

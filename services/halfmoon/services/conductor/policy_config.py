@@ -8,8 +8,8 @@ from typing import NamedTuple
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.admission import make_admission
 from halfmoon.policy.calibration import TTFTCalibration
-from halfmoon.policy.cpp import CppPolicy, CppSettings
 from halfmoon.policy.cost import CostModels, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
+from halfmoon.policy.cpp import CppPolicy, CppSettings
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import PREFILL_POLICIES, make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler

@@ -8,28 +8,29 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.kv_spec import KVSpecMismatch
+from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, pooled_steps
-from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.protocol.scheduling import (
-                                          Placed,
-                                          Readiness,
-                                          ReadinessRequest,
-                                          RejectReason,
-                                          ScheduleAccepted,
-                                          ScheduleRejected,
-                                          ScheduleRequest,
+    Placed,
+    Readiness,
+    ReadinessRequest,
+    RejectReason,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
 )
+from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.services.conductor.placement import Placement, PlacementPolicy, place_pair
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView
 from halfmoon.telemetry.metrics import METRICS, Metrics
-from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,13 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from halfmoon.protocol.stream import TokenEvent, Usage
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from halfmoon.core.detokenizer import IncrementalDetokenizer
+from halfmoon.protocol.stream import TokenEvent, Usage
 from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
 from halfmoon.services.gateway.guard import Guard
@@ -23,16 +28,12 @@ from halfmoon.services.gateway.guards import check_nesting, check_wire_size
 from halfmoon.services.gateway.http_limits import BodyIdle
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
-from halfmoon.services.gateway.peers import readiness
 from halfmoon.services.gateway.openapi import openapi_document
+from halfmoon.services.gateway.peers import readiness
 from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from halfmoon.telemetry import extract_context
 from halfmoon.telemetry.metrics import METRICS
-from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("halfmoon.gateway")
 

@@ -19,6 +19,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import Span
+
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.registry import InstanceDown
@@ -31,9 +35,6 @@ from halfmoon.runtime.rpc import RECONNECT_GRACE_S
 from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
 from halfmoon.services.gateway.peers import SCHEDULE_BACKOFF_S, Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from opentelemetry.trace import Span
 
 log = logging.getLogger("halfmoon.gateway")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
 from halfmoon.engine.context import context_limit
 from halfmoon.services.gateway.errors import ApiError, invalid
 from halfmoon.services.gateway.schemas import ChatMessage
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
 from halfmoon.protocol.sampling import MAX_TOP_K, SEED_RANGE
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 

@@ -8,15 +8,16 @@ from collections.abc import Callable
 from enum import Enum
 
 import nats.errors
+
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.scheduling import (
-                                          ABSENT_ROLE,
-                                          Readiness,
-                                          ReadinessRequest,
-                                          ScheduleAccepted,
-                                          ScheduleRejected,
-                                          ScheduleRequest,
+    ABSENT_ROLE,
+    Readiness,
+    ReadinessRequest,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
 )
 from halfmoon.protocol.stream import ResumeRequest
 from halfmoon.runtime import Service

@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass
 
 import msgspec
-from halfmoon.protocol.permissions import rate_limit_bucket
-from halfmoon.protocol.subjects import Subjects
-from halfmoon.core.tenants import Tenant
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from halfmoon.core.tenants import Tenant
+from halfmoon.protocol.permissions import rate_limit_bucket
+from halfmoon.protocol.subjects import Subjects
 
 WINDOW_S = 60.0
 _CAS_ATTEMPTS = 8  # replicas racing for one tenant's key; beyond this the request is told to retry

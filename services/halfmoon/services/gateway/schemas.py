@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
 from halfmoon.protocol.sampling import MAX_TOP_K, SEED_RANGE, SamplingParams
 from halfmoon.services.gateway.errors import invalid
 

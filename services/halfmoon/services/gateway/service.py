@@ -11,18 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from opentelemetry.trace import TracerProvider
+
+from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.runtime.config import setting
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
-from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.http_limits import BodyIdleTimeout, per_client_protocol
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
-from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)

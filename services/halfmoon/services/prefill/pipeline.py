@@ -24,9 +24,17 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import torch
+
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.interface import (PREFILL_DONE, RequestOutput, StageChunk, StageResult, hidden_bytes,
-                                       hidden_tensor, split_layers)
+from halfmoon.engine.interface import (
+    PREFILL_DONE,
+    RequestOutput,
+    StageChunk,
+    StageResult,
+    hidden_bytes,
+    hidden_tensor,
+    split_layers,
+)
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, Message, RemoteError
 from halfmoon.protocol.pipeline import StageDone, StageWork, chunk_tokens
@@ -107,7 +115,7 @@ class PipelineHead:
         if len(set(stages)) != len(stages):
             raise ValueError(f"a pipeline's stages are distinct instances, got {stages}")
         bounds = split_layers(engine.layout.num_layers, len(stages))
-        mine = range(0, bounds[1])
+        mine = range(bounds[1])
         blocks = PipelineBlocks(worker.pool, worker.transfer, rid, worker.config.block_size, len(prompt), keys,
                                 fetched.locations)
         opening = asyncio.create_task(blocks.open(req.tenant))  # put_start overlaps the first chunks

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.interface import PREFILL_DONE, RequestOutput
 from halfmoon.protocol import codecs
@@ -20,7 +22,6 @@ from halfmoon.runtime.worker import EngineWorker, WorkerConfig
 from halfmoon.services.prefill.pipeline import PipelineHead, StageServer
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
-from opentelemetry.trace import TracerProvider
 
 HANDOFF_TIMEOUT_S = 10.0
 
