@@ -39,7 +39,7 @@ CASES = ("no keys", "key check", "key check + rate limit")
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def keys_file(path: Path, count: int) -> dict[str, str]:

@@ -314,11 +314,14 @@ def main() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         if args.driver == "aiperf":
             aiperf_loads = aiperf_workloads(args, run_dir)
-            drive_load: Callable[[PeerServer], dict[str, Any]] = (
-                lambda server: measure_aiperf(server, aiperf_loads, args, model, console))
+
+            def drive_load(server: PeerServer) -> dict[str, Any]:
+                return measure_aiperf(server, aiperf_loads, args, model, console)
         else:
             own_loads, slo = workloads(args), SLO(args.slo_ttft_ms, args.slo_itl_ms)
-            drive_load = lambda server: measure_own(server, own_loads, slo, console)  # noqa: E731
+
+            def drive_load(server: PeerServer) -> dict[str, Any]:
+                return measure_own(server, own_loads, slo, console)
         failures: dict[str, str] = {}
         for name in names:
             factory = server_factory(name)

@@ -83,7 +83,10 @@ async def run(model: str, prefix_tokens: int, new_tokens: int, rounds: int) -> d
             prefill.pool.read_prefix = timed_read  # type: ignore[method-assign]
             nc = await nats.connect(url)
             rng = random.Random(0)
-            draw = lambda n: [rng.randrange(10, 2000) for _ in range(n)]
+
+            def draw(n: int) -> list[int]:
+                return [rng.randrange(10, 2000) for _ in range(n)]
+
             out: dict[str, list[float]] = {"whole": [], "layer-wise": [], "cold": [], "whole read": []}
             for i in track(range(2 * rounds + 2), description="cold, then warm (whole / layer-wise)"):
                 layerwise = i % 2 == 1

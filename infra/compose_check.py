@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--skip", default=os.environ.get("HALFMOON_CHECK_SKIP", ""),
                         help="comma list of steps to leave out (heal, nats-loss, ...)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running (no `down -v`)")
-    parser.add_argument("--up-timeout", type=float, default=float(os.environ.get("HALFMOON_CHECK_UP_TIMEOUT_S", 1200)))
+    parser.add_argument("--up-timeout", type=float, default=float(os.environ.get("HALFMOON_CHECK_UP_TIMEOUT_S", "1200")))
     args = parser.parse_args()
     offline = not args.online
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

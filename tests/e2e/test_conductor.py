@@ -169,5 +169,5 @@ class TestEarlyRejection:
             assert float(reply.headers["retry-after"]) > 0
             assert "ttft" in reply.json()["error"]["message"].lower()
             assert reply.headers["x-request-id"] not in watch.where  # no prefill ever saw it
-        for reply, delivered in accepted:
+        for _, delivered in accepted:
             assert delivered is not None and delivered <= LATE_SLACK * slo_s, (delivered, slo_s)

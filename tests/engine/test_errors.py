@@ -64,7 +64,7 @@ class TestBadRequests:
 
 class TestBadModelDirectory:
     def test_missing_directory(self, tmp_path: Path) -> None:
-        with pytest.raises(ModelLoadError, match="no config.json"):
+        with pytest.raises(ModelLoadError, match=r"no config\.json"):
             LLMEngine(EngineConfig(model=str(tmp_path / "nothing")))
 
     def test_directory_that_is_not_a_causal_lm(self, tmp_path: Path) -> None:

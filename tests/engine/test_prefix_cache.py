@@ -102,7 +102,7 @@ class TestLookupDuringAStep:
                 stalled = asyncio.ensure_future(engine.call(lambda e: (busy.set(), free.wait(30))))
                 await asyncio.to_thread(busy.wait, 30)  # the engine thread is now held, as by a long step
                 held = engine.cached_prefix_blocks(keys)
-                partial = engine.cached_prefix_blocks(keys[:2] + [b"not-cached"] + keys[3:])
+                partial = engine.cached_prefix_blocks([*keys[:2], b"not-cached", *keys[3:]])
                 waiting = not stalled.done()
                 free.set()
                 await stalled

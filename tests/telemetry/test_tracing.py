@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -56,7 +57,7 @@ class TestJsonlConcurrentAppend:
 
 
 class _Collector(BaseHTTPRequestHandler):
-    received: list[ExportTraceServiceRequest] = []
+    received: ClassVar[list[ExportTraceServiceRequest]] = []
     arrived = threading.Event()
 
     def do_POST(self) -> None:  # http.server's API names it

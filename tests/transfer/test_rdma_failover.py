@@ -261,6 +261,6 @@ class TestPathFailover:
         from halfmoon.transfer.failover import PathFailover
 
         node = PathFailover("n", [Path("shm", TcpTransport(dead_address())), Path("tcp", TcpTransport(dead_address()))])
-        with pytest.raises(TransferError, match="every path failed: shm: .*; tcp: "):
+        with pytest.raises(TransferError, match=r"every path failed: shm: .*; tcp: "):
             await node.read(blocks(1)[0])
         await node.close()

@@ -209,21 +209,19 @@ class LocalCluster:
 
     def respawn_nats(self, *extra: str) -> None:
         """Start the cluster's NATS server (again) with its config, on its port once it has one."""
-        log = open(self.log_file("nats"), "ab")
-        self._nats = subprocess.Popen(
-            # the config holds the users, permissions and JetStream's store dir; the port is ours to choose
-            [nats_server_binary(), "-c", str(self._nats_config), "-a", "127.0.0.1", "-p", str(self._nats_port or -1),
-             *extra],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_file("nats"), "ab") as log:
+            self._nats = subprocess.Popen(
+                # the config holds the users, permissions and JetStream's store dir; the port is ours to choose
+                [nats_server_binary(), "-c", str(self._nats_config), "-a", "127.0.0.1", "-p",
+                 str(self._nats_port or -1), *extra],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.supervision.started("nats", time.monotonic())
 
     def start_instance(self, spec: ServiceSpec, instance_id: str) -> subprocess.Popen[bytes]:
         self.ready_file(instance_id).unlink(missing_ok=True)
-        log = open(self.log_file(instance_id), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env_for(spec, instance_id),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_file(instance_id), "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env_for(spec, instance_id),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[instance_id] = proc
         self.supervision.started(instance_id, time.monotonic())
         return proc

@@ -25,7 +25,7 @@ class OrderBatch(Message, frozen=True, kw_only=True, tag="order_batch"):
     so replication can read from a peer."""
 
     orders: tuple[PoolOrder, ...]
-    addresses: dict[str, str] = {}
+    addresses: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class OrderResults(Message, frozen=True, kw_only=True, tag="order_results"):

@@ -12,6 +12,7 @@ the one-off blocks, which nobody else will read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -146,8 +147,6 @@ class KVHandOff:
             if loc.key is not None:
                 by_node[loc.address].append(loc)
         for node, locs in by_node.items():
-            try:
+            with contextlib.suppress(FAILURES):  # the node is gone, and the blocks with it
                 await (await self.transfer.transport(node)).delete([loc.key or b"" for loc in locs],
                                                                      caps=[loc.capability for loc in locs])
-            except FAILURES:
-                pass  # the node is gone, and the blocks with it

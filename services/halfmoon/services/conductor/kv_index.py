@@ -50,7 +50,7 @@ class LiveBlockIndex(Mapping[bytes, Collection[str]], PrefixMatcher[bytes]):
         return len(self._held.get(instance, ()))
 
     def __getitem__(self, key: bytes) -> Collection[str]:
-        return self._holders[key] if key in self._holders else ()
+        return self._holders.get(key, ())
 
     def get(self, key: bytes, default=None):  # type: ignore[no-untyped-def, override]
         return self._holders.get(key, default)
