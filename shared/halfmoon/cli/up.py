@@ -9,11 +9,15 @@ import signal
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console  # loaded by main, once the command is known
 
 DEFAULT_MODEL = "smollm2"
 
 
-def served_model(choice: str, console) -> Path:  # type: ignore[no-untyped-def]
+def served_model(choice: str, console: Console) -> Path:
     """The model directory ``--model`` names: a named model from the cache (written there on first
     use), or a directory of the user's. Settled before anything starts, so a missing wheel or a wrong
     path stops here with what to do."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import nats
+from nats.aio.msg import Msg
 
 import halfmoon
 from halfmoon.core.cluster_keys import new_secret
@@ -291,6 +292,7 @@ class LocalCluster:
     async def _create_jetstream(self) -> None:
         """As the operator: the buckets services use but may not create (halfmoon.deploy.jetstream)."""
         options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
+        assert self.nats_url is not None  # start() has set it by now
         nc = await nats.connect(self.nats_url, connect_timeout=5, **options)
         try:
             # the lease must lapse in the time the cache-managers assume (they run with this environment)
@@ -302,10 +304,11 @@ class LocalCluster:
     async def _wait_ready(self, expected: set[str], timeout: float, progress: Callable[[str], None]) -> None:
         subjects = Subjects(self.namespace)
         options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
+        assert self.nats_url is not None  # start() has set it by now
         nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=-1, **options)
         seen: set[str] = set()
 
-        async def on_heartbeat(msg) -> None:  # type: ignore[no-untyped-def]
+        async def on_heartbeat(msg: Msg) -> None:
             beat = codecs.HEARTBEAT.decode(msg.data)
             if beat.kernels is not None:
                 self.kernels[beat.instance_id] = beat.kernels

@@ -17,7 +17,7 @@ from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import codecs
-from halfmoon.protocol.base import Codec, Message
+from halfmoon.protocol.base import Codec, ErrorReply, Message
 from halfmoon.protocol.registry import (
     Heartbeat,
     InstanceDown,
@@ -153,7 +153,7 @@ class Service(ABC, Generic[C]):
         self,
         subject: str,
         message: Message,
-        reply_codec: Codec[Rep],
+        reply_codec: Codec[Rep | ErrorReply],
         timeout: float,
         headers: Mapping[str, str] | None = None,
         responder_grace_s: float = 0.0,

@@ -125,7 +125,7 @@ class KVHandOff:
         with self.tracer.start_as_current_span("decode.kv_read") as span:
             pending = [loc for loc in locations if loc.key not in streamed]
             read = dict(zip(map(id, pending), await self.pool.read(pending)))
-            payloads = [memoryview(streamed[loc.key]) if loc.key in streamed else read[id(loc)] for loc in locations]
+            payloads = [memoryview(streamed[loc.key]) if loc.key is not None and loc.key in streamed else read[id(loc)] for loc in locations]
             span.set_attribute("halfmoon.blocks_streamed", len(locations) - len(pending))
             if any(p is None for p in payloads):
                 METRICS.errors.labels("kv_read").inc()
@@ -147,6 +147,6 @@ class KVHandOff:
             if loc.key is not None:
                 by_node[loc.address].append(loc)
         for node, locs in by_node.items():
-            with contextlib.suppress(FAILURES):  # the node is gone, and the blocks with it
+            with contextlib.suppress(*FAILURES):  # the node is gone, and the blocks with it
                 await (await self.transfer.transport(node)).delete([loc.key or b"" for loc in locs],
                                                                      caps=[loc.capability for loc in locs])

@@ -24,7 +24,7 @@ from halfmoon.protocol.cache import PutPlan
 from halfmoon.protocol.work import BlockLocation, KVProgress
 from halfmoon.runtime.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.transport import SegmentRange
+from halfmoon.transfer.transport import SegmentRange, Transport
 
 Progress = Callable[[KVProgress], Awaitable[None]]
 
@@ -86,7 +86,7 @@ class LayerWriter:
         self.placed.update((where[p.key], p) for p in plan.placements if p.key in where)
         self.known.update((where[r.key], r) for r in plan.existing_replicas if r.key in where)
 
-    async def _transport(self, address: str):  # type: ignore[no-untyped-def]
+    async def _transport(self, address: str) -> Transport | None:
         try:
             transport = await self.transfer.transport(address)
         except FAILURES:

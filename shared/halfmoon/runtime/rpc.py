@@ -42,7 +42,7 @@ async def request(
     nc: NATS,
     subject: str,
     message: Message,
-    reply_codec: Codec[Rep],
+    reply_codec: Codec[Rep | ErrorReply],
     timeout: float,
     headers: Mapping[str, str] | None = None,
     responder_grace_s: float = 0.0,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from opentelemetry.trace import TracerProvider
 
@@ -36,7 +38,7 @@ class AggregatedService(EngineWorker):
     def submit_subject(self) -> str:
         return self.subjects.prefill_submit(self.instance_id)
 
-    def accept(self, request: PrefillRequest):  # type: ignore[no-untyped-def, override]
+    def accept(self, request: PrefillRequest) -> Coroutine[Any, Any, None]:
         return self._serve(request)
 
     async def start(self) -> None:

@@ -85,7 +85,7 @@ class BuiltPlacement(NamedTuple):
     else from both, so TBT admission sees prefill interference on average."""
 
     policy: PlacementPolicy
-    index: LiveBlockIndex
+    block_index: LiveBlockIndex
     prefill_cost: OnlineFitter | None = None
     decode_cost: OnlineFitter | None = None
     shared_cost: OnlineFitter | None = None

@@ -74,5 +74,7 @@ class ServedModel:
         return room if default is None else min(default, room)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self.tokenizer.decode([token_id])
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
