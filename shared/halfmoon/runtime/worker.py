@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import time
 from abc import abstractmethod
@@ -250,7 +251,7 @@ class EngineWorker(Service[WorkerConfig]):
         self._accepted += 1
         self._tasks[rid], self._attempts[rid] = task, request.attempt
         self._streams[rid] = self.stream_of(request)
-        task.add_done_callback(lambda t, rid=rid: self._forget(rid, t))
+        task.add_done_callback(functools.partial(self._forget, rid))
         return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
 
     def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:

@@ -52,7 +52,7 @@ class LiveBlockIndex(Mapping[Hashable, Collection[str]], PrefixMatcher[bytes]):
     def __getitem__(self, key: Hashable) -> Collection[str]:
         return self._holders.get(key, ())
 
-    def get(self, key: bytes, default=None):  # type: ignore[no-untyped-def, override]
+    def get(self, key: Hashable, default=None):  # None for a block no one holds, where __getitem__ gives ()
         return self._holders.get(key, default)
 
     def __iter__(self) -> Iterator[Hashable]:

@@ -105,10 +105,10 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
 
     def make_scheduler(spec: KVSpec) -> KVCentricScheduler:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
-                          decode=decode_prior if decode_fitter is None else decode_fitter,  # type: ignore[arg-type]
+                          decode=decode_prior if decode_fitter is None else decode_fitter,  # type: ignore[arg-type]  # duck-typed: predict(batch, context)
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         decode = SloAwareDecode(cost.decode, slo, idle_qualifies=True,
-                                shared_cost=shared_fitter)  # type: ignore[arg-type]
+                                shared_cost=shared_fitter)  # type: ignore[arg-type]  # duck-typed: predict(batch, context)
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
                                   make_admission(settings.admission, decode), slo,
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,

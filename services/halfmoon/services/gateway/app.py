@@ -62,6 +62,7 @@ class _Output:
         if event.finish_reason is not None:
             if event.text is None:
                 delta += self._detok.flush()
+            assert event.usage is not None  # it comes with finish_reason (TokenEvent checks)
             self.finish, self.usage = event.finish_reason, event.usage
         self.text.append(delta)
         lp = None
@@ -100,8 +101,8 @@ class GatewayApi:
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         document = openapi_document(self.guard.keys is not None, self.model.name)
         app.add_api_route("/openapi.json", lambda: JSONResponse(document), methods=["GET"])
-        app.add_exception_handler(ApiError, self._api_error)
-        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.add_exception_handler(ApiError, self._api_error)  # type: ignore[arg-type]  # starlette calls it with ApiErrors only
+        app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]  # with those only
         app.add_exception_handler(Exception, self._unexpected)
         return app
 
@@ -201,9 +202,10 @@ class GatewayApi:
     async def _parse(self, request: Request, kind: Kind) -> CompletionRequest | ChatCompletionRequest:
         body = await self._read_body(request)
         check_nesting(body)  # before any decoder recurses into it
-        schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        schema: type[CompletionRequest] | type[ChatCompletionRequest] = (
+            CompletionRequest if kind == "completion" else ChatCompletionRequest)
         try:
-            parsed = msgspec.json.decode(body, type=schema)
+            parsed: CompletionRequest | ChatCompletionRequest = msgspec.json.decode(body, type=schema)
         except msgspec.ValidationError as exc:
             raise from_validation(exc) from None
         except msgspec.DecodeError as exc:

@@ -154,7 +154,7 @@ class GatewayService(Service[GatewayConfig]):
             log_config=None,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=cfg.drain_timeout_s,
+            timeout_graceful_shutdown=cfg.drain_timeout_s,  # type: ignore[arg-type]  # used as asyncio.timeout's float; typed int
         )
         self._server = _Server(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="uvicorn")
