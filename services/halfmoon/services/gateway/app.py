@@ -102,7 +102,7 @@ class GatewayApi:
         document = openapi_document(self.guard.keys is not None, self.model.name)
         app.add_api_route("/openapi.json", lambda: JSONResponse(document), methods=["GET"])
         app.add_exception_handler(ApiError, self._api_error)  # type: ignore[arg-type]  # starlette calls it with ApiErrors only
-        app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]  # with those only
+        app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]  # called with HTTPExceptions only
         app.add_exception_handler(Exception, self._unexpected)
         return app
 
