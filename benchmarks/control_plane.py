@@ -16,6 +16,7 @@ import random
 import statistics
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -31,7 +32,7 @@ from halfmoon.protocol.sampling import SamplingParams
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def engine_latencies(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
@@ -42,7 +43,7 @@ def engine_latencies(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple
     while engine.has_unfinished():
         if engine.step():
             stamps.append(time.perf_counter())
-    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - start, [b - a for a, b in pairwise(stamps)]
 
 
 def service_latencies(client: httpx.Client, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
@@ -55,7 +56,7 @@ def service_latencies(client: httpx.Client, model: str, prompt: list[int], token
         for line in reply.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
                 stamps.append(time.perf_counter())
-    return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - start, [b - a for a, b in pairwise(stamps)]
 
 
 def main() -> None:

@@ -20,6 +20,10 @@ import statistics
 import tempfile
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server, timed_request
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol.sampling import SamplingParams
@@ -32,10 +36,6 @@ from halfmoon.services.cache_manager.service import (
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks.inproc import model_or_default, nats_server, timed_request
 
 SECRET = "cpp-prefill-benchmark-0123456789abcdef"
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

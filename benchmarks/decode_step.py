@@ -64,7 +64,7 @@ def main() -> None:
             engines["unpacked"] = make_engine(args)
     rng = random.Random(0)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
-    for name, engine in engines.items():
+    for engine in engines.values():
         decode_round(engine, rng, args.batch, args.prompt, 8, args.temperature)  # warm-up
     for _ in range(args.rounds):
         for name, engine in engines.items():

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+
 from halfmoon.cli.model_tools import make_tiny_model
 from halfmoon.deploy.drills import (
     gateway_counter,

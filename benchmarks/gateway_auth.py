@@ -25,20 +25,21 @@ from pathlib import Path
 
 import httpx
 import nats
+from rich.console import Console
+from rich.table import Table
+
+from halfmoon.core.tenants import KeyRing, Tenant, bearer_key
 from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol.subjects import Subjects
-from halfmoon.core.tenants import KeyRing, Tenant, bearer_key
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
-from rich.console import Console
-from rich.table import Table
 
 CASES = ("no keys", "key check", "key check + rate limit")
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def keys_file(path: Path, count: int) -> dict[str, str]:

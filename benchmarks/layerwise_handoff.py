@@ -28,6 +28,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
@@ -41,10 +45,6 @@ from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
 from halfmoon.transfer.shm import ShmTransport
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks.inproc import model_or_default, nats_server
 
 SECRET = "layerwise-handoff-benchmark-0123456789"
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
 from halfmoon.deploy.local import free_port
 
 

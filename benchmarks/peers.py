@@ -35,6 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import aiperf_driver
+from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmServer
 from halfmoon.cli.bench import (
     DEFAULT_TRACE,
     PREDICTION_METRIC,
@@ -48,11 +53,6 @@ from halfmoon.cli.bench_driver import Endpoint
 from halfmoon.cli.bench_stats import SLO, false_rejections
 from halfmoon.cli.bench_workload import TraceScaling, fixed_requests, trace_requests
 from halfmoon.sim.trace import load_trace
-from rich.console import Console
-from rich.table import Table
-
-from benchmarks import aiperf_driver
-from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmServer
 
 # The conductor's admission off: no decode-side early rejection, and a TTFT SLO nothing reaches (the
 # TTFT check of Algorithm 1 applies whatever the admission policy)
@@ -314,11 +314,14 @@ def main() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         if args.driver == "aiperf":
             aiperf_loads = aiperf_workloads(args, run_dir)
-            drive_load: Callable[[PeerServer], dict[str, Any]] = (
-                lambda server: measure_aiperf(server, aiperf_loads, args, model, console))
+
+            def drive_load(server: PeerServer) -> dict[str, Any]:
+                return measure_aiperf(server, aiperf_loads, args, model, console)
         else:
             own_loads, slo = workloads(args), SLO(args.slo_ttft_ms, args.slo_itl_ms)
-            drive_load = lambda server: measure_own(server, own_loads, slo, console)  # noqa: E731
+
+            def drive_load(server: PeerServer) -> dict[str, Any]:
+                return measure_own(server, own_loads, slo, console)
         failures: dict[str, str] = {}
         for name in names:
             factory = server_factory(name)

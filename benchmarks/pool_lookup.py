@@ -18,19 +18,18 @@ import subprocess
 import tempfile
 import time
 
-
 from rich.console import Console
 from rich.table import Table
 
-from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
-from halfmoon.services.transfer.service import TransferConfig, TransferService
+from halfmoon.core.tiers import Tier
 from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import NodeSpec, PoolConfig
 from halfmoon.protocol import codecs
 from halfmoon.protocol.cache import Lookup, PutEnd, PutStart
 from halfmoon.runtime.host import ServiceHost
-from halfmoon.core.tiers import Tier
+from halfmoon.services.cache_manager.service import CacheManagerConfig, CacheManagerService
+from halfmoon.services.transfer.service import TransferConfig, TransferService
 
 BLOCK_BYTES = 4096
 

@@ -31,6 +31,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.pool_security import grants, handoff_cases
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
@@ -39,7 +40,6 @@ from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 
-from benchmarks.pool_security import grants, handoff_cases
 
 class Result(NamedTuple):
     name: str
@@ -149,12 +149,13 @@ async def measure(cases: dict[str, tuple[Step, Step, str] | tuple[Step, Step, st
 
 async def run(block: int, batch: int, rounds: int) -> list[Result]:
     nbytes = block * batch
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.pool_throughput", "--serve", str(nbytes)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.pool_throughput", "--serve", str(nbytes),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
     try:
-        address, raw_port = proc.stdout.readline().split()
+        address, raw_port = (await proc.stdout.readline()).decode().split()
         keys = [key(i) for i in range(batch)]
         payloads = [os.urandom(block) for _ in range(batch)]
         src = np.frombuffer(b"".join(payloads), dtype=np.uint8)
@@ -196,7 +197,7 @@ async def run(block: int, batch: int, rounds: int) -> list[Result]:
         return results
     finally:
         proc.stdin.close()
-        proc.wait(timeout=30)
+        await asyncio.wait_for(proc.wait(), 30)
 
 
 def main() -> None:

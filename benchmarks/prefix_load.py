@@ -22,6 +22,11 @@ import tempfile
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from benchmarks.inproc import model_or_default, nats_server, timed_request
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.runtime import ServiceHost
 from halfmoon.runtime.worker import WorkerConfig
@@ -32,11 +37,6 @@ from halfmoon.services.cache_manager.service import (
 from halfmoon.services.decode.service import DecodeService
 from halfmoon.services.prefill.service import PrefillService
 from halfmoon.services.transfer.service import TransferConfig, TransferService
-from rich.console import Console
-from rich.progress import track
-from rich.table import Table
-
-from benchmarks.inproc import model_or_default, nats_server, timed_request
 
 SECRET = "prefix-load-benchmark-0123456789"
 TWO_TOKENS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # the second from decode
@@ -83,7 +83,10 @@ async def run(model: str, prefix_tokens: int, new_tokens: int, rounds: int) -> d
             prefill.pool.read_prefix = timed_read  # type: ignore[method-assign]
             nc = await nats.connect(url)
             rng = random.Random(0)
-            draw = lambda n: [rng.randrange(10, 2000) for _ in range(n)]
+
+            def draw(n: int) -> list[int]:
+                return [rng.randrange(10, 2000) for _ in range(n)]
+
             out: dict[str, list[float]] = {"whole": [], "layer-wise": [], "cold": [], "whole read": []}
             for i in track(range(2 * rounds + 2), description="cold, then warm (whole / layer-wise)"):
                 layerwise = i % 2 == 1

@@ -8,9 +8,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from benchmarks.sim_experiments import CAPACITIES, EVICTIONS, TBT_SWEEP  # noqa: E402
+from benchmarks.sim_experiments import CAPACITIES, EVICTIONS, TBT_SWEEP
 
 PAPER_FIG5 = {"random": 19.65, "load-balancing": 5.27, "local-cache-aware": 3.58, "global-cache-aware": 3.07}
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import platform
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks import sched_latency, sim_cpp, sim_plots, sim_throughput
@@ -58,7 +58,7 @@ def main() -> None:
         results["sched_latency"] = sched_latency.measure()
         results["throughput"] = sim_throughput.measure()
         results["meta"] = {
-            "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "generated": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "wall_s": time.perf_counter() - started,
             "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
         }

@@ -24,14 +24,15 @@ from pathlib import Path
 import httpx
 import nats
 import psutil
+from rich.console import Console
+from rich.table import Table
+
 from halfmoon.deploy.drills import operator_nats
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime import request
-from rich.console import Console
-from rich.table import Table
 
 NAMESPACE = "soak"
 MIB = 1 << 20

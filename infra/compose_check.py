@@ -34,7 +34,18 @@ import time
 from pathlib import Path
 
 from compose_checks import Reference, check_heal, check_metrics, check_nats_loss, check_serve, check_trace
-from compose_engine import REPO, Failed, Skipped, build_images, compose_command, ensure_engine, free_port, log, poll, run
+from compose_engine import (
+    REPO,
+    Failed,
+    Skipped,
+    build_images,
+    compose_command,
+    ensure_engine,
+    free_port,
+    log,
+    poll,
+    run,
+)
 from compose_stack import RETRIED, Stack
 
 SKIP = 77
@@ -48,7 +59,7 @@ def main() -> int:
     parser.add_argument("--skip", default=os.environ.get("HALFMOON_CHECK_SKIP", ""),
                         help="comma list of steps to leave out (heal, nats-loss, ...)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running (no `down -v`)")
-    parser.add_argument("--up-timeout", type=float, default=float(os.environ.get("HALFMOON_CHECK_UP_TIMEOUT_S", 1200)))
+    parser.add_argument("--up-timeout", type=float, default=float(os.environ.get("HALFMOON_CHECK_UP_TIMEOUT_S", "1200")))
     args = parser.parse_args()
     offline = not args.online
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -72,7 +83,7 @@ def main() -> int:
                 detail = fn(*a)
             except (Failed, Skipped):
                 raise
-            except Exception as exc:  # noqa: BLE001 - any surprise is this step's failure, with its type
+            except Exception as exc:  # any surprise is this step's failure, with its type
                 raise Failed(f"{type(exc).__name__}: {exc}") from exc
         except Failed as exc:
             results.append((name, "FAIL", time.monotonic() - t0, str(exc)))

@@ -57,7 +57,7 @@ def poll(what: str, condition, timeout: float, interval: float = 1.0):  # type: 
                 return value
         except Failed:
             raise
-        except Exception as exc:  # noqa: BLE001 - anything transient: retry until the deadline
+        except Exception as exc:  # anything transient: retry until the deadline
             last = exc
         if time.monotonic() > deadline:
             raise Failed(f"{what}: not within {timeout:.0f} s (last error: {last})")

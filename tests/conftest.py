@@ -11,8 +11,9 @@ from pathlib import Path
 
 import nats
 import pytest
-from halfmoon.deploy.local import SOURCE_ROOTS, free_port, nats_server_binary, wait_for_port
 from nats.aio.client import Client as NATS
+
+from halfmoon.deploy.local import SOURCE_ROOTS, free_port, nats_server_binary, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

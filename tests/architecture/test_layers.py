@@ -91,7 +91,7 @@ def circles(imports: list[Import]) -> list[list[str]]:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                found.append(path[path.index(nxt):] + [nxt])
+                found.append([*path[path.index(nxt):], nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()

@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
 from halfmoon.deploy.local import free_port
 
 CACHE_BLOCK = 4

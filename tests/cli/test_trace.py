@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import httpx
 import pytest
+
 from halfmoon.cli.main import main
 from halfmoon.cli.trace import build_waterfall, render_waterfall
 from halfmoon.cli.trace_sources import (
@@ -24,7 +25,6 @@ from halfmoon.cli.trace_sources import (
 )
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import REQUEST_PATH
-
 from tests.e2e.conftest import AUTH, model_name, start_cluster
 
 # sequential phases of one request: none overlaps another, so their durations add up within the total

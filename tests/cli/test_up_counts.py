@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from halfmoon.cli.up import engine_counts, layout_hint, shape, user_settings
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import instances

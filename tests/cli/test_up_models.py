@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from halfmoon.cli.main import main as halfmoon
 from halfmoon.cli.model_tools import cached_model
 
@@ -34,6 +35,6 @@ class TestRefusals:
         assert not (tmp_path / "home" / ".cache" / "halfmoon" / "models" / "smollm2").exists()
 
     def test_a_directory_without_a_model_is_refused(self, tmp_path: Path) -> None:
-        with pytest.raises(SystemExit, match="no config.json"):
+        with pytest.raises(SystemExit, match=r"no config\.json"):
             halfmoon(["up", "--model", str(tmp_path), "--run-dir", str(tmp_path / "run")])
         assert not (tmp_path / "run" / "nats-server.conf").exists()

@@ -9,6 +9,7 @@ import time
 import msgspec
 import pytest
 from fake_instances import reporter_host, wait_until
+
 from halfmoon.protocol import (
     CancelRequest,
     ErrorCode,

@@ -10,9 +10,18 @@ from typing import Any
 
 import pytest
 from fake_instances import LoadReporter, wait_until
+
 from halfmoon.core.kv_spec import KVSpec
-from halfmoon.protocol import Load, Role, SamplingParams, ScheduleAccepted, ScheduleRejected, ScheduleRequest, Subjects
-from halfmoon.protocol import codecs
+from halfmoon.protocol import (
+    Load,
+    Role,
+    SamplingParams,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
+    Subjects,
+    codecs,
+)
 from halfmoon.runtime import ServiceConfig, ServiceHost, request
 from halfmoon.services.conductor.policy_config import PolicySettings
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
 from halfmoon.protocol import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from halfmoon.core.block_format import (
     BlockLayout,
     blank_block,
@@ -57,12 +58,12 @@ class TestLayerRanges:
 class TestBatches:
     def test_whole_is_one_batch_and_per_layer_one_each(self) -> None:
         assert LayerBatches.whole(3).batches == (range(3),)
-        assert LayerBatches.per_layer(3).batches == (range(0, 1), range(1, 2), range(2, 3))
-        assert LayerBatches.per_layer(5, 2).batches == (range(0, 2), range(2, 4), range(4, 5))
+        assert LayerBatches.per_layer(3).batches == (range(1), range(1, 2), range(2, 3))
+        assert LayerBatches.per_layer(5, 2).batches == (range(2), range(2, 4), range(4, 5))
 
     def test_a_batch_completes_with_its_last_layer(self) -> None:
         batches = LayerBatches.per_layer(5, 2)
-        assert [batches.completed_by(layer) for layer in range(5)] == [None, range(0, 2), None, range(2, 4),
+        assert [batches.completed_by(layer) for layer in range(5)] == [None, range(2), None, range(2, 4),
                                                                        range(4, 5)]
         assert LayerBatches.whole(5).completed_by(3) is None
 

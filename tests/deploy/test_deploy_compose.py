@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from halfmoon.deploy.topology import SERVICES
 
+from halfmoon.deploy.topology import SERVICES
 from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import (
     COMPOSE_FILE,

@@ -19,9 +19,9 @@ from typing import Any
 import boto3
 import httpx
 import pytest
+
 from halfmoon.deploy.local import nats_server_binary, wait_for_port
 from halfmoon.deploy.topology import SERVICES
-
 from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import env_of
 from tests.fixtures.s3 import S3Server, s3_server  # noqa: F401  (fixture)
@@ -109,7 +109,7 @@ def secured_nats(compose: dict[str, Any], namespace: str, tmp_path: Path) -> Ite
 def compose_system(
     compose: dict[str, Any],
     secured_nats: tuple[str, Path],
-    s3_server: S3Server,  # noqa: F811
+    s3_server: S3Server,
     namespace: str,
     tiny_model_dir: Path,
     tmp_path: Path,

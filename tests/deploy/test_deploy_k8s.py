@@ -8,8 +8,8 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from halfmoon.deploy.topology import SERVICES
 
+from halfmoon.deploy.topology import SERVICES
 from tests.conftest import REPO_ROOT
 from tests.deploy.conftest import workloads
 

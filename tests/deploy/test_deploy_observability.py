@@ -8,10 +8,10 @@ import re
 from typing import Any
 
 import yaml
+
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.telemetry.metrics import Metrics
-
 from tests.conftest import REPO_ROOT
 from tests.deploy.conftest import env_of
 

@@ -10,8 +10,9 @@ import httpx
 import nats
 import pytest
 import torch
-from halfmoon.deploy.local import LocalCluster
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from halfmoon.deploy.local import LocalCluster
 
 API_KEY = "sk-e2e-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
-
 from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 
 PROMPT_TOKENS = 2000
@@ -169,5 +169,5 @@ class TestEarlyRejection:
             assert float(reply.headers["retry-after"]) > 0
             assert "ttft" in reply.json()["error"]["message"].lower()
             assert reply.headers["x-request-id"] not in watch.where  # no prefill ever saw it
-        for reply, delivered in accepted:
+        for _, delivered in accepted:
             assert delivered is not None and delivered <= LATE_SLACK * slo_s, (delivered, slo_s)

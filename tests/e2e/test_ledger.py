@@ -93,7 +93,7 @@ class TestQueueEstimatesDrain:
     async def test_after_a_burst_an_idle_system_is_predicted_idle(self, cluster: LocalCluster) -> None:
         idle = await placement(cluster, 200, seed=0)
         assert isinstance(idle, ScheduleAccepted) and idle.predicted_ttft_ms is not None
-        assert wait_drained(cluster, 20) == {k: 0.0 for k in outstanding(cluster)}  # the probe itself drained
+        assert wait_drained(cluster, 20) == dict.fromkeys(outstanding(cluster), 0.0)  # the probe itself drained
 
         # Placements nobody takes pile up until the conductor predicts the SLO missed and rejects.
         ghosts = [await placement(cluster, 600, seed=100 + i) for i in range(12)]
@@ -101,7 +101,7 @@ class TestQueueEstimatesDrain:
         assert accepted and len(accepted) < len(ghosts), [type(g).__name__ for g in ghosts]
         assert max(g.predicted_ttft_ms or 0 for g in accepted) > 2 * idle.predicted_ttft_ms
         assert any(v > 0 for v in outstanding(cluster).values())
-        assert wait_drained(cluster, 20) == {k: 0.0 for k in outstanding(cluster)}
+        assert wait_drained(cluster, 20) == dict.fromkeys(outstanding(cluster), 0.0)
         assert isinstance(await placement(cluster, 200, seed=2), ScheduleAccepted)
 
         # Then clients: some leave after their first token, some are served, some may be rejected.
@@ -112,7 +112,7 @@ class TestQueueEstimatesDrain:
         assert set(codes) <= {200, 429}, codes
         assert 200 in codes, codes
 
-        assert wait_drained(cluster, 30) == {k: 0.0 for k in outstanding(cluster)}
+        assert wait_drained(cluster, 30) == dict.fromkeys(outstanding(cluster), 0.0)
         # every served request's first token taught the TTFT calibration; an idle system stays idle after it
         samples = conductor_metrics(cluster)[("halfmoon_conductor_ttft_calibration", (("parameter", "samples"),))]
         assert samples == codes.count(200)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pipeline import StageWork
-from transformers import AutoTokenizer
-
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 12

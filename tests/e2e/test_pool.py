@@ -24,7 +24,6 @@ from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 from tests.fixtures.dataplane import cap
 

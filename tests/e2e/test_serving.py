@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from halfmoon.deploy.local import LocalCluster
 from transformers import AutoTokenizer
 
+from halfmoon.deploy.local import LocalCluster
 from tests.e2e.conftest import API_KEY, AUTH, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 16

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import httpx
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.deploy.topology import REQUEST_PATH
 from halfmoon.telemetry.jsonl import read_spans
-
 from tests.e2e.conftest import AUTH, model_name
 
 

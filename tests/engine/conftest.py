@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from halfmoon.cli.model_tools import make_tiny_model
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine

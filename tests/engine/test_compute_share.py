@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from halfmoon.protocol.sampling import SamplingParams
 
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from halfmoon.engine import config as config_module
 from halfmoon.engine.config import EngineConfig
 

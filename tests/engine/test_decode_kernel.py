@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from halfmoon.engine import decode_kernel as kernels
 from halfmoon.engine import native
 from halfmoon.engine.attention import AttentionBatch, paged_attention
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.seq_attention import SeqAttention
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from halfmoon.cli.model_tools import train_tokenizer
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from halfmoon.core.errors import (
     ContextLengthError,
     DuplicateRequestError,
@@ -17,7 +18,6 @@ from halfmoon.core.errors import (
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine
 
 OK = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -64,7 +64,7 @@ class TestBadRequests:
 
 class TestBadModelDirectory:
     def test_missing_directory(self, tmp_path: Path) -> None:
-        with pytest.raises(ModelLoadError, match="no config.json"):
+        with pytest.raises(ModelLoadError, match=r"no config\.json"):
             LLMEngine(EngineConfig(model=str(tmp_path / "nothing")))
 
     def test_directory_that_is_not_a_causal_lm(self, tmp_path: Path) -> None:

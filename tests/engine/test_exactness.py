@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from halfmoon.protocol.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 LENGTHS = [1, 3, 15, 16, 17, 40, 75, 130]

@@ -7,11 +7,11 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from halfmoon.core.errors import InvalidRequestError, UnknownRequestError
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.interface import Engine, RequestKV
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.architecture.test_layers import all_imports
 from tests.conftest import REPO_ROOT
 from tests.engine.conftest import make_engine, random_prompts

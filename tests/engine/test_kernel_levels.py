@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.activations import ACT2FN
+
 from halfmoon.engine import kernel_build, native
 from halfmoon.engine.attention import paged_attention
 from halfmoon.engine.decode_kernel import DecodeKernel
 from halfmoon.engine.kernel_build import X86_V3, X86_V4, Level, choose, levels_for
 from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps
 from halfmoon.protocol.registry import KernelReport
-from transformers.activations import ACT2FN
-
 from tests.engine.conftest import kernel_sources_alone
 from tests.engine.test_decode_kernel import batch_of
 from tests.engine.test_layer_ops import assert_within_an_ulp_rarely, rms_norm, rows_of

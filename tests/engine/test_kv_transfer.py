@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from halfmoon.core.block_format import decode_block, decode_layer, read_header, seal_block, verify_block, verify_layer
 from halfmoon.core.errors import KVFormatError
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.engine.interface import PREFILL_DONE, RequestKV
 from halfmoon.engine.hooks import LayerHook
+from halfmoon.engine.interface import PREFILL_DONE, RequestKV
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from halfmoon.core.block_format import read_header
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.interface import RequestKV
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.hooks import LayerHook, LayerHooks
 from halfmoon.engine.interface import LayerSource, LayerUnavailable, RequestKV
 from halfmoon.engine.layer_import import ReadyKV
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

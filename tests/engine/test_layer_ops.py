@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from halfmoon.engine import layer_ops as ops_module
-from halfmoon.engine import native
-from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps, layer_ops
-from halfmoon.protocol.sampling import SamplingParams
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
+from halfmoon.engine import layer_ops as ops_module
+from halfmoon.engine import native
+from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps, layer_ops
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
 
 BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 values

@@ -8,7 +8,6 @@ from halfmoon.core.keys import BlockHasher
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.interface import RequestKV
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -103,7 +102,7 @@ class TestLookupDuringAStep:
                 stalled = asyncio.ensure_future(engine.call(lambda e: (busy.set(), free.wait(30))))
                 await asyncio.to_thread(busy.wait, 30)  # the engine thread is now held, as by a long step
                 held = engine.cached_prefix_blocks(keys)
-                partial = engine.cached_prefix_blocks(keys[:2] + [b"not-cached"] + keys[3:])
+                partial = engine.cached_prefix_blocks([*keys[:2], b"not-cached", *keys[3:]])
                 waiting = not stalled.done()
                 free.set()
                 await stalled

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from halfmoon.engine.engine import LLMEngine
-from halfmoon.protocol.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 
+from halfmoon.engine.engine import LLMEngine
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine, random_prompts
 
 

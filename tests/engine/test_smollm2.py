@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from halfmoon.cli.main import main as halfmoon
-from halfmoon.protocol.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 
+from halfmoon.cli.main import main as halfmoon
+from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from halfmoon.core.errors import InvalidRequestError, OutOfKVBlocksError, UnknownRequestError
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.interface import StageChunk, StageResult, hidden_bytes, hidden_tensor, split_layers
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.engine.conftest import make_engine, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -48,7 +48,7 @@ def joined(stages: list[LLMEngine], length: int) -> list[bytes]:
     """Each block with the head's layers from the head and the tail's from the tail."""
     num_layers = stages[0].kv_spec.num_layers
     k = split_layers(num_layers, 2)[1]
-    head, tail = stages[0].stages.payloads("p", range(0, k)), stages[1].stages.payloads("p", range(k, num_layers))
+    head, tail = stages[0].stages.payloads("p", range(k)), stages[1].stages.payloads("p", range(k, num_layers))
     layout, size = stages[0].layout, stages[0].config.block_size
     out = []
     for index, (a, b) in enumerate(zip(head, tail)):
@@ -77,7 +77,7 @@ class TestTwoStagesEqualOne:
 
     def test_first_stage_hands_on_hidden_states(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama)
-        out = engine.stages.run(StageChunk("p", (1, 2, 3), 0, range(0, 2), None, 10, GREEDY))
+        out = engine.stages.run(StageChunk("p", (1, 2, 3), 0, range(2), None, 10, GREEDY))
         assert out.token_id is None and out.hidden is not None and out.hidden.shape == (3, engine.hidden_size)
 
 
@@ -85,23 +85,23 @@ class TestStageRefusals:
     def test_chunks_out_of_order(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama)
         with pytest.raises(UnknownRequestError):
-            engine.stages.run(StageChunk("p", (1, 2), 4, range(0, 2), None, 10, GREEDY))
-        engine.stages.run(StageChunk("p", (1, 2), 0, range(0, 2), None, 10, GREEDY))
+            engine.stages.run(StageChunk("p", (1, 2), 4, range(2), None, 10, GREEDY))
+        engine.stages.run(StageChunk("p", (1, 2), 0, range(2), None, 10, GREEDY))
         with pytest.raises(InvalidRequestError):
-            engine.stages.run(StageChunk("p", (1, 2), 5, range(0, 2), None, 10, GREEDY))
+            engine.stages.run(StageChunk("p", (1, 2), 5, range(2), None, 10, GREEDY))
 
     def test_hidden_states_of_the_wrong_shape(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama)
         with pytest.raises(InvalidRequestError):
             engine.stages.run(StageChunk("p", (1, 2), 0, range(2, 4), torch.zeros(3, engine.hidden_size), 10, GREEDY))
         with pytest.raises(InvalidRequestError):
-            engine.stages.run(StageChunk("q", (1, 2), 0, range(0, 2), torch.zeros(2, engine.hidden_size), 10, GREEDY))
+            engine.stages.run(StageChunk("q", (1, 2), 0, range(2), torch.zeros(2, engine.hidden_size), 10, GREEDY))
 
     def test_out_of_blocks_and_release(self, tiny_llama: Path) -> None:
         engine = make_engine(tiny_llama, kv_cache_blocks=2)
-        engine.stages.run(StageChunk("p", tuple(range(1, 33)), 0, range(0, 2), None, 64, GREEDY))
+        engine.stages.run(StageChunk("p", tuple(range(1, 33)), 0, range(2), None, 64, GREEDY))
         assert engine.num_free_blocks == 0
         with pytest.raises(OutOfKVBlocksError):
-            engine.stages.run(StageChunk("p", (1,), 32, range(0, 2), None, 64, GREEDY))
+            engine.stages.run(StageChunk("p", (1,), 32, range(2), None, 64, GREEDY))
         assert engine.stages.release("p") and engine.num_free_blocks == 2
         assert not engine.stages.release("p")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.step_budget import StepBudget
-
 from tests.engine.conftest import make_engine, random_prompts
 from tests.engine.test_exactness import GREEDY, LENGTHS
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
 from halfmoon.engine.config import cpu_has_bf16
 from halfmoon.engine.weights import Projection, serving_layers
 from halfmoon.protocol.sampling import SamplingParams
-from transformers import AutoModelForCausalLM
-
 from tests.engine.conftest import make_engine
 
 ROWS = (1, 8, 300)

@@ -49,17 +49,17 @@ def kill_holder_mid_stream(cluster: LocalCluster, body: dict, at_index: int = 24
         await nc.flush()
         text, usage = [], {}
         stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, headers=AUTH) as http:
-            async with http.stream("POST", "/v1/completions", json=stream_body) as response:
-                assert response.status_code == 200, await response.aread()
-                wanted["id"] = response.headers["x-request-id"]
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    assert "error" not in chunk, chunk
-                    text.extend(c["text"] for c in chunk["choices"])
-                    usage = chunk.get("usage") or usage
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, headers=AUTH) as http, \
+                http.stream("POST", "/v1/completions", json=stream_body) as response:
+            assert response.status_code == 200, await response.aread()
+            wanted["id"] = response.headers["x-request-id"]
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                assert "error" not in chunk, chunk
+                text.extend(c["text"] for c in chunk["choices"])
+                usage = chunk.get("usage") or usage
         await nc.close()
         assert holder.done(), "the request finished before its decode instance could be killed"
         return {"text": "".join(text), "tokens": usage["completion_tokens"], "killed": holder.result()}

@@ -115,7 +115,7 @@ class TestPrefillKilled:
 
 class TestConductorKilled:
     def test_the_standby_takes_over(self, cluster: LocalCluster) -> None:
-        outcomes, at = under_load(cluster, lambda: cluster.kill("conductor-0"), after=6)
+        outcomes, _ = under_load(cluster, lambda: cluster.kill("conductor-0"), after=6)
         assert_nothing_lost(outcomes)
         restart(cluster, "conductor-0")
         wait_live(cluster, {"conductor-0"})

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from halfmoon.deploy.drills import (
     Outcome,
     gateway_counter,
@@ -31,7 +32,6 @@ from halfmoon.protocol.registry import Heartbeat, InstanceDown, Role
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import CancelRequest
-
 from tests.e2e.conftest import AUTH, model_name, start_cluster
 
 # The next-token timeout is far past the client's patience: only a prompt reaction to a fault mid-stream can

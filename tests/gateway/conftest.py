@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from fake_engine import IdleDecode, Script, ScriptedPrefill
+
 from halfmoon.runtime import ServiceConfig, ServiceHost
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 from halfmoon.services.gateway.service import GatewayConfig, GatewayService

@@ -353,13 +353,12 @@ class TestMetrics:
 class TestClientDisconnect:
     async def test_vanished_client_cancels_the_request(self, gateway_factory, conductor, cluster, output_ids):
         gw = await started_gateway(gateway_factory, conductor, cluster, Script(output=output_ids, token_delay_s=0.2))
-        async with httpx_client(gw) as http:
-            async with http.stream(
-                "POST", "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64, "stream": True}
-            ) as response:
-                request_id = response.headers["x-request-id"]
-                async for _ in response.aiter_bytes():
-                    break  # first chunk, then hang up
+        async with httpx_client(gw) as http, http.stream(
+            "POST", "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64, "stream": True}
+        ) as response:
+            request_id = response.headers["x-request-id"]
+            async for _ in response.aiter_bytes():
+                break  # first chunk, then hang up
         prefill = cluster.hosts[0].service
         await wait_for(lambda: request_id in prefill.cancelled, "CancelRequest for the abandoned stream")
         await wait_for(lambda: gw.client.in_flight == 0, "generation released")

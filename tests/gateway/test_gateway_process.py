@@ -9,11 +9,12 @@ import time
 
 import httpx
 from fake_engine import IdleDecode, Script, ScriptedPrefill
+from test_gateway_generation import wait_for
+
 from halfmoon.runtime import ServiceConfig, ServiceHost
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 from halfmoon.services.gateway.service import GatewayConfig, GatewayService
 from halfmoon.telemetry import read_spans, setup_tracing
-from test_gateway_generation import wait_for
 
 
 async def wait_until_up(http: httpx.AsyncClient, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -6,6 +6,7 @@ import hashlib
 import struct
 
 import pytest
+
 from halfmoon.core.keys import ROOT_KEY, BlockHasher, Namespace
 
 
@@ -18,7 +19,7 @@ class TestChain:
     def test_equal_prefixes_give_equal_keys_then_diverge(self) -> None:
         h = BlockHasher(4, "m")
         a = h.keys(list(range(16)))
-        b = h.keys(list(range(8)) + [99] + list(range(9, 16)))
+        b = h.keys([*range(8), 99, *range(9, 16)])
         assert a[:2] == b[:2]
         assert a[2] != b[2] and a[3] != b[3]  # the chain carries the difference onward
         assert all(len(k) == 32 for k in a)

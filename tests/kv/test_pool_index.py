@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from halfmoon.core.keys import BlockHasher
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import InventoryItem, NodeSpec, OrderKind, PoolConfig, Tier, UnknownPut

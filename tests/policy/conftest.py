@@ -1,6 +1,7 @@
 """Hand-made cost models with round numbers, so the right choice can be worked out by hand."""
 
 import pytest
+
 from halfmoon.policy.cost import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from halfmoon.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
 from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.decode import SloAwareDecode

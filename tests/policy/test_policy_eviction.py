@@ -1,4 +1,5 @@
 import pytest
+
 from halfmoon.policy.eviction import (
     EvictionPolicy,
     LengthAwareEviction,

@@ -1,6 +1,7 @@
 from collections import Counter
 
 import pytest
+
 from halfmoon.policy.prefill import (
     GlobalCacheAwarePrefill,
     LeastLoadedPrefill,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from halfmoon.policy.admission import NoAdmission
 from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.decode import SloAwareDecode

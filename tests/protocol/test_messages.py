@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from halfmoon.core.locations import Replica
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import (
@@ -16,20 +17,20 @@ from halfmoon.protocol import (
     ErrorReply,
     Heartbeat,
     InstanceDown,
-    KVLocation,
     KernelReport,
+    KVLocation,
     KVProgress,
     Load,
     Placed,
     PrefillRequest,
     ProtocolError,
     RejectReason,
+    ResumeRequest,
     Role,
     SamplingParams,
     ScheduleAccepted,
     ScheduleRejected,
     ScheduleRequest,
-    ResumeRequest,
     StepSample,
     TokenEvent,
     Usage,
@@ -49,7 +50,6 @@ from halfmoon.protocol.cache import (
     TransferReport,
 )
 from halfmoon.protocol.pipeline import MESSAGE_OVERHEAD, StageDone, StageWork, chunk_tokens
-from halfmoon.protocol.scheduling import Readiness, ReadinessRequest
 from halfmoon.protocol.pool import (
     KVEvents,
     OrderBatch,
@@ -61,6 +61,7 @@ from halfmoon.protocol.pool import (
     StatsRequest,
     TierStat,
 )
+from halfmoon.protocol.scheduling import Readiness, ReadinessRequest
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop=("\n\n",), logprobs=True)
 LOC = BlockLocation(address="127.0.0.1:7000", offset=4096, size=2048, segment="seg0", key=b"\x01" * 32)

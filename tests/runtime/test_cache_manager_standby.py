@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -108,7 +107,7 @@ class TestStandbyTakesOver:
         second = CacheManagerService(CacheManagerConfig(**common, instance_id="cache-manager-b", leadership_ttl_s=1.5))
         async with ServiceHost(first):
             assert first.active
-            assert first._leading is not None  # noqa: SLF001 - the renewals stop as in a process killed outright
-            first._leading.cancel()  # noqa: SLF001
+            assert first._leading is not None  # the renewals stop as in a process killed outright
+            first._leading.cancel()
             async with ServiceHost(second):
                 await until(lambda: second.active, "the standby taking over a lease nobody renews", 10)

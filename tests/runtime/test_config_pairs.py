@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from halfmoon.policy.state import SERVING_SLO
 from halfmoon.runtime import ServiceConfig, load_config
 from halfmoon.runtime.data_plane import DataPlaneConfig

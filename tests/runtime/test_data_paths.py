@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from halfmoon.runtime.data_plane import DataPlaneConfig
 from halfmoon.transfer.failover import PathFailover
-
 from tests.runtime.conftest import expected_tokens, running, serve
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from halfmoon.core.keys import handoff_key
-
 from tests.runtime.conftest import PROMPT, Cluster, expected_tokens, serve, until
 
 HOLD_S = 20.0  # a held step gives up after this and goes on, so a wrong order fails instead of hanging

@@ -11,7 +11,6 @@ from typing import Any
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol.work import KVProgress
 from halfmoon.transfer.transport import TransferError
-
 from tests.runtime.conftest import Cluster, count_streamed, expected_tokens, running, serve
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from halfmoon.engine.interface import EngineStats, StepTiming
 from halfmoon.runtime.worker import LoadMeter
 

@@ -9,7 +9,6 @@ from typing import Any
 
 from halfmoon.runtime.pool_client import Fetched
 from halfmoon.telemetry.metrics import METRICS
-
 from tests.runtime.conftest import Cluster, expected_tokens, running, serve
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+
 from halfmoon.runtime import ServiceConfig, load_config
 from halfmoon.runtime.worker import WorkerConfig
 from halfmoon.services.conductor.service import ConductorConfig

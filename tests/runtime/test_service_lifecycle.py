@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+
 from halfmoon.protocol import (
     Ack,
     CancelRequest,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from halfmoon.deploy.local import LocalCluster
 
+from halfmoon.deploy.local import LocalCluster
 from tests.e2e.conftest import start_cluster
 
 KEYS = {"tenant-a": "sk-a-0123456789abcdef", "tenant-b": "sk-b-0123456789abcdef", "limited": "sk-l-0123456789abcdef"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from halfmoon.deploy.local import LocalCluster
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -15,6 +14,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from halfmoon.deploy.local import LocalCluster
 from tests.security.conftest import bearer
 
 EXAMPLES = 30  # per operation; bounded so the whole run takes minutes on a CPU

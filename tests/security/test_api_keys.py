@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from halfmoon.deploy.local import LocalCluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from halfmoon.deploy.local import LocalCluster
 from tests.security.conftest import bearer
 
 

@@ -169,8 +169,8 @@ class TestParkCapabilities:
             await peer.write([key(1)], [data], caps=[park], tier=Tier.NVME)
         with pytest.raises(TransferError, match="forbidden"):  # into the pool's DRAM
             await peer.write([handoff_key("req-1", 0)], [data], caps=[park], tier=Tier.DRAM)
-        forged = msgspec.msgpack.encode(msgspec.msgpack.decode(park[:-16])[:2] + [key(1), time.time() + 60, 1, -1, -1,
-                                                                                   "req-1", 0])
+        forged = msgspec.msgpack.encode([*msgspec.msgpack.decode(park[:-16])[:2], key(1), time.time() + 60, 1, -1, -1,
+                                         "req-1", 0])
         with pytest.raises(TransferError, match="forbidden"):  # claims another key for the request
             await peer.write([key(1)], [data], caps=[forged + park[-16:]], tier=Tier.NVME)
         await peer.close()

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from halfmoon.cli.main import main as halfmoon
-from halfmoon.runtime.config import load_config
 from halfmoon.core.tenants import KeyRing, key_digest
+from halfmoon.runtime.config import load_config
 from halfmoon.services.gateway.service import GatewayConfig
 
 

@@ -8,9 +8,9 @@ import json
 import time
 
 import pytest
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol.permissions import leadership_bucket, rate_limit_bucket
-
 from tests.security.test_nats_permissions import SUBJECTS, connect
 
 BUCKETS = {"gateway": rate_limit_bucket(SUBJECTS), "cache-manager": leadership_bucket(SUBJECTS)}

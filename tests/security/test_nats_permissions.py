@@ -10,11 +10,11 @@ import httpx
 import nats
 import nats.errors
 import pytest
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import InstanceDown, Role
 from halfmoon.protocol.subjects import Subjects
-
 from tests.security.conftest import bearer
 
 SUBJECTS = Subjects("e2e")  # start_cluster's namespace

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from halfmoon.cli.main import main as halfmoon
 from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.deploy.nats_auth import NatsAuth

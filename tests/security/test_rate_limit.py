@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.services.gateway.ratelimit import WINDOW_S
-
 from tests.conftest import Processes
 from tests.security.conftest import LIMITED_RPM, bearer
 

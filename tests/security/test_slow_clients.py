@@ -9,8 +9,8 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
-from halfmoon.deploy.local import LocalCluster
 
+from halfmoon.deploy.local import LocalCluster
 from tests.security.conftest import KEYS
 
 SLOWLORIS = 50

@@ -10,10 +10,10 @@ import time
 import httpx
 import msgspec
 import pytest
+
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
-
 from tests.security.conftest import bearer
 from tests.security.test_nats_permissions import SUBJECTS, connect
 

@@ -6,8 +6,8 @@ import random
 import time
 
 import httpx
-from halfmoon.deploy.local import LocalCluster
 
+from halfmoon.deploy.local import LocalCluster
 from tests.security.conftest import bearer
 
 PREFIX_TOKENS = 80  # five 16-token blocks

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+
 from halfmoon.sim.profile import Profile, load_profile
 from halfmoon.sim.trace import TraceRequest, load_trace
 

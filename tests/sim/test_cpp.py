@@ -69,7 +69,7 @@ class TestCppPolicy:
         policy = CppPolicy(LINEAR, CppSettings(stages=3, chunk_tokens=1000, min_tokens=2000))
         assert policy.plan(1999, 0, single(LINEAR, 1999), idle(5)) is None
         assert policy.plan(6000, 0, single(LINEAR, 6000), idle(2)) is None
-        busy = [PrefillInstanceState("p0", 0.0)] + idle(4, queue=10.0)[1:]
+        busy = [PrefillInstanceState("p0", 0.0), *idle(4, queue=10.0)[1:]]
         assert policy.plan(6000, 0, single(LINEAR, 6000), busy) is None  # waiting for stages costs more
 
     def test_rescue_only_pipelines_what_one_node_cannot_do_in_time(self) -> None:

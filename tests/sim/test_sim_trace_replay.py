@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from halfmoon.sim.config import SimConfig
 from halfmoon.sim.metrics import OK, REJECTED_EARLY, REJECTED_LATE
 from halfmoon.sim.run import max_sustainable_scale, simulate

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+
 from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
@@ -100,7 +101,8 @@ class TestClusterCache:
 class TestTraceAndProfile:
     def test_bad_trace_lines_raise_typed_errors(self):
         good = json.dumps({"timestamp": 5, "input_length": 10, "output_length": 2, "hash_ids": [1]})
-        assert list(iter_trace([good, ""]))[0].arrival_s == 0.005
+        [request] = iter_trace([good, ""])  # the blank line is skipped
+        assert request.arrival_s == 0.005
         for bad in ["{", json.dumps({"timestamp": 1}), good.replace("10", "-1"), good.replace("[1]", '"x"')]:
             with pytest.raises(TraceFormatError):
                 list(iter_trace([bad]))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
+
 from halfmoon.storage.allocator import Extent, ExtentAllocator, OutOfSpace
 
 
@@ -43,10 +45,8 @@ class TestCoalescing:
             if live and rng.random() < 0.5:
                 a.free(live.pop(rng.randrange(len(live))))
             else:
-                try:
+                with contextlib.suppress(OutOfSpace):
                     live.append(a.allocate(rng.randint(1, 20_000)).offset)
-                except OutOfSpace:
-                    pass
         for off in live:
             a.free(off)
         assert a.used == 0 and a.fragments == 1 and a.largest_free == a.capacity

@@ -7,11 +7,11 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
+
 from halfmoon.storage.base import BlockNotFound, StorageTier, TierFull, TierUnavailable
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.nvme import DirTier
 from halfmoon.storage.s3 import S3Config, S3Tier
-
 from tests.fixtures.s3 import free_ports, s3_config, s3_server  # noqa: F401  (fixtures)
 
 
@@ -153,7 +153,7 @@ class TestDramBatches:
             for ext, data in zip(exts, (b"one..", b"two..", b"three")):
                 t.writable(ext)[:] = data
             assert await t.get(key(1)) == b"old" and not await t.contains(key(2))
-            assert t.commit_batch(keys + [key(9)]) == [key(9)]  # not reserved: named back, nothing done
+            assert t.commit_batch([*keys, key(9)]) == [key(9)]  # not reserved: named back, nothing done
             assert [await t.get(k) for k in keys] == [b"one..", b"two..", b"three"]
             assert (await t.usage()).used == 3 * 64  # the old value's room is free again
         finally:

@@ -6,9 +6,10 @@ import asyncio
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from halfmoon.runtime.config import ServiceConfig, load_config
 from halfmoon.telemetry.metrics import Metrics, MetricsEndpoint
-from prometheus_client.parser import text_string_to_metric_families
 
 NAMES = (
     "halfmoon_ttft_seconds",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from halfmoon.deploy.local import LocalCluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from halfmoon.deploy.local import LocalCluster
 from tests.e2e.conftest import model_name
 from tests.telemetry.test_metrics import NAMES
 

@@ -6,10 +6,12 @@ import asyncio
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
 
 import pytest
-from halfmoon.telemetry import extract_context, inject_headers, read_spans, setup_tracing
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from halfmoon.telemetry import extract_context, inject_headers, read_spans, setup_tracing
 
 PEER = "tests/telemetry/trace_peer.py"
 
@@ -55,10 +57,10 @@ class TestJsonlConcurrentAppend:
 
 
 class _Collector(BaseHTTPRequestHandler):
-    received: list[ExportTraceServiceRequest] = []
+    received: ClassVar[list[ExportTraceServiceRequest]] = []
     arrived = threading.Event()
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server API
+    def do_POST(self) -> None:  # http.server's API names it
         body = self.rfile.read(int(self.headers["Content-Length"]))
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)

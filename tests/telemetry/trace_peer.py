@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 import nats
+
 from halfmoon.telemetry import extract_context, inject_headers, setup_tracing
 
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+
 from halfmoon.core.block_format import FIXED, BlockLayout, Sealer, Verifier, encode_block, verify_block
 from halfmoon.core.cluster_keys import DEV_KEYS
 from halfmoon.core.tiers import Tier

@@ -7,6 +7,7 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
+
 from halfmoon.core.keys import BlockHasher
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import NodeSpec, OrderKind, PoolConfig, Tier

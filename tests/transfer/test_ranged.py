@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+
 from halfmoon.core.block_format import BlockLayout, encode_block, salt_block, seal_layers, verify_layer
 from halfmoon.core.cluster_keys import DEV_KEYS
 from halfmoon.core.layer_plan import layer_ranges

@@ -15,7 +15,6 @@ from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
 from halfmoon.transfer.chooser import path_kinds
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.framing import Offers
 from halfmoon.transfer.failover import (
     BatchSource,
     FailoverReader,
@@ -23,6 +22,7 @@ from halfmoon.transfer.failover import (
     PathHealth,
     attempt_order,
 )
+from halfmoon.transfer.framing import Offers
 from halfmoon.transfer.server import BlockServer
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
@@ -197,6 +197,7 @@ class TestRdmaConnect:
 
     async def test_endpoints_are_swapped_and_a_bad_one_is_refused_with_the_reason(self) -> None:
         import msgspec
+
         from halfmoon.transfer.rdma import RdmaEndpoint, exchange_over_control
 
         node_end = RdmaEndpoint(qpn=7, psn=1, lid=0, gid="fe80::1", mtu=4, segment_addr=4096, segment_rkey=9,
@@ -260,6 +261,6 @@ class TestPathFailover:
         from halfmoon.transfer.failover import PathFailover
 
         node = PathFailover("n", [Path("shm", TcpTransport(dead_address())), Path("tcp", TcpTransport(dead_address()))])
-        with pytest.raises(TransferError, match="every path failed: shm: .*; tcp: "):
+        with pytest.raises(TransferError, match=r"every path failed: shm: .*; tcp: "):
             await node.read(blocks(1)[0])
         await node.close()

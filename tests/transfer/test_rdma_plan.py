@@ -7,6 +7,7 @@ import os
 import random
 
 import pytest
+
 from halfmoon.transfer.rdma import (
     RdmaUnavailable,
     VerbsDevice,

@@ -13,6 +13,7 @@ import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
+
 from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound
@@ -77,7 +78,7 @@ class TestTcpRoundTrip:
         assert [bytes(v) for v in await tcp.read(keys)] == data
         assert [bytes(v) for v in await tcp.read(keys[::-1])] == data[::-1]
         assert server.payload_bytes_in == server.payload_bytes_out // 2 == 8 * BLOCK
-        assert await tcp.delete(keys[:3] + [key(99)]) == 3
+        assert await tcp.delete([*keys[:3], key(99)]) == 3
         with pytest.raises(BlockNotFound) as err:
             await tcp.read(keys)
         assert err.value.keys == keys[:3]
@@ -245,11 +246,12 @@ SERVER_SCRIPT = textwrap.dedent(
 
 class TestAcrossProcesses:
     async def test_tcp_and_shm_against_a_server_process(self) -> None:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", SERVER_SCRIPT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
+        assert proc.stdin is not None and proc.stdout is not None
         try:
-            address = proc.stdout.readline().strip()
+            address = (await proc.stdout.readline()).decode().strip()
             keys, data = blocks(4)
             tcp = Granted(TcpTransport(address))
             client = TransferClient()
@@ -262,7 +264,7 @@ class TestAcrossProcesses:
             await client.close()
         finally:
             proc.stdin.close()
-            assert proc.wait(timeout=20) == 0
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
 
 
 class TestAbandonedReservation:

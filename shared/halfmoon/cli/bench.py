@@ -32,8 +32,6 @@ def drive(endpoint: Any, requests: Sequence[Any], concurrency: int, paced: bool,
           warmup: Sequence[Any] = (), console: Any = None, metrics_url: str | None = None) -> dict[str, Any]:
     """Warm up (unmeasured), then run ``requests`` under a progress bar; returns the run's summary, with the
     TTFT prediction error of the measured requests when ``metrics_url`` names a Halfmoon gateway's /metrics."""
-    from halfmoon.cli.bench_driver import run
-    from halfmoon.cli.bench_stats import summarise
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -41,6 +39,9 @@ def drive(endpoint: Any, requests: Sequence[Any], concurrency: int, paced: bool,
         TextColumn,
         TimeElapsedColumn,
     )
+
+    from halfmoon.cli.bench_driver import run
+    from halfmoon.cli.bench_stats import summarise
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("[red]{task.fields[failed]} failed"))
@@ -66,8 +67,9 @@ def scrape_prediction_error(url: str, metric: str = PREDICTION_METRIC) -> dict[s
 def parse_prediction_error(text: str, metric: str = PREDICTION_METRIC) -> dict[str, Any]:
     """A prediction-error histogram (TTFT's by default) in Prometheus text: buckets summed over labels, and
     how many predictions were at or above the delivered figure."""
-    from halfmoon.cli.bench_stats import Histogram
     from prometheus_client.parser import text_string_to_metric_families
+
+    from halfmoon.cli.bench_stats import Histogram
 
     buckets, over = [], 0.0
     for family in text_string_to_metric_families(text):
@@ -149,9 +151,10 @@ def first_model(base_url: str, api_key: str | None) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     import httpx
+    from rich.console import Console
+
     from halfmoon.cli.bench_driver import Endpoint
     from halfmoon.cli.bench_stats import SLO
-    from rich.console import Console
 
     console = Console()
     try:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
+
 from halfmoon.cli.bench_workload import BenchRequest
 
 

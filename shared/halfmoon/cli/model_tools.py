@@ -19,15 +19,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_WORDS = (
-    "the a an of to in and is are was were be been cache block prefix token model layer key value "
-    "request server client decode prefill memory storage transfer node cluster schedule queue time "
-    "first last next long short fast slow hot cold warm read write load store copy move keep drop "
-    "user assistant system question answer hello world moon half light night day river stone tree "
-    "one two three four five six seven eight nine ten hundred thousand million zero "
-    "what why how when where who which this that these those it they we you he she "
-    "can will would should could must may might do does did make take give find think know"
-).split()
+_WORDS = ["the", "a", "an", "of", "to", "in", "and", "is", "are", "was", "were", "be", "been", "cache", "block", "prefix", "token", "model", "layer", "key", "value", "request", "server", "client", "decode", "prefill", "memory", "storage", "transfer", "node", "cluster", "schedule", "queue", "time", "first", "last", "next", "long", "short", "fast", "slow", "hot", "cold", "warm", "read", "write", "load", "store", "copy", "move", "keep", "drop", "user", "assistant", "system", "question", "answer", "hello", "world", "moon", "half", "light", "night", "day", "river", "stone", "tree", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "hundred", "thousand", "million", "zero", "what", "why", "how", "when", "where", "who", "which", "this", "that", "these", "those", "it", "they", "we", "you", "he", "she", "can", "will", "would", "should", "could", "must", "may", "might", "do", "does", "did", "make", "take", "give", "find", "think", "know"]
 
 
 def _corpus(lines: int, seed: int) -> list[str]:

@@ -57,7 +57,7 @@ def _secrets(args: argparse.Namespace) -> int:
 def _certs(args: argparse.Namespace) -> int:
     from halfmoon.deploy.certs import write_certificates  # cryptography loads only for this command
 
-    paths = write_certificates(Path(args.dir), args.hosts.split(","), [r for r in ROLES])
+    paths = write_certificates(Path(args.dir), args.hosts.split(","), list(ROLES))
     print(f"wrote {len(paths)} certificates and their keys (0600) to {args.dir}: ca.pem, server.pem "
           f"(for {args.hosts}), and one client certificate per role")
     return 0

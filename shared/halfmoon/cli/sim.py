@@ -135,12 +135,13 @@ def _table(result, scale: float | None):
 
 
 def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
     from halfmoon.sim.config import SimConfigError
     from halfmoon.sim.profile import ProfileError, load_profile
     from halfmoon.sim.run import max_sustainable_scale, simulate
     from halfmoon.sim.trace import TraceFormatError, load_trace
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     console = Console()
     try:

@@ -9,11 +9,15 @@ import signal
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console  # loaded by main, once the command is known
 
 DEFAULT_MODEL = "smollm2"
 
 
-def served_model(choice: str, console) -> Path:  # type: ignore[no-untyped-def]
+def served_model(choice: str, console: Console) -> Path:
     """The model directory ``--model`` names: a named model from the cache (written there on first
     use), or a directory of the user's. Settled before anything starts, so a missing wheel or a wrong
     path stops here with what to do."""
@@ -46,8 +50,8 @@ def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
 
 def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], str]:
     """The gateway's auth settings and the line that tells the user what they mean."""
-    from halfmoon.deploy.nats_auth import write_private
     from halfmoon.core.tenants import KeyRing, is_loopback
+    from halfmoon.deploy.nats_auth import write_private
 
     keys = args.api_keys_file or os.environ.get("HALFMOON_API_KEYS_FILE", "")
     env = {"HALFMOON_HOST": args.host}
@@ -69,12 +73,13 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
 
 
 def _up(args: argparse.Namespace) -> int:
-    from halfmoon.deploy.local import LocalCluster
-    from halfmoon.deploy.nats_auth import NatsAuth
-    from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from halfmoon.deploy.local import LocalCluster
+    from halfmoon.deploy.nats_auth import NatsAuth
+    from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
 
     console = Console()
     run_dir = Path(args.run_dir)

@@ -34,6 +34,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from halfmoon.core.cluster_keys import DEV_KEYS
 from halfmoon.core.errors import KVFormatError
 from halfmoon.core.kv_spec import LAYOUT_VERSION as VERSION

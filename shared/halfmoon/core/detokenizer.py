@@ -9,7 +9,7 @@ from typing import NamedTuple, Protocol
 class Decoder(Protocol):
     """The part of a tokenizer detokenising needs (transformers tokenizers have it)."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
 
 
 class TextDelta(NamedTuple):
@@ -42,7 +42,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         assert self._tok is not None
-        return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
+        text = self._tok.decode(self._ids[start:end], skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
     def _settle(self, force: bool) -> None:
         """Move newly decoded window text into ``text``; ``force`` takes a dangling partial character too."""

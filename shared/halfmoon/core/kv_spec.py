@@ -9,6 +9,7 @@ conductor and the cache-manager learn it from heartbeats; nothing outside an eng
 from __future__ import annotations
 
 import msgspec
+
 from halfmoon.core.keys import BlockHasher, Namespace
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from halfmoon.core.tiers import Tier
 
 

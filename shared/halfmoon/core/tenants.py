@@ -9,8 +9,8 @@ unlimited); keys of one tenant must agree on them. Only SHA-256 digests are kept
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import hmac
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path

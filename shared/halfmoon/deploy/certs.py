@@ -12,6 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from halfmoon.deploy.nats_auth import write_private
 
 VALID_DAYS = 825  # the longest leaf lifetime clients commonly accept

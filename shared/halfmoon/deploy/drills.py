@@ -21,13 +21,14 @@ from typing import Literal
 
 import httpx
 import nats
+from nats.aio.msg import Msg
+
 from halfmoon.deploy.local import LocalCluster, wait_for_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import Heartbeat
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
-from nats.aio.msg import Msg
 
 Status = Literal["ok", "error", "lost"]
 
@@ -186,14 +187,14 @@ def stopped(cluster: LocalCluster, instance_id: str) -> Iterator[None]:
 
 def restart_nats(cluster: LocalCluster, down_s: float) -> None:
     """SIGKILL the cluster's NATS server, keep it away ``down_s`` seconds, start it again on the same port."""
-    proc = cluster._nats  # noqa: SLF001 - the launcher owns the server; drills replace it in place
+    proc = cluster._nats  # the launcher owns the server; drills replace it in place
     assert proc is not None and cluster.nats_url is not None, "the cluster did not start its own NATS"
     proc.kill()
     proc.wait()
     time.sleep(down_s)
     port = int(cluster.nats_url.rsplit(":", 1)[1])
     cluster.respawn_nats()  # the launcher's config and port: same users and permissions
-    respawned = cluster._nats  # noqa: SLF001
+    respawned = cluster._nats
     assert respawned is not None, "the launcher did not respawn its NATS"
     wait_for_port(port, 15, respawned)
 

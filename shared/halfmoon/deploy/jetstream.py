@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import nats
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig
+
 from halfmoon.deploy.nats_auth import NatsAuth
 from halfmoon.protocol.permissions import leadership_bucket, rate_limit_bucket
 from halfmoon.protocol.subjects import Subjects
-from nats.aio.client import Client
-from nats.js.api import KeyValueConfig
 
 RATE_WINDOWS_TTL_S = 120.0  # two one-minute windows: the current one and the one just closed
 LEADERSHIP_TTL_S = 3.0  # CacheManagerConfig.leadership_ttl_s's default: a lease lapses this long after its renewal

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import halfmoon
 import httpx
 import nats
+from nats.aio.msg import Msg
+
+import halfmoon
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
@@ -208,21 +210,19 @@ class LocalCluster:
 
     def respawn_nats(self, *extra: str) -> None:
         """Start the cluster's NATS server (again) with its config, on its port once it has one."""
-        log = open(self.log_file("nats"), "ab")
-        self._nats = subprocess.Popen(
-            # the config holds the users, permissions and JetStream's store dir; the port is ours to choose
-            [nats_server_binary(), "-c", str(self._nats_config), "-a", "127.0.0.1", "-p", str(self._nats_port or -1),
-             *extra],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_file("nats"), "ab") as log:
+            self._nats = subprocess.Popen(
+                # the config holds the users, permissions and JetStream's store dir; the port is ours to choose
+                [nats_server_binary(), "-c", str(self._nats_config), "-a", "127.0.0.1", "-p",
+                 str(self._nats_port or -1), *extra],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.supervision.started("nats", time.monotonic())
 
     def start_instance(self, spec: ServiceSpec, instance_id: str) -> subprocess.Popen[bytes]:
         self.ready_file(instance_id).unlink(missing_ok=True)
-        log = open(self.log_file(instance_id), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env_for(spec, instance_id),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.log_file(instance_id), "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env_for(spec, instance_id),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[instance_id] = proc
         self.supervision.started(instance_id, time.monotonic())
         return proc
@@ -292,6 +292,7 @@ class LocalCluster:
     async def _create_jetstream(self) -> None:
         """As the operator: the buckets services use but may not create (halfmoon.deploy.jetstream)."""
         options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
+        assert self.nats_url is not None  # start() has set it by now
         nc = await nats.connect(self.nats_url, connect_timeout=5, **options)
         try:
             # the lease must lapse in the time the cache-managers assume (they run with this environment)
@@ -303,10 +304,11 @@ class LocalCluster:
     async def _wait_ready(self, expected: set[str], timeout: float, progress: Callable[[str], None]) -> None:
         subjects = Subjects(self.namespace)
         options = self.nats_auth.connect_options() if self.nats_auth is not None else {}
+        assert self.nats_url is not None  # start() has set it by now
         nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=-1, **options)
         seen: set[str] = set()
 
-        async def on_heartbeat(msg) -> None:  # type: ignore[no-untyped-def]
+        async def on_heartbeat(msg: Msg) -> None:
             beat = codecs.HEARTBEAT.decode(msg.data)
             if beat.kernels is not None:
                 self.kernels[beat.instance_id] = beat.kernels

@@ -16,8 +16,16 @@ from halfmoon.core.block_format import BlockLayout
 from halfmoon.core.errors import EngineError
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.engine.interface import (NO_KV, Engine, EngineStats, RequestKV, RequestOutput, StageChunk, StageResult,
-                                       StepTiming)
+from halfmoon.engine.interface import (
+    NO_KV,
+    Engine,
+    EngineStats,
+    RequestKV,
+    RequestOutput,
+    StageChunk,
+    StageResult,
+    StepTiming,
+)
 from halfmoon.protocol.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -72,7 +80,7 @@ class AsyncEngine(Engine):
                                                              self._engine.model_name)
             self._hidden_size, self._dtype = self._engine.hidden_size, self._engine.config.torch_dtype
             self._stats = self._engine.stats()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's side
+        except BaseException as exc:  # re-raised by start() on the caller's side
             self._failure = exc
             return
         finally:
@@ -146,7 +154,7 @@ class AsyncEngine(Engine):
         def run() -> None:
             try:
                 result = fn(self._engine)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            except BaseException as exc:  # handed to the awaiting caller
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)

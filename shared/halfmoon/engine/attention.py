@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
 from halfmoon.engine.decode_kernel import DecodeBatch, DecodeKernel
 from halfmoon.engine.seq_attention import SeqAttention
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
 from halfmoon.engine import native
 
 if TYPE_CHECKING:

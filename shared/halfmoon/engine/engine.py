@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 import random
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from halfmoon.core.block_format import BlockLayout, encode_block
@@ -34,6 +34,7 @@ from halfmoon.engine.sequence import Sequence, SequenceStatus
 from halfmoon.engine.stage import PipelineStages, StageParts
 from halfmoon.engine.step_budget import StepBudget
 from halfmoon.protocol.sampling import SamplingParams
+
 
 @dataclass
 class _Request:

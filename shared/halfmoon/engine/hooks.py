@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from abc import ABC
 from collections.abc import Sequence as Seq
 
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.sequence import ScheduledChunk
 
 
-class LayerHook(ABC):
+class LayerHook:
     """Called by the model runner around every decoder layer of every step.
 
     ``before_layer`` returns once the cached-prefix KV of ``layer`` that the step's chunks

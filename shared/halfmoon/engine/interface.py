@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
 from halfmoon.core.block_format import BlockLayout
 from halfmoon.core.errors import EngineError, InvalidRequestError
 from halfmoon.core.kv_spec import KVSpec

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
+
 from halfmoon.core.block_format import BlockLayout, blank_block
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.hooks import LayerHook

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 import torch
+
 from halfmoon.core.block_format import BlockLayout, decode_block
 from halfmoon.engine.attention import PagedKVCache
 from halfmoon.engine.hooks import LayerHook

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Protocol, TypeGuard
 
 import torch
-from halfmoon.engine import native
 from transformers.models.llama.modeling_llama import rotate_half
+
+from halfmoon.engine import native
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 # Norms whose forward is LlamaRMSNorm's: float32 mean of squares, rsqrt, scale, weight times bfloat16.

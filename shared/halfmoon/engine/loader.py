@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from halfmoon.core.errors import ModelLoadError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from halfmoon.core.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = frozenset(
     {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
+
 from halfmoon.engine.attention import AttentionBatch, PagedKVCache, paged_attention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel

@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 import torch
+
 from halfmoon.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1

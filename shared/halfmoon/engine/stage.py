@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
 
 import torch
+
 from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
 from halfmoon.core.detokenizer import IncrementalDetokenizer
 from halfmoon.core.errors import InvalidRequestError, OutOfKVBlocksError, UnknownRequestError

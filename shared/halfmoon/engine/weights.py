@@ -18,6 +18,7 @@ from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+
 from halfmoon.engine.config import cpu_has_bf16
 
 

@@ -24,9 +24,9 @@ class NodeLedger:
         dram = spec.capacity.get(Tier.DRAM)
         self.alloc = ExtentAllocator(dram, alignment) if dram else None
         self._used = {tier: 0 for tier in spec.capacity if tier is not Tier.DRAM}
-        self.blocks = {tier: 0 for tier in spec.capacity}
+        self.blocks = dict.fromkeys(spec.capacity, 0)
         self.policies: dict[Tier, EvictionPolicy[bytes]] = {tier: make_eviction(eviction) for tier in spec.capacity}
-        self.available = {tier: True for tier in spec.capacity}
+        self.available = dict.fromkeys(spec.capacity, True)
 
     def capacity(self, tier: Tier) -> int:
         if tier is Tier.DRAM:

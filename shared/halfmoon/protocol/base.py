@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 import msgspec
+
 from halfmoon.protocol.subjects import PROTOCOL_VERSION
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.work import BlockLocation
 

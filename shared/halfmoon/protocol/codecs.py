@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from halfmoon.protocol.base import Ack, Codec, ErrorReply
-from halfmoon.protocol.cache import CacheAck, CorruptBlocks, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release, TransferReport
+from halfmoon.protocol.cache import (
+                                  CacheAck,
+                                  CorruptBlocks,
+                                  Lookup,
+                                  LookupResult,
+                                  PutEnd,
+                                  PutPlan,
+                                  PutStart,
+                                  Release,
+                                  TransferReport,
+)
+from halfmoon.protocol.pipeline import StageDone, StageWork
 from halfmoon.protocol.pool import (
                                   KVEvents,
                                   OrderBatch,
@@ -13,15 +24,14 @@ from halfmoon.protocol.pool import (
                                   SnapshotRequest,
                                   StatsRequest,
 )
-from halfmoon.protocol.pipeline import StageDone, StageWork
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
 from halfmoon.protocol.scheduling import (
-                                          Placed,
-                                          Readiness,
-                                          ReadinessRequest,
-                                          ScheduleAccepted,
-                                          ScheduleRejected,
-                                          ScheduleRequest,
+                                  Placed,
+                                  Readiness,
+                                  ReadinessRequest,
+                                  ScheduleAccepted,
+                                  ScheduleRejected,
+                                  ScheduleRequest,
 )
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, DecodeRequest, KVProgress, PrefillRequest, WorkDone

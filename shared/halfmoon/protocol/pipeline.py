@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.subjects import check_token
@@ -63,7 +65,7 @@ class StageWork(Message, frozen=True, kw_only=True, tag="stage_work"):
         bounds = self.layer_bounds
         distinct = len(set(self.stages)) == len(self.stages) >= 2
         if not distinct or len(bounds) != len(self.stages) + 1 or bounds[0] != 0 or any(
-                a >= b for a, b in zip(bounds, bounds[1:])):
+                a >= b for a, b in pairwise(bounds)):
             raise ValueError(f"need >= 2 distinct stages, {len(self.stages) + 1} increasing layer bounds from 0, "
                              f"got {self.stages} and {bounds}")
         if not 1 <= self.stage < len(self.stages):

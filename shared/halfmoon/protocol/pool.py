@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+
 from halfmoon.core.locations import Replica
 from halfmoon.protocol.base import Message
 
@@ -24,7 +25,7 @@ class OrderBatch(Message, frozen=True, kw_only=True, tag="order_batch"):
     so replication can read from a peer."""
 
     orders: tuple[PoolOrder, ...]
-    addresses: dict[str, str] = {}
+    addresses: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class OrderResults(Message, frozen=True, kw_only=True, tag="order_results"):

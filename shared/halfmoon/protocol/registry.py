@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Literal
 
 import msgspec
+
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.subjects import check_token

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
 from halfmoon.protocol.base import ErrorCode, Message
 
 FinishReason = Literal["stop", "length"]

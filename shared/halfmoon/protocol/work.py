@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 import msgspec
+
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.sampling import SamplingParams

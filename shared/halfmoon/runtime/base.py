@@ -10,9 +10,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar, Generic, TypeVar
 
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import codecs
-from halfmoon.protocol.base import Codec, Message
+from halfmoon.protocol.base import Codec, ErrorReply, Message
 from halfmoon.protocol.registry import (
     Heartbeat,
     InstanceDown,
@@ -26,10 +31,6 @@ from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime import rpc
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.liveness import NatsLiveness
-from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
-from opentelemetry import trace
-from opentelemetry.trace import TracerProvider
 
 C = TypeVar("C", bound=ServiceConfig)
 Req = TypeVar("Req")
@@ -152,7 +153,7 @@ class Service(ABC, Generic[C]):
         self,
         subject: str,
         message: Message,
-        reply_codec: Codec[Rep],
+        reply_codec: Codec[Rep | ErrorReply],
         timeout: float,
         headers: Mapping[str, str] | None = None,
         responder_grace_s: float = 0.0,

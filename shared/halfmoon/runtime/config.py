@@ -16,10 +16,13 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from halfmoon.core.cluster_keys import ClusterKeys, load_secret
 from halfmoon.protocol.subjects import Subjects, check_token
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "HALFMOON_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -31,13 +34,13 @@ def setting(name: str) -> str:
     return f"{ENV_PREFIX}{name.upper()} ({name})"
 
 
-def changed(config: object, *names: str) -> list[str]:
+def changed(config: DataclassInstance, *names: str) -> list[str]:
     """Those of the dataclass ``config``'s fields ``names`` set away from their defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
     return [name for name in names if getattr(config, name) != defaults[name]]
 
 
-def require_for(config: object, names: Sequence[str], present: bool, what: str) -> None:
+def require_for(config: DataclassInstance, names: Sequence[str], present: bool, what: str) -> None:
     """Fail loudly where any of ``names`` is set while ``what`` (``present``) is not: without it they do nothing."""
     idle = [] if present else changed(config, *names)
     if idle:

@@ -12,9 +12,12 @@ the one-off blocks, which nobody else will read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+
+from opentelemetry.trace import Tracer
 
 from halfmoon.core.block_format import BlockLayout, Sealer
 from halfmoon.core.keys import handoff_key
@@ -27,7 +30,6 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.capability import sign_park
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import TransferError
-from opentelemetry.trace import Tracer
 
 TRANSFER_WAIT_S = 1.0  # no live node for this long: hand off without the pool (decode recomputes)
 PARK_TTL_S = 300.0  # a parked block is read once by decode, soon; then the capability is useless
@@ -123,7 +125,7 @@ class KVHandOff:
         with self.tracer.start_as_current_span("decode.kv_read") as span:
             pending = [loc for loc in locations if loc.key not in streamed]
             read = dict(zip(map(id, pending), await self.pool.read(pending)))
-            payloads = [memoryview(streamed[loc.key]) if loc.key in streamed else read[id(loc)] for loc in locations]
+            payloads = [memoryview(streamed[loc.key]) if loc.key is not None and loc.key in streamed else read[id(loc)] for loc in locations]
             span.set_attribute("halfmoon.blocks_streamed", len(locations) - len(pending))
             if any(p is None for p in payloads):
                 METRICS.errors.labels("kv_read").inc()
@@ -145,8 +147,6 @@ class KVHandOff:
             if loc.key is not None:
                 by_node[loc.address].append(loc)
         for node, locs in by_node.items():
-            try:
+            with contextlib.suppress(*FAILURES):  # the node is gone, and the blocks with it
                 await (await self.transfer.transport(node)).delete([loc.key or b"" for loc in locs],
                                                                      caps=[loc.capability for loc in locs])
-            except FAILURES:
-                pass  # the node is gone, and the blocks with it

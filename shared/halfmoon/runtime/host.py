@@ -14,6 +14,8 @@ from pathlib import Path
 
 import nats
 import nats.errors
+from nats.aio.client import Client as NATS
+
 from halfmoon.protocol.codecs import DOWN, HEARTBEAT
 from halfmoon.protocol.permissions import inbox_prefix
 from halfmoon.protocol.registry import Heartbeat, InstanceDown
@@ -21,7 +23,6 @@ from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.liveness import NatsLiveness
 from halfmoon.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
-from nats.aio.client import Client as NATS
 
 log = logging.getLogger("halfmoon.runtime")
 

@@ -11,14 +11,15 @@ import asyncio
 import logging
 from collections import OrderedDict, defaultdict, deque
 
+from opentelemetry.context import Context
+from opentelemetry.trace import Tracer
+
 from halfmoon.core.block_format import BlockLayout, verify_layer
 from halfmoon.core.layer_plan import layer_ranges
 from halfmoon.protocol.work import KVProgress
 from halfmoon.runtime.pool_client import FAILURES
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
-from opentelemetry.context import Context
-from opentelemetry.trace import Tracer
 
 CAPACITY = 256  # requests announced but not yet handed off; the oldest is dropped past this
 ANNOUNCED_WAIT_S = 1.0  # how long the hand-off waits for the next announced batch still being read

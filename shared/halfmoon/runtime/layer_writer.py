@@ -13,6 +13,9 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from nats.errors import Error as NatsError
+from opentelemetry.trace import Tracer
+
 from halfmoon.core.block_format import BlockLayout, Sealer, salt_block, seal_layers
 from halfmoon.core.keys import handoff_key
 from halfmoon.core.layer_plan import LayerBatches, layer_ranges
@@ -21,9 +24,7 @@ from halfmoon.protocol.cache import PutPlan
 from halfmoon.protocol.work import BlockLocation, KVProgress
 from halfmoon.runtime.pool_client import FAILURES, Fetched, PoolClient
 from halfmoon.transfer.client import TransferClient
-from halfmoon.transfer.transport import SegmentRange
-from nats.errors import Error as NatsError
-from opentelemetry.trace import Tracer
+from halfmoon.transfer.transport import SegmentRange, Transport
 
 Progress = Callable[[KVProgress], Awaitable[None]]
 
@@ -85,7 +86,7 @@ class LayerWriter:
         self.placed.update((where[p.key], p) for p in plan.placements if p.key in where)
         self.known.update((where[r.key], r) for r in plan.existing_replicas if r.key in where)
 
-    async def _transport(self, address: str):  # type: ignore[no-untyped-def]
+    async def _transport(self, address: str) -> Transport | None:
         try:
             transport = await self.transfer.transport(address)
         except FAILURES:

@@ -45,6 +45,12 @@ class Fetched(NamedTuple):
     layers: LayerSource | None = None
 
 
+def planned_key(placement: BlockLocation) -> bytes:
+    """A placement from a put plan always names the block it is for."""
+    assert placement.key is not None
+    return placement.key
+
+
 class PoolClient:
     def __init__(self, service: Service, transfer: TransferClient, layout: BlockLayout) -> None:
         self.service = service
@@ -201,7 +207,7 @@ class PoolClient:
         for (node, tier), batch in by_node.items():
             try:
                 transport = await self.transfer.transport(node)
-                keys = [p.key for p in batch]
+                keys = [planned_key(p) for p in batch]
                 await transport.write(keys, [payload_of[k] for k in keys], caps=[p.capability for p in batch],
                                       offsets=[p.offset for p in batch] if tier is Tier.DRAM else None,
                                       tier=tier, prepare=prepare(keys) if prepare else None)

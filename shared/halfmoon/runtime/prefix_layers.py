@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
+from opentelemetry.trace import Tracer
+
 from halfmoon.core.block_format import BlockLayout, LayerVerifier
 from halfmoon.core.layer_plan import layer_ranges
 from halfmoon.engine.interface import LayerSource, LayerUnavailable
@@ -26,7 +28,6 @@ from halfmoon.runtime.pool_client import FAILURES
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.transport import SegmentRange
-from opentelemetry.trace import Tracer
 
 LAYER_WAIT_S = 10.0  # how long the engine waits for one layer before it recomputes the request instead
 

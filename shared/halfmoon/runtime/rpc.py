@@ -13,13 +13,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import nats.errors
-from halfmoon.protocol.base import Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
-from halfmoon.telemetry import extract_context, inject_headers
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from halfmoon.protocol.base import Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
+from halfmoon.telemetry import extract_context, inject_headers
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -41,7 +42,7 @@ async def request(
     nc: NATS,
     subject: str,
     message: Message,
-    reply_codec: Codec[Rep],
+    reply_codec: Codec[Rep | ErrorReply],
     timeout: float,
     headers: Mapping[str, str] | None = None,
     responder_grace_s: float = 0.0,

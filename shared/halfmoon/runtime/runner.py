@@ -10,12 +10,13 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from opentelemetry import trace
+
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import load_config
 from halfmoon.runtime.host import NatsLost, serve_until_signalled
 from halfmoon.runtime.logs import setup_logging
 from halfmoon.telemetry import setup_tracing
-from opentelemetry import trace
 
 
 def run_service(service_class: type[Service], argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from halfmoon.engine.interface import RequestOutput
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.stream import TokenEvent, Usage
+from halfmoon.protocol.stream import FinishReason, TokenEvent, Usage
 
 
 def token_event(out: RequestOutput, params: SamplingParams, instance_id: str, cached_tokens: int,
@@ -12,7 +12,10 @@ def token_event(out: RequestOutput, params: SamplingParams, instance_id: str, ca
     """The event for one engine output; ``index`` is the position of its first token in the output.
 
     ``cached_tokens`` counts prompt tokens only (a migrated request also reuses output tokens' KV)."""
-    final = out.finished and out.finish_reason in ("stop", "length")
+    finish: FinishReason | None = None
+    if out.finished and out.finish_reason in ("stop", "length"):
+        finish = "stop" if out.finish_reason == "stop" else "length"
+    final = finish is not None
     return TokenEvent(
         request_id=out.request_id,
         index=out.num_output_tokens - len(out.new_token_ids),
@@ -21,7 +24,7 @@ def token_event(out: RequestOutput, params: SamplingParams, instance_id: str, ca
         attempt=attempt,
         logprobs=tuple(out.new_logprobs) if params.logprobs else None,
         text=out.text_delta,
-        finish_reason=out.finish_reason if final else None,  # type: ignore[arg-type]
+        finish_reason=finish,
         usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                     cached_tokens=min(cached_tokens, out.num_prompt_tokens)) if final else None,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import time
 from abc import abstractmethod
@@ -14,6 +15,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import nats
+from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.engine import native
@@ -35,7 +37,6 @@ from halfmoon.runtime.replay import ReplayBuffer
 from halfmoon.runtime.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
-from opentelemetry.trace import TracerProvider
 
 LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
 
@@ -250,7 +251,7 @@ class EngineWorker(Service[WorkerConfig]):
         self._accepted += 1
         self._tasks[rid], self._attempts[rid] = task, request.attempt
         self._streams[rid] = self.stream_of(request)
-        task.add_done_callback(lambda t, rid=rid: self._forget(rid, t))
+        task.add_done_callback(functools.partial(self._forget, rid))
         return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
 
     def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
@@ -269,7 +270,7 @@ class EngineWorker(Service[WorkerConfig]):
         """Run one request; a bug fails that request with an error event, never silently."""
         try:
             await self.accept(request)
-        except Exception as exc:  # noqa: BLE001 - reported to the requester and logged
+        except Exception as exc:  # reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
             await self.send_error(self.stream_of(request), request.request_id, ErrorCode.INTERNAL,
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}", request.attempt)

@@ -17,7 +17,7 @@ from halfmoon.policy.cost import DecodeCostModel
 
 
 class Member:
-    __slots__ = ("rid", "context", "join_step", "finish_step", "log_start", "gap", "joined_at")
+    __slots__ = ("context", "finish_step", "gap", "join_step", "joined_at", "log_start", "rid")
 
     def __init__(self, rid: int, context: int, join_step: int, tokens: int, log_start: int, gap: float, joined_at: float):
         self.rid = rid

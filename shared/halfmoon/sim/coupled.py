@@ -25,7 +25,7 @@ IDLE, DECODING, PREFILLING = 0, 1, 2
 
 
 class _Node:
-    __slots__ = ("id", "idx", "batch", "waiting", "pending_s", "job", "chunk", "kind", "version", "recent_ttft", "extra", "waiting_tokens")
+    __slots__ = ("batch", "chunk", "extra", "id", "idx", "job", "kind", "pending_s", "recent_ttft", "version", "waiting", "waiting_tokens")
 
     def __init__(self, idx: int, batch: DecodeBatch) -> None:
         self.id = f"n{idx}"
@@ -99,7 +99,7 @@ class CoupledSim(SimBase):
 
     def _fits(self, node: _Node, extra_context: int, rid: int) -> bool:
         batch = node.batch
-        return not batch.members and not extra_context or (
+        return (not batch.members and not extra_context) or (
             batch.context + extra_context + self.trace[rid].input_length <= self.profile.decode_capacity_tokens
         )
 

@@ -30,7 +30,7 @@ ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_EPOCH = 0, 1, 2, 3
 
 
 class _PrefillNode:
-    __slots__ = ("id", "busy_until", "recent_ttft")
+    __slots__ = ("busy_until", "id", "recent_ttft")
 
     def __init__(self, id_: str) -> None:
         self.id = id_
@@ -39,7 +39,7 @@ class _PrefillNode:
 
 
 class _DecodeNode:
-    __slots__ = ("id", "batch", "waiting", "incoming", "version", "recent_tbt", "state", "ready_at")
+    __slots__ = ("batch", "id", "incoming", "ready_at", "recent_tbt", "state", "version", "waiting")
 
     def __init__(self, id_: str, batch: DecodeBatch) -> None:
         self.id = id_

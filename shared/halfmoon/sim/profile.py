@@ -49,12 +49,12 @@ class Profile:
 
 
 def equation1_samples(spec: dict[str, float]) -> list[tuple[float, float, float]]:
-    l, d, a, b = spec["layers"], spec["hidden"], spec["a"], spec["b"]
+    layers, d, a, b = spec["layers"], spec["hidden"], spec["a"], spec["b"]
     rate = spec["peak_flops"] * spec["mfu"]
     out = []
     for n in _PREFILL_GRID:
         for p in (0, n // 4, n // 2, 3 * n // 4):
-            flops = l * (a * (n * n - p * p) * d + b * (n - p) * d * d)
+            flops = layers * (a * (n * n - p * p) * d + b * (n - p) * d * d)
             out.append((float(n - p), float(p), spec["overhead_s"] + flops / rate))
     return out
 

@@ -76,7 +76,7 @@ class StorageTier(ABC):
     def capacity(self) -> int:
         """Configured bytes."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a tier holding no resources has nothing to release
         """Release the tier's resources (the stored blocks survive where the backend is durable)."""
 
 

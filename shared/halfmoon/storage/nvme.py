@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
+
 from halfmoon.storage.base import BlockNotFound, Buffer, StorageTier, TierFull, TierUsage, check_key
 
 _SUFFIX = ".blk"

@@ -18,6 +18,7 @@ import botocore.config
 import botocore.exceptions
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
+
 from halfmoon.storage.base import BlockNotFound, Buffer, StorageTier, TierUnavailable, TierUsage, check_key
 
 T = TypeVar("T")

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from halfmoon.telemetry.jsonl import JsonlSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+from halfmoon.telemetry.jsonl import JsonlSpanExporter
 
 _TRUE = {"1", "true", "yes", "on"}
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+
 from halfmoon.core.keys import handoff_key
 from halfmoon.transfer.framing import Op, Request
 

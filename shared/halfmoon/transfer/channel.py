@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable, Iterable
 
 import msgspec
+
 from halfmoon.storage.base import Buffer
 from halfmoon.telemetry import inject_headers
 from halfmoon.transfer.framing import LEN, MAX_HEADER, FramingError, Request, Response, encode

@@ -27,7 +27,6 @@ from halfmoon.transfer.transport import (
     destination,
 )
 
-
 # where each block of a read comes from: its DRAM extent (MISSING when it is nowhere) or its copy from a lower tier
 Source = Extent | memoryview
 

@@ -88,11 +88,11 @@ def plan_work_requests(copies: Iterable[Copy], limits: PostLimits = DEFAULT_LIMI
         if last is not None and c.remote == remote_end and last.length + c.length <= limits.max_message:
             tail = last.sges[-1]
             if tail.addr + tail.length == c.local:  # contiguous on both sides: grow the element
-                wrs[-1] = last._replace(sges=last.sges[:-1] + (Sge(tail.addr, tail.length + c.length),))
+                wrs[-1] = last._replace(sges=(*last.sges[:-1], Sge(tail.addr, tail.length + c.length)))
                 remote_end += c.length
                 continue
             if len(last.sges) < limits.max_sge:
-                wrs[-1] = last._replace(sges=last.sges + (Sge(c.local, c.length),))
+                wrs[-1] = last._replace(sges=(*last.sges, Sge(c.local, c.length)))
                 remote_end += c.length
                 continue
         wrs.append(WorkRequest(c.remote, (Sge(c.local, c.length),)))

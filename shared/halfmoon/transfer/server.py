@@ -20,6 +20,9 @@ from collections.abc import Callable, Coroutine
 from functools import cache
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
 from halfmoon.core.cluster_keys import DEV_KEYS, ClusterKeys
 from halfmoon.core.keys import key_hex
 from halfmoon.core.tiers import Tier
@@ -40,8 +43,6 @@ from halfmoon.transfer.framing import (
     Response,
     decode_request,
 )
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("halfmoon.transfer")

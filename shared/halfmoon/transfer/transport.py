@@ -16,7 +16,7 @@ from halfmoon.core.tiers import Tier
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import BlockNotFound, Buffer
 
-__all__ = ["BlockHook", "BlockNotFound", "ReadBatch", "SegmentRange", "Transport", "TransferError", "WriteBatch"]
+__all__ = ["BlockHook", "BlockNotFound", "ReadBatch", "SegmentRange", "TransferError", "Transport", "WriteBatch"]
 
 # ``hook(index, bytes)`` for one block of a batch: see ``Transport``'s ``prepare`` and ``check``.
 BlockHook = Callable[[int, memoryview], object]

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
+
+from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.errors import EngineError
 from halfmoon.protocol import codecs
@@ -20,7 +24,6 @@ from halfmoon.runtime.generated_kv import GeneratedKV
 from halfmoon.runtime.prefix_reuse import Prefix, PrefixReuse
 from halfmoon.runtime.streaming import token_event
 from halfmoon.runtime.worker import EngineWorker, WorkerConfig
-from opentelemetry.trace import TracerProvider
 
 
 class AggregatedService(EngineWorker):
@@ -35,7 +38,7 @@ class AggregatedService(EngineWorker):
     def submit_subject(self) -> str:
         return self.subjects.prefill_submit(self.instance_id)
 
-    def accept(self, request: PrefillRequest):  # type: ignore[no-untyped-def, override]
+    def accept(self, request: PrefillRequest) -> Coroutine[Any, Any, None]:
         return self._serve(request)
 
     async def start(self) -> None:

@@ -20,9 +20,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import nats.errors
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.tiers import Tier
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import (
@@ -36,7 +39,7 @@ from halfmoon.kv.pool_types import (
 from halfmoon.kv.pool_wire import executing_node, stats_reply
 from halfmoon.policy.eviction import Watermarks
 from halfmoon.protocol import codecs
-from halfmoon.protocol.base import ErrorCode, ErrorReply, RemoteError
+from halfmoon.protocol.base import Codec, ErrorCode, ErrorReply, RemoteError
 from halfmoon.protocol.cache import (
     BlockReplicas,
     CacheAck,
@@ -60,14 +63,15 @@ from halfmoon.protocol.work import BlockLocation
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.leadership import Leadership
+from halfmoon.runtime.rpc import RequestHandler
 from halfmoon.services.cache_manager.grants import READ, WRITE, Grants
 from halfmoon.telemetry.metrics import METRICS, Metrics
 from halfmoon.transfer.capability import Right
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
 from halfmoon.transfer.transport import TransferError
-from nats.aio.subscription import Subscription
-from opentelemetry.trace import TracerProvider
+
+Req = TypeVar("Req")
 
 ORDER_TIMEOUT_S = 30.0
 
@@ -178,15 +182,17 @@ class CacheManagerService(Service[CacheManagerConfig]):
         if self.nodes:  # a standby's index is as old as its joins: every node joins again on its next heartbeat
             self.index, self.nodes = PoolIndex(self.config.pool_config()), {}
         cache, queue = self.subjects.cache, self.role.value  # NOTE: a queue group: never two answers to one request
-        handlers = (("put_start", codecs.CACHE_PUT_START, self._put_start),
-                    ("put_end", codecs.CACHE_PUT_END, self._put_end),
-                    ("lookup", codecs.CACHE_LOOKUP, self._lookup),
-                    ("release", codecs.CACHE_RELEASE, self._release),
-                    ("remove", codecs.CACHE_REMOVE, self._remove),
-                    ("corrupt", codecs.CACHE_CORRUPT, self._corrupt),
-                    ("stats", codecs.CACHE_STATS_REQUEST, self._stats))
-        self._served = [await self.serve(cache(op), codec, handler, span_name=f"cache.{op}", queue=queue)
-                        for op, codec, handler in handlers]
+
+        async def serve(op: str, codec: Codec[Req], handler: RequestHandler[Req]) -> Subscription:
+            return await self.serve(cache(op), codec, handler, span_name=f"cache.{op}", queue=queue)
+
+        self._served = [await serve("put_start", codecs.CACHE_PUT_START, self._put_start),
+                        await serve("put_end", codecs.CACHE_PUT_END, self._put_end),
+                        await serve("lookup", codecs.CACHE_LOOKUP, self._lookup),
+                        await serve("release", codecs.CACHE_RELEASE, self._release),
+                        await serve("remove", codecs.CACHE_REMOVE, self._remove),
+                        await serve("corrupt", codecs.CACHE_CORRUPT, self._corrupt),
+                        await serve("stats", codecs.CACHE_STATS_REQUEST, self._stats)]
         self._housekeeping = asyncio.create_task(self._housekeep_forever())
         self.log.info("active: serving the pool")
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 
 from halfmoon.core.prefix_index import PrefixMatcher, match_chain
 
 
-class LiveBlockIndex(Mapping[bytes, Collection[str]], PrefixMatcher[bytes]):
+class LiveBlockIndex(Mapping[Hashable, Collection[str]], PrefixMatcher[bytes]):
     """A ``BlockIndex`` (block key -> holders) fed by stored/evicted events and snapshots.
 
     Contract: ``apply`` with ``snapshot=True`` replaces everything known of that instance;
@@ -21,7 +21,7 @@ class LiveBlockIndex(Mapping[bytes, Collection[str]], PrefixMatcher[bytes]):
         return match_chain(keys, self._holders.__contains__)
 
     def __init__(self) -> None:
-        self._holders: dict[bytes, set[str]] = defaultdict(set)
+        self._holders: dict[Hashable, set[str]] = defaultdict(set)
         self._held: dict[str, set[bytes]] = defaultdict(set)
 
     def apply(self, instance: str, stored: Iterable[bytes], evicted: Iterable[bytes], snapshot: bool = False) -> None:
@@ -49,13 +49,13 @@ class LiveBlockIndex(Mapping[bytes, Collection[str]], PrefixMatcher[bytes]):
     def blocks_of(self, instance: str) -> int:
         return len(self._held.get(instance, ()))
 
-    def __getitem__(self, key: bytes) -> Collection[str]:
-        return self._holders[key] if key in self._holders else ()
+    def __getitem__(self, key: Hashable) -> Collection[str]:
+        return self._holders.get(key, ())
 
-    def get(self, key: bytes, default=None):  # type: ignore[no-untyped-def, override]
+    def get(self, key: Hashable, default=None):  # None for a block no one holds, where __getitem__ gives ()
         return self._holders.get(key, default)
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[Hashable]:
         return iter(self._holders)
 
     def __len__(self) -> int:

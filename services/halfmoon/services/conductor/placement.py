@@ -41,7 +41,7 @@ class PlacementPolicy(ABC):
     reject early instead of wasting prefill.
     """
 
-    def adopt(self, spec: KVSpec, instance_id: str) -> None:
+    def adopt(self, spec: KVSpec, instance_id: str) -> None:  # noqa: B027 - accepting every identity is the default
         """Learn the deployment's KV identity from an engine instance's heartbeat.
 
         Raises :class:`KVSpecMismatch` when ``instance_id`` disagrees with the identity already

@@ -8,8 +8,8 @@ from typing import NamedTuple
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.admission import make_admission
 from halfmoon.policy.calibration import TTFTCalibration
-from halfmoon.policy.cpp import CppPolicy, CppSettings
 from halfmoon.policy.cost import CostModels, DecodeCostModel, OnlineFitter, PrefillCostModel, TransferModel
+from halfmoon.policy.cpp import CppPolicy, CppSettings
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import PREFILL_POLICIES, make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
@@ -85,7 +85,7 @@ class BuiltPlacement(NamedTuple):
     else from both, so TBT admission sees prefill interference on average."""
 
     policy: PlacementPolicy
-    index: LiveBlockIndex
+    block_index: LiveBlockIndex
     prefill_cost: OnlineFitter | None = None
     decode_cost: OnlineFitter | None = None
     shared_cost: OnlineFitter | None = None
@@ -105,10 +105,10 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
 
     def make_scheduler(spec: KVSpec) -> KVCentricScheduler:
         cost = CostModels(prefill=fitter,  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
-                          decode=decode_prior if decode_fitter is None else decode_fitter,  # type: ignore[arg-type]
+                          decode=decode_prior if decode_fitter is None else decode_fitter,  # type: ignore[arg-type]  # duck-typed: predict(batch, context)
                           transfer=TransferModel(spec.bytes_per_token, settings.transfer_bytes_per_s, 0.001))
         decode = SloAwareDecode(cost.decode, slo, idle_qualifies=True,
-                                shared_cost=shared_fitter)  # type: ignore[arg-type]
+                                shared_cost=shared_fitter)  # type: ignore[arg-type]  # duck-typed: predict(batch, context)
         return KVCentricScheduler(make_prefill_policy(settings.prefill_policy, cost, slo),
                                   make_admission(settings.admission, decode), slo,
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,

@@ -8,28 +8,30 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.core.kv_spec import KVSpecMismatch
+from halfmoon.policy.cost import OnlineFitter
+from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, pooled_steps
-from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, StepSample, pooled_steps
 from halfmoon.protocol.scheduling import (
-                                          Placed,
-                                          Readiness,
-                                          ReadinessRequest,
-                                          RejectReason,
-                                          ScheduleAccepted,
-                                          ScheduleRejected,
-                                          ScheduleRequest,
+    Placed,
+    Readiness,
+    ReadinessRequest,
+    RejectReason,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
 )
+from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.services.conductor.placement import Placement, PlacementPolicy, place_pair
 from halfmoon.services.conductor.policy_config import PolicySettings, build_placement
 from halfmoon.services.conductor.registry import InstanceTable, InstanceView
 from halfmoon.telemetry.metrics import METRICS, Metrics
-from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class ConductorService(Service[ConductorConfig]):
         self.ledger = WorkLedger(config.ledger_grace_s)
         self._unscrape: Callable[[], None] = lambda: None
         built = build_placement(config)
-        self.block_index, self.prefill_cost = built.index, built.prefill_cost
+        self.block_index, self.prefill_cost = built.block_index, built.prefill_cost
         self.decode_cost, self.shared_cost = built.decode_cost, built.shared_cost
         self.policy = policy or built.policy
         self._sweeper: asyncio.Task[None] | None = None
@@ -201,7 +203,8 @@ class ConductorService(Service[ConductorConfig]):
             # each kind weighted by how many steps it was; unweighted, one step that carried a prefill
             # chunk counted as much as the dozen decode-only steps around it, and the predicted TBT
             # rejected nearly every request on an aggregated instance whose tokens came well within the SLO.
-            samples = ((pooled_steps(load.steps, load.shared_steps), self.decode_cost),)
+            samples: tuple[tuple[StepSample | None, OnlineFitter], ...] = (
+                (pooled_steps(load.steps, load.shared_steps), self.decode_cost),)
         else:
             samples = ((load.steps, self.decode_cost), (load.shared_steps, self.shared_cost))
         for sample, fitter in samples:

@@ -8,7 +8,8 @@ As it goes it stores the full blocks of generated tokens in the pool, so a migra
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.interface import RequestKV
@@ -31,7 +32,7 @@ class DecodeService(EngineWorker):
     def submit_subject(self) -> str:
         return self.subjects.decode_submit(self.instance_id)
 
-    def accept(self, request: DecodeRequest):  # type: ignore[no-untyped-def, override]
+    def accept(self, request: DecodeRequest) -> Coroutine[Any, Any, None]:
         return self._serve(request)
 
     async def start(self) -> None:

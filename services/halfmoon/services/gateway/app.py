@@ -14,8 +14,13 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from halfmoon.protocol.stream import TokenEvent, Usage
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from halfmoon.core.detokenizer import IncrementalDetokenizer
+from halfmoon.protocol.stream import TokenEvent, Usage
 from halfmoon.services.gateway.client import Generation, GenerationError, ServingClient
 from halfmoon.services.gateway.errors import ApiError, from_backend, from_validation, invalid
 from halfmoon.services.gateway.guard import Guard
@@ -23,16 +28,12 @@ from halfmoon.services.gateway.guards import check_nesting, check_wire_size
 from halfmoon.services.gateway.http_limits import BodyIdle
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
-from halfmoon.services.gateway.peers import readiness
 from halfmoon.services.gateway.openapi import openapi_document
+from halfmoon.services.gateway.peers import readiness
 from halfmoon.services.gateway.responses import Kind, LogprobAccumulator, ResponseShape
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from halfmoon.telemetry import extract_context
 from halfmoon.telemetry.metrics import METRICS
-from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("halfmoon.gateway")
 
@@ -61,6 +62,7 @@ class _Output:
         if event.finish_reason is not None:
             if event.text is None:
                 delta += self._detok.flush()
+            assert event.usage is not None  # it comes with finish_reason (TokenEvent checks)
             self.finish, self.usage = event.finish_reason, event.usage
         self.text.append(delta)
         lp = None
@@ -99,8 +101,8 @@ class GatewayApi:
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         document = openapi_document(self.guard.keys is not None, self.model.name)
         app.add_api_route("/openapi.json", lambda: JSONResponse(document), methods=["GET"])
-        app.add_exception_handler(ApiError, self._api_error)
-        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.add_exception_handler(ApiError, self._api_error)  # type: ignore[arg-type]  # starlette calls it with ApiErrors only
+        app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]  # called with HTTPExceptions only
         app.add_exception_handler(Exception, self._unexpected)
         return app
 
@@ -200,9 +202,10 @@ class GatewayApi:
     async def _parse(self, request: Request, kind: Kind) -> CompletionRequest | ChatCompletionRequest:
         body = await self._read_body(request)
         check_nesting(body)  # before any decoder recurses into it
-        schema = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        schema: type[CompletionRequest] | type[ChatCompletionRequest] = (
+            CompletionRequest if kind == "completion" else ChatCompletionRequest)
         try:
-            parsed = msgspec.json.decode(body, type=schema)
+            parsed: CompletionRequest | ChatCompletionRequest = msgspec.json.decode(body, type=schema)
         except msgspec.ValidationError as exc:
             raise from_validation(exc) from None
         except msgspec.DecodeError as exc:

@@ -19,6 +19,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry.trace import Span
+
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.registry import InstanceDown
@@ -31,9 +35,6 @@ from halfmoon.runtime.rpc import RECONNECT_GRACE_S
 from halfmoon.services.gateway.attempts import GenerationError, Lost, Recovery, StreamOrder
 from halfmoon.services.gateway.peers import SCHEDULE_BACKOFF_S, Resend, ask_to_resend, schedule
 from halfmoon.telemetry.metrics import METRICS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from opentelemetry.trace import Span
 
 log = logging.getLogger("halfmoon.gateway")
 
@@ -150,7 +151,7 @@ class Generation:
         except nats.errors.Error as exc:  # an outage: the instance's own deadline frees the work
             log.warning("cancel not sent", extra={"request_id": self.request_id, "error": str(exc)})
 
-    def _event(self, name: str, **attributes: str | int) -> None:
+    def _event(self, name: str, attributes: Mapping[str, str | int]) -> None:
         if self.span is not None and self.span.is_recording():
             self.span.add_event(name, {"halfmoon.attempt": self.attempt, **attributes})
 
@@ -182,7 +183,7 @@ class Generation:
                 if code is ErrorCode.UNAVAILABLE and time.time() + SCHEDULE_BACKOFF_S < deadline:
                     # NOTE: surely not taken (draining, gone): the same attempt again, elsewhere if another is
                     # live, costs no migration; the pause lets the conductor notice a dead instance it still lists
-                    self._event("submit_refused", **{"halfmoon.error": str(exc)})
+                    self._event("submit_refused", {"halfmoon.error": str(exc)})
                     await asyncio.sleep(SCHEDULE_BACKOFF_S)
                     continue
                 # NOTE: after a timeout it may be working: only a new attempt may go elsewhere, so
@@ -191,13 +192,13 @@ class Generation:
                 if code in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE) and self.recovery.allow(()):
                     self.order.next_attempt()
                     METRICS.migrations.labels(code.value).inc()
-                    self._event("migration", **{"halfmoon.reason": f"submit failed: {exc}"})
+                    self._event("migration", {"halfmoon.reason": f"submit failed: {exc}"})
                     continue
                 raise GenerationError(code, f"prefill did not take the request: {exc}") from exc
             self.placement, self._handed_off, self._placed_at = placement, False, placed_at
             self._incarnations = {placement.decode_instance: placement.decode_incarnation,
                                   placement.prefill_instance: ack.incarnation or placement.prefill_incarnation}
-            self._event("placed", **{"halfmoon.prefill": placement.prefill_instance,
+            self._event("placed", {"halfmoon.prefill": placement.prefill_instance,
                                      "halfmoon.decode": placement.decode_instance,
                                      "halfmoon.resume_index": len(self.order.tokens)})
             return
@@ -213,7 +214,7 @@ class Generation:
             exclude=tuple(sorted(self.recovery.excluded)),
         )
         return await schedule(svc, request, deadline, dl.schedule_timeout_s,
-                              lambda error: self._event("schedule_retry", **{"halfmoon.error": error}),
+                              lambda error: self._event("schedule_retry", {"halfmoon.error": error}),
                               dl.instance_wait_s)
 
     def _watch(self, instance_id: str) -> None:
@@ -246,13 +247,13 @@ class Generation:
         if p is None or down.instance_id not in (p.prefill_instance, p.decode_instance):
             return None
         if down.incarnation and self._incarnations.get(down.instance_id) not in ("", None, down.incarnation):
-            self._event("stale_instance_down", **{"halfmoon.instance": down.instance_id,
+            self._event("stale_instance_down", {"halfmoon.instance": down.instance_id,
                                                   "halfmoon.incarnation": down.incarnation})
             return None
         is_prefill = down.instance_id == p.prefill_instance and down.instance_id != p.decode_instance
         if is_prefill and (self._handed_off or (down.reason == "shutdown" and self.order.tokens)):
             return None
-        self._event("instance_down", **{"halfmoon.instance": down.instance_id, "halfmoon.reason": down.reason})
+        self._event("instance_down", {"halfmoon.instance": down.instance_id, "halfmoon.reason": down.reason})
         return Lost(self.attempt, f"{down.role.value} instance {down.instance_id} went down ({down.reason})",
                     ErrorCode.INSTANCE_DOWN, (down.instance_id,))
 
@@ -263,7 +264,7 @@ class Generation:
         failed = lost.instances or ((p.prefill_instance, p.decode_instance) if p else ())
         if not self.recovery.allow(failed):
             METRICS.migration_exhausted.inc()
-            self._event("migration_limit", **{"halfmoon.reason": lost.message})
+            self._event("migration_limit", {"halfmoon.reason": lost.message})
             suffix = f"; gave up after {self.recovery.used} migrations" if self.recovery.used else ""
             raise GenerationError(lost.code, lost.message + suffix)
         old = self.attempt
@@ -272,7 +273,7 @@ class Generation:
         await self._cancel(old, "migrated")
         self.order.next_attempt()
         METRICS.migrations.labels(lost.code.value).inc()
-        self._event("migration", **{"halfmoon.reason": lost.message, "halfmoon.from_attempt": old,
+        self._event("migration", {"halfmoon.reason": lost.message, "halfmoon.from_attempt": old,
                                     "halfmoon.resume_index": len(self.order.tokens)})
         log.info("migrating request", extra={"request_id": self.request_id, "attempt": self.attempt,
                                              "reason": lost.message, "resume_index": len(self.order.tokens)})
@@ -286,7 +287,7 @@ class Generation:
             return None
         resume = ResumeRequest(request_id=self.request_id, attempt=self.attempt, from_index=len(self.order.tokens))
         targets = tuple(dict.fromkeys((p.decode_instance, p.prefill_instance)))
-        self._event("stream_resume", **{"halfmoon.from_index": resume.from_index})
+        self._event("stream_resume", {"halfmoon.from_index": resume.from_index})
         if await ask_to_resend(svc, resume, targets) is not Resend.NOBODY:
             return None
         return Lost(self.attempt, "no instance holds the stream any more", ErrorCode.UNAVAILABLE, targets)

@@ -7,6 +7,7 @@ import re
 
 import msgspec
 from fastapi.responses import JSONResponse
+
 from halfmoon.protocol.base import ErrorCode
 
 

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 
 import msgspec
+
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.services.gateway.errors import ApiError, invalid
 

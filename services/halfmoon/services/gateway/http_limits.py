@@ -51,7 +51,7 @@ def per_client_protocol(max_connections: int) -> type[H11Protocol]:
     class PerClientH11Protocol(H11Protocol):
         _counted: str | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrows BaseTransport as uvicorn's own does
             peer = transport.get_extra_info("peername")
             client = str(peer[0]) if peer else ""
             if open_by_client[client] >= max_connections:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from halfmoon.telemetry.metrics import METRICS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from halfmoon.telemetry.metrics import METRICS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

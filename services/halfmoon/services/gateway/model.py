@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
 from halfmoon.engine.context import context_limit
 from halfmoon.services.gateway.errors import ApiError, invalid
 from halfmoon.services.gateway.schemas import ChatMessage
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -73,5 +74,7 @@ class ServedModel:
         return room if default is None else min(default, room)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self.tokenizer.decode([token_id])
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 

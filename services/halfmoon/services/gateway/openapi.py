@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
 from halfmoon.protocol.sampling import MAX_TOP_K, SEED_RANGE
 from halfmoon.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -183,7 +184,7 @@ def openapi_document(authenticated: bool, model: str) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(_TYPES, ref_template="#/components/schemas/{name}")
     for request in _RANGES:
         _request_schema(components[request], request, model)
-    secured = [{"bearerAuth": []}] if authenticated else []
+    secured: list[dict[str, list[str]]] = [{"bearerAuth": []}] if authenticated else []
     return {
         "openapi": "3.1.0",
         "info": {"title": "Halfmoon gateway (OpenAI-compatible)", "version": "1"},

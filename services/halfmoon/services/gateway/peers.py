@@ -8,15 +8,16 @@ from collections.abc import Callable
 from enum import Enum
 
 import nats.errors
+
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.scheduling import (
-                                          ABSENT_ROLE,
-                                          Readiness,
-                                          ReadinessRequest,
-                                          ScheduleAccepted,
-                                          ScheduleRejected,
-                                          ScheduleRequest,
+    ABSENT_ROLE,
+    Readiness,
+    ReadinessRequest,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
 )
 from halfmoon.protocol.stream import ResumeRequest
 from halfmoon.runtime import Service
@@ -39,7 +40,8 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
     while True:
         timeout = min(timeout_s, max(0.1, deadline - time.time()))
         try:
-            reply = await svc.request(svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, timeout)
+            reply: ScheduleAccepted | ScheduleRejected = await svc.request(
+                svc.subjects.schedule, request, codecs.SCHEDULE_REPLY, timeout)
         except (RemoteError, nats.errors.Error) as exc:
             code = exc.code if isinstance(exc, RemoteError) else ErrorCode.UNAVAILABLE
             retryable = code in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE)

@@ -9,14 +9,17 @@ generate when it is admitted, as OpenAI estimates usage against TPM.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-from halfmoon.protocol.permissions import rate_limit_bucket
-from halfmoon.protocol.subjects import Subjects
-from halfmoon.core.tenants import Tenant
+from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from halfmoon.core.tenants import Tenant
+from halfmoon.protocol.permissions import rate_limit_bucket
+from halfmoon.protocol.subjects import Subjects
 
 WINDOW_S = 60.0
 _CAS_ATTEMPTS = 8  # replicas racing for one tenant's key; beyond this the request is told to retry
@@ -52,12 +55,12 @@ def decide(tenant: Tenant, usage: Usage, tokens: int, now: float) -> Verdict:
 class SharedRateLimiter:
     """Shell over :func:`decide`: reads, decides and compare-and-sets the tenant's window key."""
 
-    def __init__(self, kv: KeyValue, clock) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, kv: KeyValue, clock: Callable[[], float]) -> None:
         self._kv = kv
         self._clock = clock
 
     @classmethod
-    async def open(cls, nc, subjects: Subjects, clock) -> SharedRateLimiter:  # type: ignore[no-untyped-def]
+    async def open(cls, nc: NATS, subjects: Subjects, clock: Callable[[], float]) -> SharedRateLimiter:
         js = nc.jetstream()
         name = rate_limit_bucket(subjects)
         try:

@@ -74,7 +74,7 @@ class ResponseShape:
             delta["content"] = text or ""
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def full(self, text: str, finish: str, usage: Usage, logprobs: dict | None) -> dict[str, Any]:
+    def full(self, text: str, finish: str | None, usage: Usage, logprobs: dict | None) -> dict[str, Any]:
         body = self._envelope(self._object, [self._choice(text, finish, logprobs, first=False, final=True)])
         body["usage"] = usage_body(usage)
         return body

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
 from halfmoon.protocol.sampling import MAX_TOP_K, SEED_RANGE, SamplingParams
 from halfmoon.services.gateway.errors import invalid
 
@@ -128,9 +129,12 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids."""
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            return self.prompt[0]
-        return self.prompt
+        if isinstance(self.prompt, str):
+            return self.prompt
+        first = self.prompt[0] if self.prompt else None
+        if isinstance(first, str | list):
+            return first
+        return [token for token in self.prompt if isinstance(token, int)]  # all of them, as check() ensured
 
     @property
     def wants_logprobs(self) -> bool:

@@ -11,18 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from opentelemetry.trace import TracerProvider
+
+from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.runtime.config import setting
 from halfmoon.services.gateway.app import ApiLimits, GatewayApi
-from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
 from halfmoon.services.gateway.client import Deadlines, ServingClient
 from halfmoon.services.gateway.guard import Guard
 from halfmoon.services.gateway.http_limits import BodyIdleTimeout, per_client_protocol
 from halfmoon.services.gateway.metrics import GatewayMetrics
 from halfmoon.services.gateway.model import ServedModel
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
-from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class GatewayService(Service[GatewayConfig]):
             log_config=None,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=cfg.drain_timeout_s,
+            timeout_graceful_shutdown=cfg.drain_timeout_s,  # type: ignore[arg-type]  # used as asyncio.timeout's float; typed int
         )
         self._server = _Server(uv_config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="uvicorn")

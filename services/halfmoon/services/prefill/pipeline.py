@@ -21,16 +21,25 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from typing import TypedDict
 
 import msgspec
 import torch
+
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.interface import (PREFILL_DONE, RequestOutput, StageChunk, StageResult, hidden_bytes,
-                                       hidden_tensor, split_layers)
+from halfmoon.engine.interface import (
+    PREFILL_DONE,
+    RequestOutput,
+    StageChunk,
+    StageResult,
+    hidden_bytes,
+    hidden_tensor,
+    split_layers,
+)
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, ErrorReply, Message, RemoteError
 from halfmoon.protocol.pipeline import StageDone, StageWork, chunk_tokens
-from halfmoon.protocol.work import KVLocation, PrefillRequest
+from halfmoon.protocol.work import BlockLocation, KVLocation, PrefillRequest
 from halfmoon.runtime.pool_client import Fetched
 from halfmoon.runtime.prefix_reuse import PrefixReuse
 from halfmoon.runtime.stage_blocks import PipelineBlocks, write_stage_layers
@@ -45,6 +54,16 @@ SendToDecode = Callable[[PrefillRequest, RequestOutput, KVLocation | None, int],
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class StageWorkExtras(TypedDict, total=False):
+    """The StageWork fields only the first chunk (the reused prefix) or the last (the blocks) carries."""
+
+    prefix_token_ids: tuple[int, ...]
+    prefix: tuple[BlockLocation, ...]
+    block_indexes: tuple[int, ...]
+    blocks: tuple[BlockLocation, ...]
+    salts: tuple[bytes, ...]
 
 
 class PipelineHead:
@@ -107,7 +126,7 @@ class PipelineHead:
         if len(set(stages)) != len(stages):
             raise ValueError(f"a pipeline's stages are distinct instances, got {stages}")
         bounds = split_layers(engine.layout.num_layers, len(stages))
-        mine = range(0, bounds[1])
+        mine = range(bounds[1])
         blocks = PipelineBlocks(worker.pool, worker.transfer, rid, worker.config.block_size, len(prompt), keys,
                                 fetched.locations)
         opening = asyncio.create_task(blocks.open(req.tenant))  # put_start overlaps the first chunks
@@ -126,13 +145,15 @@ class PipelineHead:
                                                             prefix_blocks=fetched.payloads if index == 0 else (),
                                                             **prefix))
                     METRICS.pipeline_chunks.labels("0").inc()
-                    extra: dict[str, tuple] = dict(prefix, prefix=tuple(fetched.locations)) if index == 0 else {}
+                    extra: StageWorkExtras = ({"prefix_token_ids": prompt[:cached], "prefix": tuple(fetched.locations)}
+                                              if index == 0 else {})
                     last = start + len(part) == len(prompt)
                     if last:
                         await opening
                         indexes = tuple(sorted(blocks.placed))
-                        extra.update(block_indexes=indexes, blocks=tuple(blocks.placed[i] for i in indexes),
-                                     salts=tuple(blocks.salts[i] for i in indexes))
+                        extra["block_indexes"] = indexes
+                        extra["blocks"] = tuple(blocks.placed[i] for i in indexes)
+                        extra["salts"] = tuple(blocks.salts[i] for i in indexes)
                     assert out.hidden is not None
                     work = StageWork(request_id=rid, attempt=req.attempt, stages=stages, layer_bounds=bounds, stage=1,
                                      index=index, start=start, token_ids=part, prompt_len=len(prompt),

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
+
+from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.errors import EngineError
 from halfmoon.engine.interface import PREFILL_DONE, RequestOutput
@@ -20,7 +24,6 @@ from halfmoon.runtime.worker import EngineWorker, WorkerConfig
 from halfmoon.services.prefill.pipeline import PipelineHead, StageServer
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
-from opentelemetry.trace import TracerProvider
 
 HANDOFF_TIMEOUT_S = 10.0
 
@@ -39,7 +42,7 @@ class PrefillService(EngineWorker):
     def submit_subject(self) -> str:
         return self.subjects.prefill_submit(self.instance_id)
 
-    def accept(self, request: PrefillRequest):  # type: ignore[no-untyped-def, override]
+    def accept(self, request: PrefillRequest) -> Coroutine[Any, Any, None]:
         return self._serve(request)
 
     def writer(self, req: PrefillRequest, prefix: Prefix) -> LayerWriter:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import TracerProvider
+
 from halfmoon.kv.pool_wire import order_from_wire
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import OrderBatch, OrderResults
@@ -22,7 +24,6 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 from halfmoon.transfer.orders import authorized, execute
 from halfmoon.transfer.server import BlockServer
-from opentelemetry.trace import TracerProvider
 
 
 @dataclass(frozen=True)
