@@ -17,6 +17,7 @@ from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.runtime.layer_writer import LayerWriter
+from halfmoon.runtime.prefix_layers import PrefixLayers
 from halfmoon.runtime.prefix_reuse import Prefix, PrefixReuse
 from halfmoon.runtime.rpc import RECONNECT_GRACE_S
 from halfmoon.runtime.streaming import token_event
@@ -77,7 +78,8 @@ class PrefillService(EngineWorker):
                                                                      first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
-            if prefix.fetched.layers is not None and not await prefix.fetched.layers.wait():
+            layers = prefix.fetched.layers
+            if isinstance(layers, PrefixLayers) and not await layers.wait():  # a layer failed: written again
                 await self._store_recomputed(req, prefix)
             try:
                 if first.finish_reason == PREFILL_DONE:
