@@ -164,8 +164,10 @@ class TestLifecycle:
             await asyncio.sleep(0.01)
         assert beats[-1].draining
         assert downs == [
-            InstanceDown(instance_id="echo-1", role=Role.DECODE, reason="shutdown", timestamp=downs[0].timestamp)
+            InstanceDown(instance_id="echo-1", role=Role.DECODE, reason="shutdown", timestamp=downs[0].timestamp,
+                         incarnation=beats[-1].incarnation)  # the goodbye names the run it is about
         ]
+        assert beats[-1].incarnation
 
     async def test_a_drain_that_hangs_is_cut_at_the_timeout(self, config):
         host = ServiceHost(Echo(config, drain_forever=True))
