@@ -41,6 +41,7 @@ from halfmoon.protocol import (
 from halfmoon.protocol.cache import (
     BlockReplicas,
     CacheAck,
+    CorruptBlocks,
     Lookup,
     LookupResult,
     PutEnd,
@@ -69,6 +70,7 @@ TAIL = BlockLocation(address="127.0.0.1:7000", offset=8192, size=512)
 KV = KVLocation(block_size=4, num_tokens=6, blocks=(LOC,), partial=TAIL)
 
 CASES = [
+    (codecs.CACHE_CORRUPT, CorruptBlocks(reporter="prefill-0", blocks=(LOC,))),
     (
         codecs.SCHEDULE_REQUEST,
         ScheduleRequest(
