@@ -55,9 +55,11 @@ async def running(nats_server, namespace: str, model_dir: Path, layerwise: bool,
         for service in (cm, *nodes, prefill, decode):
             await stack.enter_async_context(ServiceHost(service))
         deadline = time.monotonic() + 30
-        while any(node.instance_id not in cm.nodes for node in nodes) or \
+        # active last: loading two engines in this one event loop can outlast the cache-manager's lease, and
+        # a cache-manager taking its lease back starts an empty index that the nodes join again
+        while any(node.instance_id not in cm.nodes for node in nodes) or not cm.active or \
                 len(prefill.transfer_nodes.ordered()) < num_nodes:
-            assert time.monotonic() < deadline, "the transfer nodes never joined"
+            assert time.monotonic() < deadline, "the transfer nodes never joined an active cache-manager"
             await asyncio.sleep(0.05)
         yield Cluster(cm, nodes[0], prefill, decode, nodes)
 

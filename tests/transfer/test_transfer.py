@@ -95,6 +95,22 @@ class TestTcpRoundTrip:
         assert not await server.store.dram.contains(keys[0])
         assert [bytes(v) for v in await tcp.read(keys)] == data
 
+    async def test_a_tier_the_node_lacks_is_refused_and_the_connection_lives(self) -> None:
+        store = NodeStore(ShmTier(4 << 20))  # DRAM only
+        srv = BlockServer(store)
+        await srv.start()
+        tcp = Granted(TcpTransport(srv.address, pool_size=1))
+        try:
+            keys, data = blocks(2)
+            with pytest.raises(TransferError, match="tier NVME is not configured on this node"):
+                await tcp.write(keys, data, tier=Tier.NVME)
+            await tcp.write(keys, data)  # the same connection: the refused payload was read and dropped
+            assert [bytes(v) for v in await tcp.read(keys)] == data
+        finally:
+            await tcp.close()
+            await srv.stop()
+            await store.close()
+
     async def test_concurrent_batches_share_the_pool(self, tcp: TcpTransport) -> None:
         batches = [blocks(4, start=10 * i) for i in range(5)]
         await asyncio.gather(*(tcp.write(k, d) for k, d in batches))

@@ -197,6 +197,11 @@ class BlockServer:
         self.payload_bytes_out += sum(s for s in sizes if s != MISSING)
 
     async def _write(self, ch: Channel, req: Request) -> None:
+        if Tier(req.tier) not in self.store.tiers:  # its payload follows: read it into scratch, drop it
+            await ch.discard(sum(req.sizes))
+            await ch.send(Response(False, error=f"tier {Tier(req.tier).name} is not configured on this node",
+                                   keys=list(req.keys), count=0))
+            return
         failed, errors = [], []
         dram = self.store.dram
         for i, (key, size) in enumerate(zip(req.keys, req.sizes)):
