@@ -17,8 +17,11 @@ attainment, reused prompt tokens, and one outcome per request in request order (
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import shutil
 import subprocess
 from collections import Counter
 from dataclasses import dataclass
@@ -63,11 +66,31 @@ def trace_slice(source: Path, target: Path, offset: int, limit: int, block_size:
     return target
 
 
-def command(aiperf: str, model: str, url: str, tokenizer: Path, load: AiperfLoad, artifacts: Path,
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "config.json", "generation_config.json")
+
+
+def offline_tokenizer(model_dir: Path, hub_cache: Path) -> str:
+    """The model directory's tokenizer laid out as a Hugging Face hub cache entry, and its repo name.
+    aiperf's trace replay decodes in worker processes that force offline mode, where a tokenizer loads
+    from the hub cache only (a local directory is refused as a repo id), so nothing is downloaded."""
+    files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).exists()]
+    revision = hashlib.sha1(b"".join(f.read_bytes() for f in files)).hexdigest()
+    repo = hub_cache / f"models--halfmoon--{model_dir.name}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, snapshot / f.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return f"halfmoon/{model_dir.name}"
+
+
+def command(aiperf: str, model: str, url: str, tokenizer: str, load: AiperfLoad, artifacts: Path,
             seed: int = 1) -> list[str]:
     """The aiperf command line of the issue's runs (completions, streaming, server token counts)."""
     cmd = [aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
-           "--tokenizer", str(tokenizer), "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
+           "--tokenizer", tokenizer, "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
            "--ui", "none", "--random-seed", str(seed), "--artifact-dir", str(artifacts)]
     if load.trace_file is not None:
         return [*cmd, "--input-file", str(load.trace_file), "--custom-dataset-type", "mooncake_trace",
@@ -79,11 +102,15 @@ def command(aiperf: str, model: str, url: str, tokenizer: Path, load: AiperfLoad
 
 def run(aiperf: str, model: str, url: str, tokenizer: Path, load: AiperfLoad, artifacts: Path, slo: RequestSLO,
         log: Path) -> dict[str, Any]:
-    """Run aiperf once and summarise its records; raises RuntimeError (with the log's path) if it fails."""
+    """Run aiperf once and summarise its records; raises RuntimeError (with the log's path) if it fails.
+    ``tokenizer``: the model directory, loaded by aiperf offline from a hub cache beside ``artifacts``."""
     artifacts.mkdir(parents=True, exist_ok=True)
+    hub_cache = artifacts.parent / "hf-hub"
+    name = offline_tokenizer(tokenizer, hub_cache)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log.open("ab") as out:
-        done = subprocess.run(command(aiperf, model, url, tokenizer, load, artifacts), stdout=out,
-                              stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(command(aiperf, model, url, name, load, artifacts), stdout=out,
+                              stderr=subprocess.STDOUT, check=False, env=env)
     records = artifacts / "profile_export.jsonl"
     if not records.exists():
         raise RuntimeError(f"aiperf exited with {done.returncode} and wrote no records; see {log}")

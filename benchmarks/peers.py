@@ -14,8 +14,9 @@ driver instead, for diagnosis (it also reads the conductor's TTFT prediction err
 which tool ran. A server named with ``+busy`` (e.g. ``halfmoon+busy``) runs with one busy-looping process
 beside it for the whole measurement: what a log shipper or a second job costs it.
 
-Halfmoon variants: ``halfmoon`` (1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing
-both), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
+Halfmoon variants: ``halfmoon`` (`halfmoon up` as it comes: one aggregated engine below 4 cores, else
+1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing both), ``halfmoon-disaggregated``
+(1 prefill + 1 decode), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
 predictions calibrated to the first tokens it delivered lately); ``--variant`` adds a layout with settings of
 its own. A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
 rejected that met their SLOs in the twin's run of the same requests.
@@ -66,7 +67,8 @@ def _halfmoon(name: str, flags: tuple[str, ...], extra: dict[str, str]) -> Serve
     return lambda m, d, _a, s: HalfmoonServer(m, d, name, flags, {**s, **extra})
 
 
-LAYOUTS: dict[str, tuple[str, ...]] = {"halfmoon": (), "halfmoon-aggregated": ("--aggregated", "1")}
+LAYOUTS: dict[str, tuple[str, ...]] = {"halfmoon": (), "halfmoon-aggregated": ("--aggregated", "1"),
+                                       "halfmoon-disaggregated": ("--prefill", "1", "--decode", "1")}
 SERVERS: dict[str, ServerFactory] = {
     **{layout + suffix: _halfmoon(layout + suffix, flags, extra)
        for layout, flags in LAYOUTS.items()

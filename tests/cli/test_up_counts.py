@@ -1,4 +1,5 @@
-"""`halfmoon up`'s engine instance counts: disaggregated by default, aggregated on request."""
+"""`halfmoon up`'s engine instance counts: disaggregated by default on 4 cores or more, one aggregated engine
+below, either on request."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from halfmoon.deploy.topology import instances
 
 
 class TestEngineCounts:
-    def test_default_is_one_prefill_one_decode(self):
-        assert engine_counts(None, None, 0) == {"prefill": 1, "decode": 1, "aggregated": 0}
+    def test_default_is_one_prefill_one_decode_given_two_cores_each(self):
+        assert engine_counts(None, None, None, cores=4) == {"prefill": 1, "decode": 1, "aggregated": 0}
+
+    def test_a_smaller_machine_gets_one_aggregated_engine_unless_a_layout_is_asked_for(self):
+        assert engine_counts(None, None, None, cores=2) == {"prefill": 0, "decode": 0, "aggregated": 1}
+        assert engine_counts(1, 1, None, cores=2) == {"prefill": 1, "decode": 1, "aggregated": 0}
+        assert engine_counts(None, None, 0, cores=2) == {"prefill": 1, "decode": 1, "aggregated": 0}
 
     def test_aggregated_alone_unless_prefill_or_decode_are_asked_for(self):
         assert engine_counts(None, None, 2) == {"prefill": 0, "decode": 0, "aggregated": 2}
@@ -31,12 +37,16 @@ class TestEngineCounts:
 
 class TestLayoutHint:
     def test_two_cores_split_between_prefill_and_decode_are_told_to_aggregate(self):
-        hint = layout_hint(2, engine_counts(None, None, 0))
+        hint = layout_hint(2, engine_counts(1, 1, 0))
         assert hint is not None and "--aggregated 1" in hint
 
-    def test_enough_cores_per_engine_or_aggregated_already_get_no_hint(self):
-        assert layout_hint(4, engine_counts(None, None, 0)) is None
-        assert layout_hint(2, engine_counts(None, None, 1)) is None
+    def test_the_small_machines_default_says_why_and_how_to_disaggregate(self):
+        hint = layout_hint(2, engine_counts(None, None, None, cores=2))
+        assert hint is not None and "--prefill 1 --decode 1" in hint
+
+    def test_enough_cores_per_engine_get_no_hint(self):
+        assert layout_hint(4, engine_counts(1, 1, 0)) is None
+        assert layout_hint(4, engine_counts(None, None, 1)) is None
 
 
 class TestUserSettings:

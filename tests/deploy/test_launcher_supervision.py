@@ -108,7 +108,8 @@ def started_from(run_dir: Path) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def up(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     processes = Processes()
-    running = Up(processes, tiny_model_dir, tmp_path_factory.mktemp("up") / "run", "--port", "0")
+    running = Up(processes, tiny_model_dir, tmp_path_factory.mktemp("up") / "run", "--port", "0",
+                 "--prefill", "1", "--decode", "1")
     try:
         running.wait_for_output("Halfmoon is up")
         yield running

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.aiperf_driver import AiperfLoad, RequestSLO, command, summarise, trace_slice
+from benchmarks.aiperf_driver import AiperfLoad, RequestSLO, command, offline_tokenizer, summarise, trace_slice
 
 
 def record(session: int, start_s: float, end_s: float, phase: str = "profiling", error: int | None = None,
@@ -48,7 +48,15 @@ class TestTraceSlice:
 
     def test_the_trace_command_replays_the_schedule(self, tmp_path):
         load = AiperfLoad(8, trace_file=tmp_path / "slice.jsonl", isl_block_size=16)
-        cmd = command("aiperf", "m", "http://127.0.0.1:1", tmp_path, load, tmp_path / "out")
+        cmd = command("aiperf", "m", "http://127.0.0.1:1", "halfmoon/tiny", load, tmp_path / "out")
         assert cmd[cmd.index("--custom-dataset-type") + 1] == "mooncake_trace"
         assert "--fixed-schedule" in cmd and "--concurrency" not in cmd
         assert cmd[cmd.index("--isl-block-size") + 1] == "16"
+
+    def test_the_tokenizer_loads_offline_from_a_hub_cache_layout(self, tmp_path, tiny_model_dir):
+        from transformers import AutoTokenizer
+
+        name = offline_tokenizer(tiny_model_dir, tmp_path / "hub")
+        offline = AutoTokenizer.from_pretrained(name, cache_dir=tmp_path / "hub", local_files_only=True)
+        direct = AutoTokenizer.from_pretrained(tiny_model_dir)
+        assert offline("a prompt of a few words")["input_ids"] == direct("a prompt of a few words")["input_ids"]

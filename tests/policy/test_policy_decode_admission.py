@@ -5,7 +5,14 @@ from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import LocalCacheAwarePrefill
 from halfmoon.policy.scheduler import KVCentricScheduler
-from halfmoon.policy.state import SLO, DecodeInstanceState, DecodeWork, PrefillInstanceState, RouteRequest
+from halfmoon.policy.state import (
+    SLO,
+    DecodeInstanceState,
+    DecodeWork,
+    MeasuredStep,
+    PrefillInstanceState,
+    RouteRequest,
+)
 
 SLO_50MS = SLO(ttft_s=30.0, tbt_s=0.050)
 
@@ -149,3 +156,31 @@ class TestDecodeLoadSpreads:
         state = DecodeInstanceState("d0", 3, 300, 10**6)
         assert state.load_at(50.0) == (3, 300) and state.earliest_end_after(0.0) is None
         assert busy("d1", 0, 0).load_at(50.0) == (0, 0)  # known to be idle
+
+
+class TestPredictionsTakeTheInstancesOwnScale:
+    """One cost model serves every instance; each instance's latest steps set the scale of its predictions
+    (a model three times too slow rejected requests whose tokens came well within the SLO)."""
+
+    MODEL = DecodeCostModel((0.03, 0.015, 0.0))  # 150 ms for 8, where the instance below steps in 50 ms
+
+    def test_an_instance_faster_than_the_model_is_judged_by_its_own_steps(self):
+        decode = SloAwareDecode(self.MODEL, SLO(ttft_s=30.0, tbt_s=0.1))
+        unmeasured = DecodeInstanceState("d0", 7, 3_500, 10**6)
+        measured = unmeasured._replace(measured=MeasuredStep(batch=7, context_tokens=3_500, seconds=0.045))
+        assert decode.choose([unmeasured], 500) is None  # 150 ms predicted for 8
+        choice = decode.choose([measured], 500)
+        assert choice is not None and choice.predicted_tbt_s == pytest.approx(0.045 * 0.15 / 0.135)
+
+    def test_a_slowed_instance_is_judged_slower(self):
+        decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=0.1))
+        state = DecodeInstanceState("d0", 3, 0, 10**6, measured=MeasuredStep(3, 0, 0.075))  # 3x the model
+        assert decode.predicted_tbt(state, 100) == pytest.approx(3 * 0.03)
+
+    def test_prefill_chunks_scale_by_the_steps_they_shared(self):
+        decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2),
+                                shared_cost=DecodeCostModel((0.05, 0.005, 0.0)))
+        state = DecodeInstanceState("a0", 2, 0, 10**6, interleaves_prefill=True,
+                                    measured=MeasuredStep(2, 0, 0.02), measured_shared=MeasuredStep(2, 0, 0.12))
+        # decode-only at batch 3: 0.025 * (0.02 / 0.02); with this prompt's chunk at batch 2: 0.06 * 2
+        assert decode.predicted_tbt(state, 100) == pytest.approx(0.12)

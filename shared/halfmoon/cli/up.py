@@ -87,7 +87,7 @@ def _up(args: argparse.Namespace) -> int:
     security, api_line = gateway_security(args, run_dir)
     env = {**user_settings(os.environ), **security}
     model = served_model(args.model, console)
-    counts = engine_counts(args.prefill, args.decode, args.aggregated)
+    counts = engine_counts(args.prefill, args.decode, args.aggregated, os.cpu_count() or 1)
     counts.update(transfer=args.transfer, conductor=args.conductors, **{"cache-manager": args.cache_managers})
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
@@ -133,8 +133,14 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_counts(prefill: int | None, decode: int | None, aggregated: int) -> dict[str, int]:
-    """Instances per engine service: disaggregated 1 + 1 unless aggregated ones are asked for."""
+def engine_counts(prefill: int | None, decode: int | None, aggregated: int | None,
+                  cores: int = 4) -> dict[str, int]:
+    """Instances per engine service. Asked for nothing, ``cores`` decides: one aggregated engine on a
+    machine too small to give prefill and decode engines cores of their own, else 1 prefill + 1 decode.
+    Aggregated ones asked for alone come without prefill or decode instances."""
+    if prefill is None and decode is None and aggregated is None:
+        aggregated = 1 if cores < AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * 2 else 0
+    aggregated = aggregated or 0
     default = 0 if aggregated else 1
     counts = {"prefill": default if prefill is None else prefill, "decode": default if decode is None else decode,
               "aggregated": aggregated}
@@ -145,21 +151,25 @@ def engine_counts(prefill: int | None, decode: int | None, aggregated: int) -> d
     return counts
 
 
-# Measured (docs/BENCHMARKS.md, "Aggregated or disaggregated"): below this many cores per engine
-# instance, splitting the cores between prefill and decode engines loses throughput to one engine
-# doing both; under a bursty trace either layout met the SLOs more often, run by run.
+# Measured (docs/BENCHMARKS.md, "How does halfmoon up compare with vLLM?"): below this many cores per
+# engine instance, splitting the cores between prefill and decode engines loses throughput to one
+# engine doing both.
 AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE = 2
 
 
 def layout_hint(cores: int, counts: dict[str, int]) -> str | None:
-    """What to run instead, when measurement says this layout wastes the machine's cores."""
+    """Why this layout, when the machine's size chose it or measurement says it wastes the cores."""
     engines = counts["prefill"] + counts["decode"] + counts["aggregated"]
-    if counts["aggregated"] or cores >= AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * engines:
+    if counts["aggregated"] and not (counts["prefill"] or counts["decode"]):
+        if cores >= AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * 2:
+            return None
+        return (f"{cores} cores: one aggregated engine (prefill and decode in one process, all cores), which served"
+                " more tokens/s than 1 prefill + 1 decode on a core each, at lower latencies (docs/BENCHMARKS.md);"
+                " --prefill 1 --decode 1 for the disaggregated layout")
+    if cores >= AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE * engines:
         return None
     return (f"{cores} cores for {engines} engines: --aggregated {max(1, cores // AGGREGATED_PAYS_BELOW_CORES_PER_ENGINE)}"
-            " served 1.3-1.4x the tokens/s at a fixed concurrency on 2 cores, at lower latencies; on a bursty trace"
-            " the two kept about as many requests within their SLOs (docs/BENCHMARKS.md, 'Aggregated or"
-            " disaggregated')")
+            " served more tokens/s at a fixed concurrency on 2 cores, at lower latencies (docs/BENCHMARKS.md)")
 
 
 def shape(counts: dict[str, int]) -> str:
@@ -174,8 +184,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "(default: %(default)s)")
     up.add_argument("--prefill", type=int, help="prefill instances (default 1, or 0 with --aggregated)")
     up.add_argument("--decode", type=int, help="decode instances (default 1, or 0 with --aggregated)")
-    up.add_argument("--aggregated", type=int, default=0,
-                    help="aggregated instances: each prefills and decodes its requests itself (no hand-off)")
+    up.add_argument("--aggregated", type=int,
+                    help="aggregated instances: each prefills and decodes its requests itself (no hand-off); "
+                         "asked for no layout, a machine with fewer than 4 cores gets 1 and no prefill or decode")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
     up.add_argument("--conductors", type=int, default=1, help="conductors (2: a hot standby shares the placements)")
     up.add_argument("--cache-managers", type=int, default=1,

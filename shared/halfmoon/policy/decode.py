@@ -6,12 +6,24 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from halfmoon.policy.cost import DecodeCostModel
-from halfmoon.policy.state import SLO, DecodeInstanceState, slo_attainment
+from halfmoon.policy.state import SLO, DecodeInstanceState, MeasuredStep, slo_attainment
 
 
 class DecodeChoice(NamedTuple):
     instance_id: str
     predicted_tbt_s: float
+
+
+def anchored(cost: DecodeCostModel, measured: MeasuredStep | None, batch: float, context_tokens: float) -> float:
+    """The step time of ``batch`` sequences over ``context_tokens``: the model's, scaled by how the
+    instance's own latest steps compared with the model's prediction for them. One model serves every
+    instance, and an instance's steps slow with whatever else shares its cores; what it measured now
+    is the truer scale, the model the shape (how the step grows with the batch and its context)."""
+    predicted = cost.predict(batch, context_tokens)
+    if measured is None or measured.batch <= 0:
+        return predicted
+    expected = cost.predict(measured.batch, measured.context_tokens)
+    return predicted * measured.seconds / expected if expected > 0 else predicted
 
 
 class SloAwareDecode:
@@ -46,9 +58,9 @@ class SloAwareDecode:
 
     def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> float:
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        tbt = self.cost.predict(batch + 1, context + context_tokens)
+        tbt = anchored(self.cost, inst.measured, batch + 1, context + context_tokens)
         if self.shared_cost is not None and inst.interleaves_prefill:
-            tbt = max(tbt, self.shared_cost.predict(batch, context + context_tokens))
+            tbt = max(tbt, anchored(self.shared_cost, inst.measured_shared, batch, context + context_tokens))
         return tbt
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:

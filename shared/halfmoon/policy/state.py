@@ -62,12 +62,23 @@ class DecodeWork(NamedTuple):
     ends_at: float
 
 
+class MeasuredStep(NamedTuple):
+    """What an instance's recent decoding steps took: ``seconds`` each, advancing ``batch`` sequences
+    over ``context_tokens`` of KV (averages)."""
+
+    batch: float
+    context_tokens: float
+    seconds: float
+
+
 class DecodeInstanceState(NamedTuple):
     """``batch_size``/``context_tokens`` describe the running batch now; ``work`` lists running and
     incoming requests with expected start/end times, for predicting the load at a later moment.
     ``work=None``: the owner cannot tell when work ends (a live conductor knows only the batch
     now), so the load now stands for the load later. ``interleaves_prefill``: the instance also
-    prefills what it decodes (aggregated), in chunks that share its decoding steps."""
+    prefills what it decodes (aggregated), in chunks that share its decoding steps.
+    ``measured`` / ``measured_shared``: the instance's latest decoding steps without and with a prefill
+    chunk in them (None: none lately), which set the scale of its predictions."""
 
     id: str
     batch_size: int
@@ -76,6 +87,8 @@ class DecodeInstanceState(NamedTuple):
     recent_tbt: tuple[float, ...] = ()
     work: tuple[DecodeWork, ...] | None = None
     interleaves_prefill: bool = False
+    measured: MeasuredStep | None = None
+    measured_shared: MeasuredStep | None = None
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""

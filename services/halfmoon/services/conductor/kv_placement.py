@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.scheduler import KVCentricScheduler
-from halfmoon.policy.state import DecodeInstanceState, PrefillInstanceState, RouteRequest
-from halfmoon.protocol.registry import Role
+from halfmoon.policy.state import DecodeInstanceState, MeasuredStep, PrefillInstanceState, RouteRequest
+from halfmoon.protocol.registry import Role, StepSample, pooled_steps
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import LeastLoaded, Placement, PlacementPolicy, Rejection
@@ -29,8 +29,9 @@ class KVCentricPlacement(PlacementPolicy):
     """
 
     def __init__(self, make_scheduler: Callable[[KVSpec], KVCentricScheduler], index: LiveBlockIndex,
-                 calibration: TTFTCalibration | None = None) -> None:
+                 calibration: TTFTCalibration | None = None, pools_steps: bool = True) -> None:
         self.make_scheduler = make_scheduler
+        self.pools_steps = pools_steps  # one cost model learns steps with and without prefill chunks alike
         self.index = index
         self.calibration = calibration
         self.spec: KVSpec | None = None
@@ -64,9 +65,14 @@ class KVCentricPlacement(PlacementPolicy):
         used = view.load.total_kv_blocks - view.load.free_kv_blocks
         recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
         batch = max(view.load.running, view.outstanding.count)
+        aggregated = view.role is Role.AGGREGATED
+        steps, shared = view.load.steps, view.load.shared_steps
+        if self.pools_steps:
+            steps, shared = pooled_steps(steps, shared), None
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent,
-                                   interleaves_prefill=view.role is Role.AGGREGATED)
+                                   interleaves_prefill=aggregated, measured=measured_step(steps),
+                                   measured_shared=measured_step(shared))
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:
@@ -92,3 +98,7 @@ class KVCentricPlacement(PlacementPolicy):
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
                          chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,
                          decision.decode.predicted_tbt_s * 1000 if decision.decode else None)
+
+
+def measured_step(sample: StepSample | None) -> MeasuredStep | None:
+    return None if sample is None else MeasuredStep(sample.batch, sample.kv_tokens, sample.seconds)

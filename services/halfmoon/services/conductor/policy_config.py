@@ -114,5 +114,6 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,
                                   calibration)
 
-    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration), index, fitter, decode_fitter,
+    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration, pools_steps=shared_fitter is None),
+                          index, fitter, decode_fitter,
                           shared_fitter)
