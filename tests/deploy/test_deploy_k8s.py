@@ -51,6 +51,12 @@ class TestSameServicesAsHalfmoonUp:
             assert container(found[spec.name])["args"] == spec.command
             assert "command" not in container(found[spec.name]), "keep the image's entrypoint"
 
+    def test_the_jetstream_buckets_are_made_by_a_one_shot_job_as_in_compose(
+            self, k8s_base: list[dict[str, Any]], compose: dict[str, Any]) -> None:
+        jobs = {d["metadata"]["name"]: d for d in k8s_base if d["kind"] == "Job"}
+        assert container(jobs["jetstream"])["args"] == compose["services"]["jetstream"]["command"]
+        assert jobs["jetstream"]["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+
     def test_each_has_a_service_or_needs_none(self, k8s_base: list[dict[str, Any]]) -> None:
         services = {d["metadata"]["name"] for d in k8s_base if d["kind"] == "Service"}
         assert {"gateway", "transfer", "nats", "nats-headless", "s3", "jaeger"} <= services
