@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from halfmoon.core.kv_spec import KVSpec
@@ -15,6 +16,7 @@ from halfmoon.protocol import (
     SamplingParams,
     ScheduleRequest,
 )
+from halfmoon.protocol.registry import StepSample
 from halfmoon.protocol.work import WorkDone, WorkOutcome
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import (
@@ -300,6 +302,23 @@ class TestLearnedDecodeCost:
         # five sequences predicted 0.27 s a step, over the 0.25 s SLO; two are 0.12 s
         quiet = self.aggregated(running=1, used_blocks=10)
         assert isinstance(place_pair(built.policy, self.REQUEST, [], [], quiet, now=0.0), Placement)
+
+    def test_the_instances_own_latest_steps_set_the_scale(self):
+        # the model, soured by a slow spell, says 0.27 s a step for five; the instance's heartbeat says its
+        # four sequences step in 40 ms now, so five are predicted near 50 ms and the request is placed
+        built = build_placement(PolicySettings(tbt_slo_s=0.25))
+        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
+        assert built.decode_cost is not None
+        for batch in range(1, 9):
+            for kv_tokens in (500, 4000):
+                built.decode_cost.record(batch, kv_tokens, 0.02 + 0.05 * batch + 1e-6 * kv_tokens)
+        view = self.aggregated(running=4, used_blocks=100)[0]
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], [view], now=0.0), Rejection)
+        measured = view._replace(load=msgspec.structs.replace(
+            view.load, steps=StepSample(steps=20, batch=4, kv_tokens=1600, seconds=0.04)))
+        placed = place_pair(built.policy, self.REQUEST, [], [], [measured], now=0.0)
+        assert isinstance(placed, Placement), placed
+        assert placed.predicted_tbt_ms is not None and 40 < placed.predicted_tbt_ms < 60
 
     def test_least_loaded_placement_learns_nothing_and_learning_decode_can_be_off(self):
         built = build_placement(PolicySettings(placement="least-loaded"))
