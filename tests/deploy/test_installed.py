@@ -131,8 +131,16 @@ class TestInstalledUp:
                 stderr=subprocess.STDOUT)
         try:
             wait_for("Halfmoon is up", proc, output)
+            wait_for("kernels", proc, output)  # the instances table follows the banner
+            engine_rows = [line for line in output.read_text(errors="replace").splitlines()
+                           if line.lstrip().startswith(("prefill-", "decode-", "aggregated-"))]
+            if shutil.which("gcc") or shutil.which("cc"):  # the install built the kernels: every engine runs them
+                assert engine_rows and all("native (" in row for row in engine_rows), engine_rows
             ready = {f.stem: json.loads(f.read_text()) for f in (run_dir / "ready").glob("*.json")}
-            for instance in ("gateway-0", "conductor-0", "prefill-0", "decode-0", "cache-manager-0", "transfer-0"):
+            # the engines' layout is up's to choose by the cores (aggregated below 4): every instance is checked
+            assert {"gateway-0", "conductor-0", "cache-manager-0", "transfer-0"} <= set(ready), sorted(ready)
+            assert {"aggregated-0"} <= set(ready) or {"prefill-0", "decode-0"} <= set(ready), sorted(ready)
+            for instance in ready:
                 service = psutil.Process(ready[instance]["pid"])
                 roots = [p for p in service.environ().get("PYTHONPATH", "").split(os.pathsep) if p]
                 assert roots and all(Path(p).is_relative_to(installed.site) for p in roots), (instance, roots)
