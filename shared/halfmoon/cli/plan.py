@@ -62,14 +62,14 @@ def _table(result: Plan, target: float):
     table = Table(title=f"halfmoon plan: {result.requests:,} requests, target {target:.1%}")
     for name, justify in (("layout", "left"), ("instances", "right"), ("attainment", "right"),
                           ("goodput (req/s)", "right"), ("TTFT p90 (s)", "right"), ("TBT p90 (ms)", "right"),
-                          ("rejected", "right"), ("meets", "center")):
+                          ("rejected", "right"), ("meets", "center"), ("chosen", "center")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in sorted(result.candidates, key=lambda c: (c.layout.instances, c.layout.mode, c.layout.prefill)):
         chosen = result.choice is not None and c.layout == result.choice.layout
-        table.add_row(c.layout.label + (" <- choice" if chosen else ""), str(c.layout.instances),
+        table.add_row(c.layout.label, str(c.layout.instances),
                       f"{c.attainment:.1%}", f"{c.goodput_rps:.2f}", f"{c.ttft_p90_s:.2f}",
                       f"{c.tbt_p90_s * 1000:.0f}", str(c.rejected), "yes" if c.meets else "no",
-                      style="bold green" if chosen else None)
+                      "<-" if chosen else "", style="bold green" if chosen else None)
     return table
 
 
