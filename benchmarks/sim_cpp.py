@@ -79,5 +79,6 @@ def section_f(f: dict, table: Callable[[list[str], list[list[Any]]], str]) -> st
             " occupies k of the 8 prefill nodes and the policy"
         ),
         "judges only the request at hand, not the queue it builds for the next ones. The simulator does not lend a",
-        "stage's idle time to other requests, so these costs are an upper bound; the live CPP is not built yet.",
+        "stage's idle time to other requests, so these costs are an upper bound. The live CPP, which runs this",
+        "same policy, is described in docs/PIPELINE.md.",
     ])

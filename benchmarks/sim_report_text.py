@@ -67,7 +67,7 @@ def section_setup(meta: dict) -> str:
         "Assumptions: " + " ".join(f"({i + 1}) {s}" for i, s in enumerate(raw["assumptions"])),
         "",
         "The profile states the derivation (Equation 1 for prefill, bytes over HBM bandwidth for decode); the loader",
-        "turns it into a grid of samples and fits the same least-squares models a live instance's measurements feed",
+        "turns it into a grid of samples and fits the same non-negative least-squares models a live instance's measurements feed",
         "(`OnlineFitter`). Resulting predictions:",
         "",
         table(["operation", "predicted time"], rows),
@@ -257,6 +257,38 @@ def section_perf(results: dict) -> str:
     ])
 
 
+def section_plan() -> str:
+    return "\n".join([
+        "## Capacity planning: `halfmoon plan`",
+        "`halfmoon plan` sizes the pools with this simulator: given a trace window and SLOs it finds the fewest",
+        "instances whose replay keeps at least the target share of requests within both SLOs (attainment, the",
+        "effective capacity of (c)). The search is `shared/halfmoon/sim/plan.py`; each candidate layout is one replay.",
+        "",
+        "```",
+        "halfmoon plan --trace conversation_trace.jsonl --limit 10000 --ttft-slo 30 --tbt-slo 0.1 --target 0.9 \\",
+        "              [--offset N] [--time-scale X] [--cpp 2,4] [--no-aggregated] [--plot plan.png] [--json plan.json]",
+        "halfmoon plan --spans .halfmoon/traces.jsonl ...   # the requests a running deployment served",
+        "```",
+        "",
+        "It assumes attainment never falls when a role gains an instance, which lets it skip most of the grid:",
+        "it doubles a balanced layout (1P+1D, 2P+2D, 4P+4D, ...) until one meets the target; bisects the fewest",
+        "prefill instances that meet it beside that many decode instances, and the fewest decode instances",
+        "beside that many prefill ones; their sum is a lower bound, so it tries totals upward from it, every split",
+        "of a total, and stops at the first total with a split that meets the target. The same runs with CPP for",
+        "each `--cpp` stage count (pipelines only for prompts one node would prefill past the TTFT SLO, the",
+        "setting that pays in (f)), and a doubling then bisection over aggregated instances (every instance",
+        "prefills and decodes, the *prefix* coupled variant by default); each later search stops at the best",
+        "count found so far. It prints every layout it simulated (instances, attainment, goodput in requests",
+        "within both SLOs per simulated second, TTFT and TBT p90), the choice with its reason, or why no layout",
+        "up to `--max-instances` can meet the target (for example prompts no single node can prefill within the",
+        "TTFT SLO, with CPP off), and draws attainment against instances. A window's arrivals start at 0 and",
+        "replay from a cold cache. A span file gives arrival, prompt and output lengths but no block hashes,",
+        "so a plan from spans assumes no prefix reuse and overstates prefill work. How long a 10,000-request",
+        "window takes, and the planner against the best fixed P:D split of a grid search on this trace, are in",
+        "docs/BENCHMARKS.md (`python -m benchmarks.plan_speed`).",
+    ])
+
+
 def render(results: dict, plots: dict[str, str]) -> str:
     return "\n\n".join([
         "# Simulation: the Conductor's policies on the Mooncake conversation trace",
@@ -268,5 +300,6 @@ def render(results: dict, plots: dict[str, str]) -> str:
         section_d(results["d"], plots["d"]),
         section_e(results["e"], plots["e"]),
         *([section_f(results["f"], table)] if "f" in results else []),
+        section_plan(),
         section_perf(results),
     ]) + "\n"

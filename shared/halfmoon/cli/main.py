@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module exposes register(subparsers); heavy imports stay inside the commands.
-_COMMANDS = ("halfmoon.cli.model", "halfmoon.cli.up", "halfmoon.cli.sim", "halfmoon.cli.trace", "halfmoon.cli.bench",
+_COMMANDS = ("halfmoon.cli.model", "halfmoon.cli.up", "halfmoon.cli.sim", "halfmoon.cli.plan", "halfmoon.cli.trace", "halfmoon.cli.bench",
              "halfmoon.cli.security")
 
 

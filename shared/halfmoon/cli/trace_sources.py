@@ -1,6 +1,7 @@
 """Where `halfmoon trace` reads spans: the embedded JSONL file, or Jaeger's query API.
 
-Both give :class:`Span` records in the JSONL schema of :mod:`halfmoon.telemetry.jsonl`.
+Both give :class:`Span` records in the JSONL schema of :mod:`halfmoon.telemetry.jsonl`; `halfmoon plan`
+turns the JSONL file's requests into a trace.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from halfmoon.sim.trace import TraceRequest
 
 REQUEST_ID = "halfmoon.request_id"
 
@@ -83,7 +86,7 @@ class JsonlSource(SpanSource):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
-    def _spans(self) -> list[Span]:
+    def spans(self) -> list[Span]:
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
@@ -102,12 +105,12 @@ class JsonlSource(SpanSource):
         return spans
 
     def request_trace(self, request_id: str) -> list[Span]:
-        spans = self._spans()
+        spans = self.spans()
         traces = {s.trace_id for s in spans if s.attributes.get(REQUEST_ID) == request_id and is_request_root(s)}
         return [s for s in spans if s.trace_id in traces]
 
     def recent_roots(self, limit: int) -> list[Span]:
-        roots = [s for s in self._spans() if is_request_root(s)]
+        roots = [s for s in self.spans() if is_request_root(s)]
         return sorted(roots, key=lambda s: s.start_ns, reverse=True)[:limit]
 
 
@@ -200,3 +203,29 @@ class JaegerSource(SpanSource):
         found = self._get("/api/traces", jaeger_search_params(None, limit, self.lookback))
         roots = [s for s in found if is_request_root(s)]
         return sorted(roots, key=lambda s: s.start_ns, reverse=True)[:limit]
+
+
+def logged_requests(spans: list[Span], block_size: int) -> tuple[list[TraceRequest], int]:
+    """The requests a deployment served, as trace requests, and how many roots lacked a length.
+
+    Arrival is the gateway span's start, the prompt its ``halfmoon.prompt_tokens``, the output the first
+    token plus what the decode spans generated. Spans do not name prompt blocks, so every request gets
+    blocks of its own: no prefix reuse, which overstates prefill work.
+    """
+    generated: dict[str, int] = {}
+    for span in spans:
+        if span.service == "decode" and "halfmoon.tokens_generated" in span.attributes:
+            generated[span.trace_id] = generated.get(span.trace_id, 0) + int(span.attributes["halfmoon.tokens_generated"])
+    roots = sorted((s for s in spans if is_request_root(s)), key=lambda s: s.start_ns)
+    out: list[TraceRequest] = []
+    skipped, next_block = 0, 0
+    for root in roots:
+        prompt = root.attributes.get("halfmoon.prompt_tokens")
+        if not isinstance(prompt, int) or prompt < 1 or root.trace_id not in generated:
+            skipped += 1
+            continue
+        blocks = -(-prompt // block_size)
+        out.append(TraceRequest((root.start_ns - roots[0].start_ns) / 1e9, prompt, 1 + generated[root.trace_id],
+                                tuple(range(next_block, next_block + blocks))))
+        next_block += blocks
+    return out, skipped
