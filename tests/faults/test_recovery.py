@@ -146,12 +146,15 @@ class TestOnlyPrefillKilled:
             cluster.kill("prefill-0")
             restart(cluster, "prefill-0")  # the supervisor's part: back in seconds, after its silence is noticed
 
+        migrations = gateway_counter(cluster, "halfmoon_migrations_total")
         try:
             outcomes = burst(cluster, [long_prompt(600, seed) for seed in range(8)], max_tokens=16,
                              while_in_flight=kill_while_prefilling)
         finally:  # the module's later drills need it
             wait_live(cluster, {"prefill-0"}, timeout=300)
         assert_all_served(outcomes)
+        # a request the dead instance held moves once, to its restart; waiting for it burns no second move
+        assert gateway_counter(cluster, "halfmoon_migrations_total") - migrations <= len(outcomes)
 
 
 class TestLateDownNotice:
