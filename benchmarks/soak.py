@@ -3,7 +3,7 @@ of every process sampled as it goes. Memory must level off after a warm-up and s
 process reports (docs/RELIABILITY.md, "What bounds each process's memory"); a leak shows as a slope after
 the warm-up that does not go to zero.
 
-    python -m benchmarks.soak [--minutes 30] [--warmup-minutes 10] [--sample-s 10] [--clients 4] [--out DIR]
+    python -m benchmarks.soak [--minutes 30] [--warmup-minutes 15] [--sample-s 10] [--clients 4] [--out DIR]
 
 Every client loops: a streaming completion of a fresh random prompt, of which one in
 ``--disconnect-every`` is dropped after its first token. Every ``--sample-s`` seconds each process's RSS,
@@ -225,7 +225,7 @@ def plot(samples: Samples, bounds: dict[str, MemoryReport], args: argparse.Names
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--warmup-minutes", type=float, default=10.0)
+    parser.add_argument("--warmup-minutes", type=float, default=15.0, help="long enough to fill the DRAM segment")
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory samples")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=1)
