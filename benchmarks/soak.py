@@ -205,18 +205,24 @@ def plot(samples: Samples, bounds: dict[str, MemoryReport], args: argparse.Names
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 6))
+    warm = next((i for i, m in enumerate(samples.minutes) if m >= args.warmup_minutes - 1e-6), 0)
+    fig, (whole, change) = plt.subplots(2, 1, figsize=(10, 10), sharex=True)
     for i, (name, series) in enumerate(samples.memory.items()):
-        colour = f"C{i % 10}"
-        ax.plot(samples.minutes[:len(series["rss"])], series["rss"], color=colour, label=name)
+        colour, rss = f"C{i % 10}", series["rss"]
+        minutes = samples.minutes[:len(rss)]
+        whole.plot(minutes, rss, color=colour, label=name)
         if name in bounds:
-            ax.axhline(bounds[name].total / MIB, color=colour, linestyle=":", linewidth=1)
-    ax.axvline(args.warmup_minutes, color="grey", linestyle="--", linewidth=1, label="end of warm-up")
-    ax.set_xlabel("minutes under load")
-    ax.set_ylabel("RSS (MiB); dotted: the process's bound")
-    ax.set_yscale("log")
-    ax.set_title(f"Soak: {args.clients} clients, {samples.requests[-1]} requests")
-    ax.legend(fontsize="small", loc="lower right")
+            whole.axhline(bounds[name].total / MIB, color=colour, linestyle=":", linewidth=1)
+        if warm < len(rss):  # a flat line after the warm-up is what a process without a leak draws
+            change.plot(minutes[warm:], [v - rss[warm] for v in rss[warm:]], color=colour, label=name)
+    for ax in (whole, change):
+        ax.axvline(args.warmup_minutes, color="grey", linestyle="--", linewidth=1)
+    whole.set_ylabel("RSS (MiB, log); dotted: the process's bound")
+    whole.set_yscale("log")
+    whole.set_title(f"Soak: {args.clients} clients, {samples.requests[-1]} requests; dashed: end of warm-up")
+    whole.legend(fontsize="small", loc="lower right")
+    change.set_ylabel("RSS change since the warm-up (MiB)")
+    change.set_xlabel("minutes under load")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
