@@ -1,51 +1,71 @@
-"""Soak: steady load against a whole local deployment, the resident memory of every process sampled
-as it goes, and the slope of each after a warm-up. A leak shows as a slope that does not level off.
+"""Soak: steady short-request load against a whole local deployment as `halfmoon up` starts it, the memory
+of every process sampled as it goes. Memory must level off after a warm-up and stay inside the bound each
+process reports (docs/RELIABILITY.md, "What bounds each process's memory"); a leak shows as a slope after
+the warm-up that does not go to zero.
 
-    python -m benchmarks.soak --minutes 10 [--warmup-minutes 2] [--clients 4] [--prefill 2 --decode 2]
+    python -m benchmarks.soak [--minutes 30] [--warmup-minutes 15] [--sample-s 10] [--clients 4] [--out DIR]
 
 Every client loops: a streaming completion of a fresh random prompt, of which one in
-``--disconnect-every`` is dropped after its first token (the path that used to leak). The baseline
-of each process is its RSS at the end of the warm-up; the table gives that, the last sample, and the
-least-squares slope of the samples after the warm-up, per minute and per 1,000 requests. The pool's
-tiers are small (``--dram-mib``, ``--nvme-mib``) so that it is full before the warm-up ends: the
-cache-manager's index grows with the blocks held (~600 bytes each) until the tiers are full, as it should.
+``--disconnect-every`` is dropped after its first token. Every ``--sample-s`` seconds each process's RSS,
+PSS, private bytes and shared-memory part of RSS are read from /proc (deploy/memory.py). The report gives
+per process: RSS at the start, at the end of the warm-up and its peak; its bound; when it levelled off
+(the first sample within max(16 MiB, 2%) of its peak); and the least-squares slope of RSS and PSS after
+the warm-up, in MiB per hour. It prints the table, and writes it (soak.md), every sample and the summary
+(soak.json) and a plot of RSS against time with each bound (soak.png) to ``--out``.
+
+The pool's tiers are `halfmoon up`'s defaults (1 GiB DRAM, 8 GiB NVMe) unless ``--dram-mib`` or
+``--nvme-mib`` say otherwise: the DRAM segment is mapped by the engines too, so filling it is most of their
+warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import json
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import nats
-import psutil
 from rich.console import Console
 from rich.table import Table
 
-from halfmoon.deploy.drills import operator_nats
 from halfmoon.deploy.local import LocalCluster
-from halfmoon.protocol import codecs
-from halfmoon.protocol.pool import StatsRequest
-from halfmoon.protocol.subjects import Subjects
-from halfmoon.runtime import request
+from halfmoon.deploy.memory import MIB, process_memory
+from halfmoon.runtime.memory import MemoryReport
 
 NAMESPACE = "soak"
-MIB = 1 << 20
+SERIES = ("rss", "pss", "private", "shmem")
+FAILURE_BACKOFF_S = 1.0
+LEVEL_TOLERANCE = (16 * MIB, 0.02)  # within this many bytes, or this share, of the peak: levelled off
 
 
 @dataclass
 class Samples:
-    """One row per sample: minutes since start, requests done, RSS per process, pool blocks indexed."""
+    """One row per sample: minutes since the load began, requests done, and per process each of ``SERIES`` (MiB)."""
 
     minutes: list[float] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
-    rss: dict[str, list[float]] = field(default_factory=dict)
-    pool_blocks: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    memory: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcessSummary:
+    process: str
+    start_mib: float
+    warm_mib: float
+    peak_mib: float
+    bound_mib: float | None
+    bound_parts: str
+    levelled_min: float
+    rss_slope_mib_h: float
+    pss_slope_mib_h: float
+    private_slope_mib_h: float
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -57,6 +77,29 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else float("nan")
 
 
+def levelled_off(minutes: list[float], series: list[float]) -> float:
+    """When ``series`` (MiB) first came within the tolerance of its peak."""
+    peak = max(series)
+    tolerance = max(LEVEL_TOLERANCE[0] / MIB, LEVEL_TOLERANCE[1] * peak)
+    return next(m for m, v in zip(minutes, series) if v >= peak - tolerance)
+
+
+def summarise(samples: Samples, bounds: dict[str, MemoryReport], warmup_minutes: float) -> list[ProcessSummary]:
+    warm = next((i for i, m in enumerate(samples.minutes) if m >= warmup_minutes - 1e-6), len(samples.minutes) - 1)
+    hours = [m / 60 for m in samples.minutes[warm:]]
+    rows = []
+    for name, series in samples.memory.items():
+        rss = series["rss"]
+        bound = bounds.get(name)
+        rows.append(ProcessSummary(
+            process=name, start_mib=rss[0], warm_mib=rss[warm], peak_mib=max(rss),
+            bound_mib=bound.total / MIB if bound else None, bound_parts=bound.describe() if bound else "",
+            levelled_min=levelled_off(samples.minutes, rss), rss_slope_mib_h=slope(hours, rss[warm:]),
+            pss_slope_mib_h=slope(hours, series["pss"][warm:]),
+            private_slope_mib_h=slope(hours, series["private"][warm:])))
+    return rows
+
+
 class Load:
     def __init__(self, url: str, model: str, vocab: int, disconnect_every: int, prompt_tokens: int,
                  max_tokens: int) -> None:
@@ -64,6 +107,7 @@ class Load:
         self.disconnect_every, self.prompt_tokens, self.max_tokens = disconnect_every, prompt_tokens, max_tokens
         self.done = 0
         self.failed = 0
+        self.refusals: collections.Counter[str] = collections.Counter()  # failures by status or error
         self.stop = asyncio.Event()
 
     async def client(self, seed: int) -> None:
@@ -74,25 +118,30 @@ class Load:
                 body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
                         "stream": True}
                 drop = rng.randrange(self.disconnect_every) == 0
+                failure = ""
                 try:
                     async with http.stream("POST", "/v1/completions", json=body) as reply:
-                        ok = reply.status_code == 200
+                        failure = "" if reply.status_code == 200 else str(reply.status_code)
                         async for line in reply.aiter_lines():
                             if drop and line.startswith("data: {"):
                                 break
-                except httpx.HTTPError:
-                    ok = False
-                self.done += ok
-                self.failed += not ok
+                except httpx.HTTPError as exc:
+                    failure = type(exc).__name__
+                self.done += not failure
+                if failure:
+                    self.failed += 1
+                    self.refusals[failure] += 1
+                    await asyncio.sleep(FAILURE_BACKOFF_S)  # a refused client waits, as a real one would
 
 
-def processes(cluster: LocalCluster) -> dict[str, psutil.Process]:
-    return {name: psutil.Process(pid) for name, pid in cluster.pids().items()}
-
-
-async def pool_blocks(nc: nats.NATS) -> int:
-    reply = await request(nc, Subjects(NAMESPACE).cache("stats"), StatsRequest(), codecs.CACHE_STATS, 10)
-    return reply.blocks
+def sample(cluster: LocalCluster, samples: Samples) -> None:
+    for name, pid in cluster.pids().items():
+        memory = process_memory(pid)
+        if memory is None:  # exited between the two reads; the supervisor's line says so
+            continue
+        series = samples.memory.setdefault(name, {kind: [] for kind in SERIES})
+        for kind in SERIES:
+            series[kind].append(getattr(memory, kind) / MIB)
 
 
 async def soak(cluster: LocalCluster, args: argparse.Namespace, console: Console) -> Samples:
@@ -103,80 +152,132 @@ async def soak(cluster: LocalCluster, args: argparse.Namespace, console: Console
     vocab = AutoConfig.from_pretrained(cluster.model_dir).vocab_size
     load = Load(cluster.url, card["id"], vocab, args.disconnect_every, args.prompt_tokens, args.max_tokens)
     clients = [asyncio.create_task(load.client(i)) for i in range(args.clients)]
-    nc = await operator_nats(cluster)
     samples, started = Samples(), time.monotonic()
     try:
         for i in range(int(args.minutes * 60 / args.sample_s) + 1):
             await asyncio.sleep(max(0.0, started + i * args.sample_s - time.monotonic()))
             samples.minutes.append((time.monotonic() - started) / 60)
             samples.requests.append(load.done)
-            for name, proc in processes(cluster).items():
-                samples.rss.setdefault(name, []).append(proc.memory_info().rss / MIB)
-            samples.pool_blocks.append(await pool_blocks(nc))
-            console.print(f"{samples.minutes[-1]:5.1f} min: {load.done} requests ({load.failed} failed), "
-                          f"cache-manager {samples.rss['cache-manager-0'][-1]:.1f} MiB, "
-                          f"{samples.pool_blocks[-1]} pool blocks")
+            samples.failed.append(load.failed)
+            sample(cluster, samples)
+            for line in cluster.supervise():
+                console.print(f"[yellow]supervisor[/]: {line}")
+            rss = ", ".join(f"{name} {series['rss'][-1]:,.0f}" for name, series in samples.memory.items())
+            failed = f"{load.failed} failed: {dict(load.refusals)}" if load.failed else "0 failed"
+            console.print(f"{samples.minutes[-1]:5.1f} min: {load.done} requests ({failed}); RSS MiB: {rss}")
     finally:
         load.stop.set()
         await asyncio.gather(*clients, return_exceptions=True)
-        await nc.close()
     return samples
 
 
-def report(samples: Samples, args: argparse.Namespace) -> Table:
+def table(rows: list[ProcessSummary], samples: Samples, args: argparse.Namespace) -> Table:
     warm = next((i for i, m in enumerate(samples.minutes) if m >= args.warmup_minutes - 1e-6), 0)
-    minutes, done = samples.minutes[warm:], samples.requests[warm:]
-    rate = (done[-1] - done[0]) / max(minutes[-1] - minutes[0], 1e-9)
-    table = Table(title=f"Soak: {args.clients} clients, {args.minutes:g} min ({args.warmup_minutes:g} warm-up), "
-                        f"{samples.requests[-1]} requests, {rate:.0f} requests/min after warm-up")
-    for column in ("process", "RSS after warm-up (MiB)", "RSS at end (MiB)", "change", "slope (MiB/min)",
-                   "slope (MiB/1k requests)"):
-        table.add_column(column, justify="right")
-    for name, series in samples.rss.items():
-        after = series[warm:]
-        per_min = slope(minutes, after)
-        table.add_row(name, f"{after[0]:.1f}", f"{after[-1]:.1f}", f"{after[-1] / after[0]:.3f}x",
-                      f"{per_min:+.2f}", f"{1000 * per_min / rate:+.2f}" if rate else "-")
-    blocks = samples.pool_blocks[warm:]
-    table.caption = (f"pool blocks indexed: {blocks[0]} after warm-up, {blocks[-1]} at end "
-                     f"({slope(minutes, [float(b) for b in blocks]):+.0f}/min)")
-    return table
+    span = max(samples.minutes[-1] - samples.minutes[warm], 1e-9)
+    rate = (samples.requests[-1] - samples.requests[warm]) / span
+    out = Table(title=f"Soak: {args.clients} clients, {args.minutes:g} min ({args.warmup_minutes:g} warm-up), "
+                      f"{samples.requests[-1]} requests ({samples.failed[-1]} failed), {rate:.0f} requests/min "
+                      "after warm-up")
+    for column in ("process", "RSS at start", "after warm-up", "peak", "bound", "peak / bound", "levelled off (min)",
+                   "RSS slope (MiB/h)", "PSS slope (MiB/h)", "private slope (MiB/h)"):
+        out.add_column(column, justify="right")
+    for r in rows:
+        share = f"{r.peak_mib / r.bound_mib:.0%}" if r.bound_mib else "-"
+        out.add_row(r.process, f"{r.start_mib:,.0f}", f"{r.warm_mib:,.0f}", f"{r.peak_mib:,.0f}",
+                    f"{r.bound_mib:,.0f}" if r.bound_mib else "-", share, f"{r.levelled_min:.1f}",
+                    f"{r.rss_slope_mib_h:+.1f}", f"{r.pss_slope_mib_h:+.1f}", f"{r.private_slope_mib_h:+.1f}")
+    out.caption = "MiB; bounds as `halfmoon up` prints them (runtime/memory.py)"
+    return out
+
+
+def markdown(rendered: Table) -> str:
+    """The table as docs/RELIABILITY.md holds it."""
+    headers = [str(c.header) for c in rendered.columns]
+    cells = [[str(c) for c in column.cells] for column in rendered.columns]
+    lines = [f"| {' | '.join(headers)} |", "|---|" + "---:|" * (len(headers) - 1)]
+    lines += [f"| {' | '.join(row)} |" for row in zip(*cells)]
+    return "\n".join([str(rendered.title), "", *lines, ""])
+
+
+def plot(samples: Samples, bounds: dict[str, MemoryReport], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    warm = next((i for i, m in enumerate(samples.minutes) if m >= args.warmup_minutes - 1e-6), 0)
+    fig, (whole, change) = plt.subplots(2, 1, figsize=(10, 10), sharex=True)
+    for i, (name, series) in enumerate(samples.memory.items()):
+        colour, rss = f"C{i % 10}", series["rss"]
+        minutes = samples.minutes[:len(rss)]
+        whole.plot(minutes, rss, color=colour, label=name)
+        if name in bounds:
+            whole.axhline(bounds[name].total / MIB, color=colour, linestyle=":", linewidth=1)
+        if warm < len(rss):  # a flat line after the warm-up is what a process without a leak draws
+            change.plot(minutes[warm:], [v - rss[warm] for v in rss[warm:]], color=colour, label=name)
+    for ax in (whole, change):
+        ax.axvline(args.warmup_minutes, color="grey", linestyle="--", linewidth=1)
+    whole.set_ylabel("RSS (MiB, log); dotted: the process's bound")
+    whole.set_yscale("log")
+    whole.set_title(f"Soak: {args.clients} clients, {samples.requests[-1]} requests; dashed: end of warm-up")
+    whole.legend(fontsize="small", loc="lower right")
+    change.set_ylabel("RSS change since the warm-up (MiB)")
+    change.set_xlabel("minutes under load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--warmup-minutes", type=float, default=2.0)
-    parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between RSS samples")
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--warmup-minutes", type=float, default=15.0, help="long enough to fill the DRAM segment")
+    parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory samples")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--disconnect-every", type=int, default=4, help="drop one stream in this many early")
-    parser.add_argument("--dram-mib", type=int, default=64, help="each transfer node's DRAM tier")
-    parser.add_argument("--nvme-mib", type=int, default=128, help="each transfer node's NVMe tier")
-    parser.add_argument("--model")
+    parser.add_argument("--dram-mib", type=int, help="each transfer node's DRAM tier (default: halfmoon up's)")
+    parser.add_argument("--nvme-mib", type=int, help="each transfer node's NVMe tier (default: halfmoon up's)")
+    parser.add_argument("--model", help="a model directory (default: the tiny random model)")
+    parser.add_argument("--out", default="soak-results", help="folder for soak.json, soak.md and soak.png")
     args = parser.parse_args()
     if args.warmup_minutes >= args.minutes:
         parser.error("--warmup-minutes must be shorter than --minutes")
-    console = Console()
+    console = Console(width=180)  # the table whole, in a log too
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
             from halfmoon.cli.model_tools import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "tiny-llama"))
-        # Small tiers, so the pool is full within the warm-up: from then on its index must stay flat.
-        env = {"HALFMOON_DRAM_BYTES": str(args.dram_mib << 20), "HALFMOON_NVME_BYTES": str(args.nvme_mib << 20)}
+        env = {}
+        if args.dram_mib is not None:
+            env["HALFMOON_DRAM_BYTES"] = str(args.dram_mib * MIB)
+        if args.nvme_mib is not None:
+            env["HALFMOON_NVME_BYTES"] = str(args.nvme_mib * MIB)
         cluster = LocalCluster(model, Path(tmp) / "run", {"prefill": args.prefill, "decode": args.decode},
-                               gateway_port=0, namespace=NAMESPACE, env=env)
+                               gateway_port=0, namespace=NAMESPACE, env=env, supervised=True,
+                               events=lambda line: console.print(f"[yellow]supervisor[/]: {line}"))
         cluster.start(timeout=300)
         try:
+            bounds = cluster.memory_bounds()
             samples = asyncio.run(soak(cluster, args, console))
         finally:
             cluster.stop()
-    console.print(report(samples, args))
+    rows = summarise(samples, bounds, args.warmup_minutes)
+    rendered = table(rows, samples, args)
+    console.print(rendered)
+    (out / "soak.md").write_text(markdown(rendered))
+    (out / "soak.json").write_text(json.dumps({
+        "args": vars(args), "summary": [asdict(r) for r in rows], "samples": asdict(samples),
+        "bounds": {name: {"total": b.total, "parts": b.parts} for name, b in bounds.items()}}, indent=1))
+    plot(samples, bounds, args, out / "soak.png")
+    console.print(f"wrote {out}/soak.md, soak.json and soak.png")
 
 
 if __name__ == "__main__":

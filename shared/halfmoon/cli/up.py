@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import secrets
 import signal
@@ -14,7 +15,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console  # loaded by main, once the command is known
 
+    from halfmoon.deploy.local import LocalCluster
+
 DEFAULT_MODEL = "smollm2"
+MEMORY_CHECK_EVERY_S = 10
 
 
 def served_model(choice: str, console: Console) -> Path:
@@ -78,6 +82,7 @@ def _up(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from halfmoon.deploy.local import LocalCluster
+    from halfmoon.deploy.memory import MIB, process_memory
     from halfmoon.deploy.nats_auth import NatsAuth
     from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
 
@@ -110,27 +115,56 @@ def _up(args: argparse.Namespace) -> int:
     console.print(f"security: {api_line}; {nats_line}")
     if hint := layout_hint(os.cpu_count() or 1, counts):
         console.print(f"[yellow]layout[/]: {hint}")
+    bounds, pids = cluster.memory_bounds(), cluster.pids()
     table = Table(title="instances", show_edge=False)
     table.add_column("instance")
     table.add_column("Prometheus metrics")
     table.add_column("kernels")
+    table.add_column("RSS / bound (MiB)", justify="right")
+    table.add_column("bound made of (MiB)")
     for instance, url in cluster.metrics_urls().items():
         kernels = cluster.kernels.get(instance)
         kernels_cell = Text("") if kernels is None else Text(str(kernels), "yellow" if kernels.kind == "fallback" else "")
-        table.add_row(instance, url, kernels_cell)
+        bound = bounds.get(instance)
+        memory = process_memory(pids[instance]) if instance in pids else None
+        rss = "-" if memory is None else f"{memory.rss / MIB:,.0f}"
+        table.add_row(instance, url, kernels_cell, f"{rss} / {bound.total / MIB:,.0f}" if bound else rss,
+                      bound.describe() if bound else "")
     console.print(table)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    over: set[str] = set()
+    ticks = itertools.count()
     try:
         while not stop.wait(1.0):
             cluster.supervise()
+            if next(ticks) % MEMORY_CHECK_EVERY_S == 0:
+                for line in over_bound(cluster, over):
+                    console.print(f"[red]memory[/]: {line}")
     finally:
         with console.status("stopping (draining in-flight requests)"):
             cluster.stop()
         restarts = {name: rec.restarts for name, rec in cluster.supervision.records.items() if rec.restarts}
         console.print("stopped; nothing left running" + (f" (restarts: {restarts})" if restarts else ""))
     return 0
+
+
+def over_bound(cluster: LocalCluster, reported: set[str]) -> list[str]:
+    """A line for each process whose RSS has gone past its bound, once per run of it (``reported`` keeps
+    those told of): a leak, or a bound that misses a part (docs/RELIABILITY.md)."""
+    from halfmoon.deploy.memory import MIB, process_memory
+
+    lines = []
+    pids = cluster.pids()
+    for instance, bound in cluster.memory_bounds().items():
+        memory = process_memory(pids[instance]) if instance in pids else None
+        key = f"{instance}:{pids.get(instance)}"
+        if memory is not None and memory.rss > bound.total and key not in reported:
+            reported.add(key)
+            lines.append(f"{instance} holds {memory.rss / MIB:,.0f} MiB, past its bound of {bound.total / MIB:,.0f} "
+                         f"MiB ({bound.describe()})")
+    return lines
 
 
 def engine_counts(prefill: int | None, decode: int | None, aggregated: int | None,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import msgspec
 import nats
 from nats.aio.msg import Msg
 
@@ -28,6 +29,7 @@ from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import KernelReport
 from halfmoon.protocol.subjects import Subjects
+from halfmoon.runtime.memory import MemoryReport, deployment_bounds
 
 # The folders that hold the ``halfmoon`` namespace package (``shared/`` and ``services/`` in a checkout,
 # site-packages when installed): children import the same code as the launcher.
@@ -347,6 +349,16 @@ class LocalCluster:
                 return (await http.get(f"{self.url}/ready")).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def memory_bounds(self) -> dict[str, MemoryReport]:
+        """What bounds each serving instance's resident memory: the reports in their ready files, with what
+        the deployment adds (runtime/memory.py). NATS, not ours, has none."""
+        reports = {}
+        for instance_id in self.procs:
+            info = self.read_ready(instance_id)
+            if info is not None and info.get("memory"):
+                reports[instance_id] = msgspec.convert(info["memory"], MemoryReport)
+        return deployment_bounds(reports)
 
     def pids(self) -> dict[str, int]:
         """The live process of every instance, and of NATS when this cluster runs it."""

@@ -23,6 +23,7 @@ from halfmoon.engine.block_pool import BlockStored
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.context import context_limit
 from halfmoon.engine.hooks import LayerHooks
+from halfmoon.engine.host_memory import HostMemory, host_bytes, step_working_bytes
 from halfmoon.engine.interface import NO_KV, PREFILL_DONE, EngineStats, LayerSource, RequestKV, RequestOutput
 from halfmoon.engine.layer_export import LayerExport
 from halfmoon.engine.layer_import import LayerImport, ReadyKV
@@ -96,6 +97,19 @@ class LLMEngine:
     @property
     def fingerprint(self) -> bytes:
         return self.layout.fingerprint
+
+    def host_memory(self) -> HostMemory:
+        hf, config = self.model.config, self.config
+        step = step_working_bytes(
+            max_num_batched_tokens=config.max_num_batched_tokens, prefill_chunk_size=config.prefill_chunk_size,
+            max_num_seqs=config.max_num_seqs, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_heads=hf.num_attention_heads, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            dtype_bytes=config.torch_dtype.itemsize)
+        held = [*self.model.parameters(), *self.model.buffers(), *self.runner.serving_weights()]
+        return HostMemory(weights=host_bytes(held),
+                          kv_cache=host_bytes([self.cache.data]),
+                          step=step if config.torch_device.type == "cpu" else 0,
+                          block_bytes=self.layout.layer_nbytes(config.block_size) * hf.num_hidden_layers)
 
     # ----------------------------------------------------------------- requests
     def _validate(self, request_id: str, tokens: list[int], outputs: list[int], params: SamplingParams) -> None:

@@ -55,6 +55,12 @@ class ModelRunner:
         self.decode_kernel = decode_kernel() if self.device.type == "cpu" else None
         self.layer_ops = layer_ops(self.device)
 
+    def serving_weights(self) -> list[torch.Tensor]:
+        """The weights the serving layers and the head took over from the model (packed where they could be)."""
+        projections = [self.lm_head, *(p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up,
+                                                                             layer.down))]
+        return [tensor for p in projections for tensor in (p.weight, p.bias) if tensor is not None]
+
     def _batch(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         """Token ids, positions, attention layout and the rows whose logits are sampled."""
         size = self.blocks.block_size

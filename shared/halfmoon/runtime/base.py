@@ -31,6 +31,7 @@ from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime import rpc
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.liveness import NatsLiveness
+from halfmoon.runtime.memory import MemoryReport, service_report
 
 C = TypeVar("C", bound=ServiceConfig)
 Req = TypeVar("Req")
@@ -101,6 +102,10 @@ class Service(ABC, Generic[C]):
     def kernels(self) -> KernelReport | None:
         """The CPU kernels an engine instance runs (reported in heartbeats); None for other roles."""
         return None
+
+    def memory_report(self) -> MemoryReport:
+        """What bounds this process's resident memory (its ready file carries it, for `halfmoon up`)."""
+        return service_report(self.role.value)
 
     def load(self) -> Load:
         """Current load figures (heartbeats, metrics scrapes); must be cheap and never block."""

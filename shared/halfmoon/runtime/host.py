@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -123,7 +124,8 @@ class ServiceHost:
         if config.ready_file:
             write_ready_file(config.ready_file, {"instance_id": svc.instance_id, "pid": os.getpid(),
                                                  "metrics_port": self.metrics.port if self.metrics else None,
-                                                 "address": svc.address})
+                                                 "address": svc.address,
+                                                 "memory": msgspec.to_builtins(svc.memory_report())})
         await self.beat()  # register now, not one interval later
         self._beats = asyncio.create_task(self._beat_forever(), name=f"heartbeat-{svc.instance_id}")
         self._watchdog = asyncio.create_task(self._watch_nats(), name=f"nats-watchdog-{svc.instance_id}")

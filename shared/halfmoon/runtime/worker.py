@@ -22,6 +22,7 @@ from halfmoon.engine import native
 from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.host_memory import HostMemory
 from halfmoon.engine.interface import Engine, EngineStats, StepTiming
 from halfmoon.policy.state import SERVING_SLO, RecentSamples
 from halfmoon.protocol import codecs
@@ -32,6 +33,7 @@ from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.data_plane import DataPlaneConfig, OneSidedEndpoints
 from halfmoon.runtime.handoff import KVHandOff
+from halfmoon.runtime.memory import MemoryReport, engine_report
 from halfmoon.runtime.pool_client import PoolClient
 from halfmoon.runtime.replay import ReplayBuffer
 from halfmoon.runtime.transfer_nodes import TransferDirectory
@@ -169,6 +171,7 @@ class EngineWorker(Service[WorkerConfig]):
         self.transfer_nodes = TransferDirectory(config.transfer_instance)
         self.engine: Engine | None = None
         self._kernels: KernelReport | None = None
+        self._memory: HostMemory | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._attempts: dict[str, int] = {}  # the attempt each task in ``_tasks`` serves
         self._streams: dict[str, str] = {}  # the stream subject each task in ``_tasks`` publishes on
@@ -203,6 +206,13 @@ class EngineWorker(Service[WorkerConfig]):
     @abstractmethod
     def accept(self, request: Any) -> Coroutine[Any, Any, None]: ...
 
+    def memory_report(self) -> MemoryReport:
+        memory = self._memory
+        if memory is None:  # not started: no engine yet
+            return super().memory_report()
+        return engine_report(self.role.value, weights_bytes=memory.weights, kv_cache_bytes=memory.kv_cache,
+                             working_bytes=memory.step, block_bytes=memory.block_bytes)
+
     def load(self) -> Load:
         return self.meter.load(self.engine.stats(), len(self._busy), self._accepted) if self.engine else Load()
 
@@ -212,7 +222,8 @@ class EngineWorker(Service[WorkerConfig]):
 
     async def start(self) -> None:
         config = self.config.engine_config()
-        self.engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
+        self.engine = engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
+        self._memory = await engine.call(LLMEngine.host_memory)
         # NOTE: after the engine is built: its kernels are loaded (or not) by then, and report() reads that
         self._kernels = kernels = native.report(config.torch_device.type)
         METRICS.engine_kernels.labels(self.instance_id, kernels.kind, kernels.isa, kernels.reason).set(1)

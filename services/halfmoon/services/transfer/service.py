@@ -15,6 +15,7 @@ from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import require_for, setting
 from halfmoon.runtime.data_plane import DataPlaneConfig, OneSidedEndpoints
+from halfmoon.runtime.memory import MemoryReport, service_report
 from halfmoon.storage.base import TierUnavailable
 from halfmoon.storage.dram import ShmTier
 from halfmoon.storage.node import NodeStore
@@ -83,6 +84,12 @@ class TransferService(Service[TransferConfig]):
 
     def load(self) -> Load:
         return Load()
+
+    def memory_report(self) -> MemoryReport:
+        """Its DRAM segment is resident once written; the NVMe tier is files (page cache, not RSS)."""
+        cfg = self.config
+        return service_report(self.role.value, {"DRAM segment": cfg.dram_bytes}, segment_bytes=cfg.dram_bytes,
+                              pool_bytes=cfg.dram_bytes + (cfg.nvme_bytes if cfg.nvme_dir else 0))
 
     async def start(self) -> None:
         cfg = self.config
