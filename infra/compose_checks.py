@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.parse
 
 from compose_engine import DOCKER, Failed, log, poll, run
 from compose_stack import Stack, http_json, stream_text
@@ -103,7 +104,24 @@ def check_metrics(stack: Stack) -> str:
         ok = all(seen.get(job, []).count("up") == n and len(seen.get(job, [])) == n for job, n in SCRAPED.items())
         return f"{sum(SCRAPED.values())} targets up ({', '.join(f'{j} {n}' for j, n in SCRAPED.items())})" if ok else ""
 
-    return poll("Prometheus to list every replica as up", all_up, 180, interval=2)
+    up = poll("Prometheus to list every replica as up", all_up, 180, interval=2)
+    return f"{up}; {check_kernels(stack)}"
+
+
+def check_kernels(stack: Stack) -> str:
+    """Every engine replica runs the C kernels the image prebuilt, not PyTorch's fallback."""
+    engines = SCRAPED["prefill"] + SCRAPED["decode"]
+
+    def reported() -> list[dict]:
+        query = urllib.parse.quote('halfmoon_engine_kernels == 1')
+        found = http_json("GET", f"{stack.prometheus}/api/v1/query?query={query}")[0]["data"]["result"]
+        return found if len(found) == engines else []
+
+    kinds = [(r["metric"].get("job"), r["metric"].get("kind"), r["metric"].get("isa"), r["metric"].get("reason"))
+             for r in poll("every engine's kernels report in Prometheus", reported, 120, interval=2)]
+    if any(kind != "native" for _, kind, _, _ in kinds):
+        raise Failed(f"an engine runs without the prebuilt kernels: {kinds}")
+    return f"kernels native on {engines} engines ({', '.join(sorted({isa for _, _, isa, _ in kinds}))})"
 
 
 def check_trace(stack: Stack, facts: dict) -> str:
