@@ -41,6 +41,25 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    """SmolLM2-135M: a real model's peaked logits keep greedy text stable under kernel rounding (a random
+    tiny model's near-ties flip with the order of a sum, so vLLM's own prefix cache changes its text)."""
+    from halfmoon.cli.model_tools import cached_model, model_cache
+
+    try:
+        return cached_model("smollm2", model_cache())
+    except FileNotFoundError as exc:
+        pytest.skip(f"no SmolLM2: {exc}")
+
+
+def model_layout(model_dir: Path) -> BlockLayout:
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return BlockLayout(model_fingerprint(model_dir, torch.float32), torch.float32, config["num_hidden_layers"],
+                       config["num_key_value_heads"], head_dim)
+
+
 def tokens(count: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 2000) for _ in range(count)]
@@ -91,6 +110,7 @@ def start_vllm(model: Path, cluster: LocalCluster, log: Path) -> VllmServer:
     env = service_env(HALFMOON_NATS_URL=cluster.nats_url or "", HALFMOON_NAMESPACE=cluster.namespace,
                       HALFMOON_CLUSTER_SECRET=cluster.cluster_secret, **cluster.nats_auth.env(KV_CLIENT),
                       VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
@@ -101,19 +121,19 @@ def start_vllm(model: Path, cluster: LocalCluster, log: Path) -> VllmServer:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Halfmoon with its own engine (aggregated) and its pool, which the vLLM servers join."""
-    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-vllm"),
+    cluster = start_cluster(model_dir, tmp_path_factory.mktemp("run-vllm"),
                             env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=0, decode=0, aggregated=1)
     yield cluster
     cluster.stop()
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, cluster: LocalCluster,
+def servers(model_dir: Path, cluster: LocalCluster,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     logs = tmp_path_factory.mktemp("vllm-logs")
-    started = [start_vllm(tiny_model_dir, cluster, logs / f"vllm-{name}.log") for name in ("a", "b")]
+    started = [start_vllm(model_dir, cluster, logs / f"vllm-{name}.log") for name in ("a", "b")]
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in started:
@@ -132,12 +152,12 @@ def pool_hits(server: VllmServer) -> list[str]:
     return [line for line in server.log.read_text().splitlines() if "HalfmoonConnector: pool hit" in line]
 
 
-def test_a_prefix_one_vllm_server_computed_is_loaded_by_another(servers, tiny_model_dir: Path) -> None:
+def test_a_prefix_one_vllm_server_computed_is_loaded_by_another(servers, model_dir: Path) -> None:
     a, b = servers
     prompt = tokens(150, seed=1)
-    first = a.complete(tiny_model_dir, prompt)
+    first = a.complete(model_dir, prompt)
     assert cached(first) == 0
-    second = b.complete(tiny_model_dir, prompt)
+    second = b.complete(model_dir, prompt)
     full = (len(prompt) - 1) // BLOCK * BLOCK  # vLLM computes the last prompt token itself
     assert cached(second) == full
     assert any(f"pool hit of {full} prompt tokens" in line for line in pool_hits(b))
@@ -154,18 +174,17 @@ def hf_kv(model_dir: Path, prompt: list[int]) -> torch.Tensor:
 
 
 def test_blocks_vllm_stores_are_halfmoon_blocks_of_the_prompt(servers, cluster: LocalCluster,
-                                                             tiny_model_dir: Path) -> None:
+                                                             model_dir: Path) -> None:
     """Same keys, same layout (layer-major, K then V, tokens, heads, dim), the same KV up to kernel rounding."""
     a, _ = servers
     prompt = tokens(80, seed=2)
-    a.complete(tiny_model_dir, prompt)
-    fingerprint = model_fingerprint(tiny_model_dir, torch.float32).hex()
-    keys = BlockHasher(BLOCK, Namespace(fingerprint)).keys(prompt)
+    a.complete(model_dir, prompt)
+    layout = model_layout(model_dir)
+    keys = BlockHasher(BLOCK, Namespace(layout.fingerprint.hex())).keys(prompt)
     assert cluster.nats_auth is not None
     config = session_config({"nats_url": cluster.nats_url, "namespace": cluster.namespace,
                              "cluster_secret": cluster.cluster_secret, "nats_user": KV_CLIENT,
                              "nats_password": cluster.nats_auth.passwords[KV_CLIENT]}, env={})
-    layout = BlockLayout(bytes.fromhex(fingerprint), torch.float32, 4, 4, 32)
     session = PoolSession(config, layout, "test")
     try:
         fetched = session.run(session.pool.fetch_prefix(keys), 60)
@@ -173,25 +192,25 @@ def test_blocks_vllm_stores_are_halfmoon_blocks_of_the_prompt(servers, cluster: 
     finally:
         session.close()
     assert len(fetched.payloads) == len(keys) == 80 // BLOCK
-    expected = hf_kv(tiny_model_dir, prompt)
+    expected = hf_kv(model_dir, prompt)
     for n, payload in enumerate(fetched.payloads):
         body = decode_block(layout, payload)
-        torch.testing.assert_close(body, expected[:, :, n * BLOCK:(n + 1) * BLOCK], atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(body, expected[:, :, n * BLOCK:(n + 1) * BLOCK], atol=2e-2, rtol=2e-2)
 
 
-def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalCluster, tiny_model_dir: Path) -> None:
+def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalCluster, model_dir: Path) -> None:
     a, b = servers
     # Halfmoon's engine computes it, vLLM loads it
     prompt = tokens(120, seed=3)
     body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     ours = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=300)
     assert ours.status_code == 200, ours.text
-    theirs = b.complete(tiny_model_dir, prompt)
+    theirs = b.complete(model_dir, prompt)
     assert cached(theirs) == (len(prompt) - 1) // BLOCK * BLOCK
     assert theirs["choices"][0]["text"] == ours.json()["choices"][0]["text"]
     # vLLM computes it, Halfmoon's engine loads it
     prompt = tokens(120, seed=4)
-    theirs = a.complete(tiny_model_dir, prompt)
+    theirs = a.complete(model_dir, prompt)
     body["prompt"] = prompt
     ours = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=300)
     assert ours.status_code == 200, ours.text
