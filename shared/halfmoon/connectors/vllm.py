@@ -9,7 +9,8 @@ Run a pool (``halfmoon up --pool-only``) and start vLLM with::
 The connection settings are the services' own (HALFMOON_NATS_URL, HALFMOON_NAMESPACE,
 HALFMOON_NATS_USER/PASSWORD as the ``kv-client`` user, HALFMOON_CLUSTER_SECRET[_FILE], TLS), each of which
 ``kv_connector_extra_config`` may override under the field's name; ``block_size`` (default 16, Halfmoon's)
-and ``cache_salt`` (the tenant's salt, when a request brings none of its own) are the pool's.
+and ``cache_salt`` (the salt of the tenant this server serves, as Halfmoon's gateway derives it; a request's
+own ``cache_salt`` narrows within it, as at the gateway) are the pool's.
 
 One pool, one format: blocks are keyed by Halfmoon's chained keys (model fingerprint of the same model
 directory and dtype, block size, tenant salt) and laid out as Halfmoon's engine lays them out
@@ -45,6 +46,7 @@ from halfmoon.connectors.pool_session import CONNECTION_FIELDS, PoolSession, ses
 from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
 from halfmoon.core.keys import BlockHasher, Namespace
 from halfmoon.core.kv_spec import KVSpec, describe
+from halfmoon.core.tenants import within_tenant
 from halfmoon.engine.loader import model_fingerprint
 from halfmoon.protocol.cache import LookupResult
 from halfmoon.protocol.work import BlockLocation
@@ -87,6 +89,39 @@ def slots(block_ids: list[int], block_size: int, start: int, end: int) -> tuple[
     """(vLLM block, offset in it) of each token position in ``[start, end)`` of a request."""
     positions = torch.arange(start, end)
     return torch.tensor(block_ids, dtype=torch.long)[positions // block_size], positions % block_size
+
+
+def cache_write_layout(dtype: torch.dtype, num_kv_heads: int, block_size: int, head_dim: int) -> torch.Tensor:
+    """``[2, block size, kv heads, head dim]``: where in a vLLM CPU cache block (flattened) its cache-write
+    kernel puts K and V of each (token offset, head, dim). The block interior depends on the kernel's ISA
+    (the ``vec`` kernels keep each head's K transposed, dim-major, and its V token-major), so it is
+    learned from the kernel itself, which writes each coordinate as a value, rather than assumed."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+    shape = (block_size, num_kv_heads, head_dim)
+    offsets = torch.full((2, *shape), -1, dtype=torch.long)
+    for part in (0, 1):  # K, V
+        coordinates = []
+        for grid in torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij"):
+            code = grid.to(dtype)
+            if not torch.equal(code.to(torch.long), grid):
+                raise ValueError(f"HalfmoonConnector: {dtype} cannot hold the coordinates that probe vLLM's "
+                                 f"{isa} KV layout")
+            cache = torch.full((1, num_kv_heads, block_size, 2 * head_dim), -1.0, dtype=dtype)
+            key_cache, value_cache = cache.view(1, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+            other = torch.full(shape, -2.0, dtype=dtype)  # the part not probed: told apart from the probed one
+            key, value = (code, other) if part == 0 else (other, code)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size), isa)
+            coordinates.append(cache.flatten().to(torch.long))
+        where = (coordinates[0] >= 0).nonzero().flatten()
+        token, head, dim = (c[where] for c in coordinates)
+        offsets[part, token, head, dim] = where
+    if (offsets < 0).any() or offsets.unique().numel() != offsets.numel():
+        raise ValueError(f"HalfmoonConnector: vLLM's {isa} cache-write kernel does not put each K and V element "
+                         "of a block in a place of its own; this connector cannot map its blocks")
+    return offsets
 
 
 @dataclass
@@ -172,7 +207,8 @@ class HalfmoonConnector(KVConnectorBase_V1):
         self._hits: dict[str, _Hit] = {}
         self._loading: dict[str, _Hit] = {}
         # worker side
-        self._layers: list[torch.Tensor] = []  # per layer: [blocks, kv heads, 2, block size, head dim]
+        self._layers: list[torch.Tensor] = []  # per layer: [blocks, elements of a block]
+        self._offsets = torch.empty(0, dtype=torch.long)  # cache_write_layout's
         self._layer_index: dict[str, int] = {}
         self._reading: list[_Reading] = []
         self._saving: list[tuple[SaveSpec, list[bytearray], list[torch.Tensor]]] = []
@@ -181,7 +217,9 @@ class HalfmoonConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def _hasher(self, request: Request) -> BlockHasher:
-        salt = getattr(request, "cache_salt", None) or self.cache_salt
+        salt = getattr(request, "cache_salt", None)
+        if self.cache_salt is not None:
+            salt = within_tenant(self.cache_salt, salt)
         return BlockHasher(self.block_size, Namespace(self.spec.model_fingerprint, salt))
 
     def _prompt(self, request: Request) -> _Prompt:
@@ -280,14 +318,15 @@ class HalfmoonConnector(KVConnectorBase_V1):
                              f"the model has {spec.num_layers}")
         for index, name in by_index:
             cache = kv_caches[name]
-            # NOTE: vLLM's CPU attention: [blocks, kv heads, block size, 2 * head dim], each head's K rows then V rows
+            # NOTE: vLLM's CPU attention: [blocks, kv heads, block size, 2 * head dim]; inside a block, its own layout
             expected = (spec.num_kv_heads, self.vllm_block_size, 2 * spec.head_dim)
             if cache.dim() != 4 or tuple(cache.shape[1:]) != expected or cache.dtype != self.layout.dtype:
                 raise ValueError(f"HalfmoonConnector: layer {name}'s KV cache is {tuple(cache.shape)} "
                                  f"{cache.dtype}; this connector knows vLLM's CPU layout [blocks, {expected[0]}, "
                                  f"{expected[1]}, {expected[2]}] {self.layout.dtype}")
-            self._layers.append(cache.view(cache.shape[0], spec.num_kv_heads, 2, self.vllm_block_size, spec.head_dim))
+            self._layers.append(cache.view(cache.shape[0], -1))
             self._layer_index[name] = index
+        self._offsets = cache_write_layout(self.layout.dtype, spec.num_kv_heads, self.vllm_block_size, spec.head_dim)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -337,9 +376,8 @@ class HalfmoonConnector(KVConnectorBase_V1):
                 lo, hi = max(spec.start, block_start), min(reading.end, block_start + self.block_size)
                 if lo >= hi:
                     continue
-                blocks, offsets = slots(spec.block_ids, self.vllm_block_size, lo, hi)
-                # [2, tokens, heads, dim] -> vLLM's [tokens, heads, 2, dim]
-                cache[blocks, :, :, offsets, :] = body[layer, :, lo - block_start:hi - block_start].permute(1, 2, 0, 3)
+                blocks, places = self._places(spec.block_ids, lo, hi)
+                cache[blocks, places] = body[layer, :, lo - block_start:hi - block_start]
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         layer = self._layer_index.get(layer_name)
@@ -355,10 +393,17 @@ class HalfmoonConnector(KVConnectorBase_V1):
         size = self.block_size
         for save, _payloads, bodies in self._saving:
             start = save.first_block * size
-            blocks, offsets = slots(save.block_ids, self.vllm_block_size, start, start + len(save.keys) * size)
-            kv = cache[blocks, :, :, offsets, :]  # [tokens, heads, 2, dim]
+            blocks, places = self._places(save.block_ids, start, start + len(save.keys) * size)
+            kv = cache[blocks, places]  # [2, tokens, heads, dim]
             for n, body in enumerate(bodies):
-                body[layer].copy_(kv[n * size:(n + 1) * size].permute(2, 0, 1, 3))
+                body[layer].copy_(kv[:, n * size:(n + 1) * size])
+
+    def _places(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into a layer's flat cache of K and V of tokens ``[start, end)``: ``[2, tokens, heads, dim]``
+        each, as Halfmoon's block bodies hold them."""
+        blocks, offsets = slots(block_ids, self.vllm_block_size, start, end)
+        places = self._offsets[:, offsets]
+        return blocks[None, :, None, None].expand_as(places), places
 
     def _blank(self, save: SaveSpec) -> tuple[SaveSpec, list[bytearray], list[torch.Tensor]]:
         payloads = [blank_block(self.layout, self.block_size) for _ in save.keys]
