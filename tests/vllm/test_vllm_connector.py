@@ -87,9 +87,9 @@ class VllmServer:
             time.sleep(1.0)
         raise TimeoutError(f"vLLM not healthy within {START_TIMEOUT_S}s:\n{self.log.read_text()[-6000:]}")
 
-    def complete(self, model: Path, prompt: list[int]) -> dict:
+    def complete(self, model: Path, prompt: list[int], **fields: str) -> dict:
         body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0,
-                "return_tokens_as_token_ids": True}
+                "return_tokens_as_token_ids": True, **fields}
         reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
         assert reply.status_code == 200, reply.text
         return reply.json()
@@ -157,10 +157,11 @@ def pool_hits(server: VllmServer) -> list[str]:
     return [line for line in server.log.read_text().splitlines() if "HalfmoonConnector: pool hit" in line]
 
 
-def complete_logging_hits(server: VllmServer, model: Path, prompt: list[int]) -> tuple[dict, list[str]]:
+def complete_logging_hits(server: VllmServer, model: Path, prompt: list[int],
+                          **fields: str) -> tuple[dict, list[str]]:
     """The reply, and the connector's pool hits that the request logged (the requests here run one at a time)."""
     before = len(pool_hits(server))
-    reply = server.complete(model, prompt)
+    reply = server.complete(model, prompt, **fields)
     return reply, pool_hits(server)[before:]
 
 
@@ -267,6 +268,18 @@ def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalClus
     a.complete(model_dir, prompt)
     assert_blocks_are_the_prompts_kv(pool_blocks(cluster, model_dir, prompt), model_dir, prompt)
     assert cached(halfmoon_complete(cluster, prompt)) >= len(prompt) // BLOCK * BLOCK - BLOCK
+
+
+def test_a_requests_own_salt_narrows_within_the_servers_tenant(servers, model_dir: Path) -> None:
+    """As at Halfmoon's gateway: a request's cache_salt keys blocks under ``{tenant salt}/{its salt}``, so
+    it neither reaches the tenant's blocks nor names another tenant's salt, and shares with its own salt."""
+    a, b = servers
+    prompt = tokens(100, seed=6)
+    a.complete(model_dir, prompt)
+    salted, hits = complete_logging_hits(b, model_dir, prompt, cache_salt="mine")
+    assert cached(salted) == 0 and hits == []
+    again, hits = complete_logging_hits(a, model_dir, prompt, cache_salt="mine")
+    assert cached(again) == usable(prompt) and len(hits) == 1 and "(vLLM had 0)" in hits[0]
 
 
 def test_a_corrupt_pool_block_is_recomputed_not_served(servers, cluster: LocalCluster, model_dir: Path) -> None:
