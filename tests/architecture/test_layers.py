@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("halfmoon.kv",),
     ("halfmoon.transfer",),
     ("halfmoon.runtime",),
-    ("halfmoon.sim", "halfmoon.deploy", "halfmoon.cli"),
+    ("halfmoon.sim", "halfmoon.deploy", "halfmoon.cli", "halfmoon.connectors"),
     ("halfmoon.services",),
 )
 SOURCE_ROOTS = (REPO_ROOT / "shared", REPO_ROOT / "services")

@@ -83,7 +83,7 @@ def _up(args: argparse.Namespace) -> int:
 
     from halfmoon.deploy.local import LocalCluster
     from halfmoon.deploy.memory import MIB, process_memory
-    from halfmoon.deploy.nats_auth import NatsAuth
+    from halfmoon.deploy.nats_auth import NatsAuth, write_private
     from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy
 
     console = Console()
@@ -91,9 +91,13 @@ def _up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     security, api_line = gateway_security(args, run_dir)
     env = {**user_settings(os.environ), **security}
-    model = served_model(args.model, console)
-    counts = engine_counts(args.prefill, args.decode, args.aggregated, os.cpu_count() or 1)
-    counts.update(transfer=args.transfer, conductor=args.conductors, **{"cache-manager": args.cache_managers})
+    # the pool serves no model: any directory will do for the services' shared settings
+    model = run_dir if args.pool_only else served_model(args.model, console)
+    counts = (POOL_ONLY.copy() if args.pool_only else
+              engine_counts(args.prefill, args.decode, args.aggregated, os.cpu_count() or 1))
+    counts.update(transfer=args.transfer, **{"cache-manager": args.cache_managers})
+    if not args.pool_only:
+        counts["conductor"] = args.conductors
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
                            gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
@@ -106,14 +110,21 @@ def _up(args: argparse.Namespace) -> int:
     except CrashLoop as exc:
         console.print(f"[red]{exc}[/]\nstopped everything; logs in {cluster.run_dir}/logs")
         return 1
-    console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
-                  f"[bold]{model.name}[/] ({shape(counts)}); logs in {cluster.run_dir}/logs, "
-                  f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). A process that exits is "
-                  f"restarted; Ctrl-C stops everything.")
+    if args.pool_only:
+        write_private(cluster.run_dir / "cluster-secret", cluster.cluster_secret)
+        console.print(f"[bold green]Halfmoon's KV pool is up[/] ({counts['cache-manager']} cache-manager, "
+                      f"{counts['transfer']} transfer): NATS at [bold]{cluster.nats_url}[/], namespace "
+                      f"{args.namespace}, cluster secret in {cluster.run_dir}/cluster-secret; engines join it with "
+                      f"the kv-client credentials (docs/VLLM.md). Ctrl-C stops everything.")
+    else:
+        console.print(f"[bold green]Halfmoon is up[/]: OpenAI API at [bold]{cluster.url}/v1[/] serving "
+                      f"[bold]{model.name}[/] ({shape(counts)}); logs in {cluster.run_dir}/logs, "
+                      f"spans in {cluster.trace_file} (read one with `halfmoon trace REQUEST_ID`). A process that "
+                      f"exits is restarted; Ctrl-C stops everything.")
     nats_line = (f"each service has its own NATS user ({cluster.run_dir}/nats-credentials.json, 0600)"
                  if cluster.nats_auth is not None else "[yellow]NATS without credentials[/] (--nats-credentials FILE)")
     console.print(f"security: {api_line}; {nats_line}")
-    if hint := layout_hint(os.cpu_count() or 1, counts):
+    if not args.pool_only and (hint := layout_hint(os.cpu_count() or 1, counts)):
         console.print(f"[yellow]layout[/]: {hint}")
     bounds, pids = cluster.memory_bounds(), cluster.pids()
     table = Table(title="instances", show_edge=False)
@@ -165,6 +176,11 @@ def over_bound(cluster: LocalCluster, reported: set[str]) -> list[str]:
             lines.append(f"{instance} holds {memory.rss / MIB:,.0f} MiB, past its bound of {bound.total / MIB:,.0f} "
                          f"MiB ({bound.describe()})")
     return lines
+
+
+# ``--pool-only``: what an engine outside Halfmoon (vLLM with connectors/vllm.py) needs of it: NATS, the
+# cache-manager and the transfer nodes; no gateway, conductor or engine
+POOL_ONLY = {"gateway": 0, "conductor": 0, "prefill": 0, "decode": 0, "aggregated": 0}
 
 
 def engine_counts(prefill: int | None, decode: int | None, aggregated: int | None,
@@ -221,6 +237,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--aggregated", type=int,
                     help="aggregated instances: each prefills and decodes its requests itself (no hand-off); "
                          "asked for no layout, a machine with fewer than 4 cores gets 1 and no prefill or decode")
+    up.add_argument("--pool-only", action="store_true",
+                    help="only the KV pool (NATS, cache-manager, transfer nodes), for engines that bring their own "
+                         "server, such as vLLM with Halfmoon's KV connector (docs/VLLM.md)")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
     up.add_argument("--conductors", type=int, default=1, help="conductors (2: a hot standby shares the placements)")
     up.add_argument("--cache-managers", type=int, default=1,

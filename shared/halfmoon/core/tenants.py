@@ -119,8 +119,13 @@ class TenantSalts:
 
     def salt(self, tenant: str, request_salt: str | None) -> str:
         base = hmac.new(self._secret, b"halfmoon-tenant/1\x00" + tenant.encode(), hashlib.sha256).hexdigest()
-        # A request's own salt narrows within its tenant; it can never reach another tenant's base.
-        return base if request_salt is None else f"{base}/{request_salt}"
+        return within_tenant(base, request_salt)
+
+
+def within_tenant(tenant_salt: str, request_salt: str | None) -> str:
+    """A request's cache salt under its tenant's: a request's own salt narrows within its tenant; it can
+    never reach another tenant's salt."""
+    return tenant_salt if request_salt is None else f"{tenant_salt}/{request_salt}"
 
 
 def is_loopback(host: str) -> bool:

@@ -131,7 +131,8 @@ class LocalCluster:
 
     def metrics_urls(self) -> dict[str, str]:
         urls = {iid: f"http://127.0.0.1:{port}/metrics" for iid, port in self.metrics_ports.items()}
-        return {"gateway-0": f"{self.url}/metrics", **urls} if self.metrics else {}
+        gateway = {"gateway-0": f"{self.url}/metrics"} if "gateway-0" in self.specs else {}
+        return {**gateway, **urls} if self.metrics else {}
 
     @property
     def trace_file(self) -> Path:

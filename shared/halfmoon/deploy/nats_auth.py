@@ -13,11 +13,11 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from halfmoon.protocol.permissions import ADMIN, inbox_prefix, role_permissions
+from halfmoon.protocol.permissions import ADMIN, KV_CLIENT, inbox_prefix, role_permissions
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.subjects import Subjects
 
-ROLES: tuple[str, ...] = (*(r.value for r in Role), ADMIN)
+ROLES: tuple[str, ...] = (*(r.value for r in Role), KV_CLIENT, ADMIN)
 
 
 def write_private(path: Path, text: str) -> Path:

@@ -16,6 +16,9 @@ from halfmoon.protocol.registry import Role
 from halfmoon.protocol.subjects import CACHE_OPERATIONS, Subjects
 
 ADMIN = "admin"  # the operator: the launcher's readiness watch, taps and tests; everything
+# An engine outside Halfmoon's services that uses the pool (vLLM with connectors/vllm.py): the pool
+# protocol and its replies, nothing else (no heartbeats, no work, no streams)
+KV_CLIENT = "kv-client"
 
 
 class Permissions(NamedTuple):
@@ -48,14 +51,16 @@ def _jetstream_kv(bucket: str) -> tuple[str, ...]:
 
 
 def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
-    """The allow-lists of one role (``Role`` or ``ADMIN``)."""
+    """The allow-lists of one role (``Role``, ``ADMIN`` or ``KV_CLIENT``)."""
     if role == ADMIN:
         return Permissions(publish=(">",), subscribe=(">",), responds=True)
-    role = Role(role)
     s = subjects
+    pool = tuple(s.cache(op) for op in ("lookup", "release", "remove", "corrupt", "put_start", "put_end"))
+    if role == KV_CLIENT:
+        return Permissions(publish=pool, subscribe=(f"{inbox_prefix(KV_CLIENT)}.>",), responds=False)
+    role = Role(role)
     own = (s.heartbeat_from(role.value), s.down_from(role.value))
     inbox = (f"{inbox_prefix(role.value)}.>",)
-    pool = tuple(s.cache(op) for op in ("lookup", "release", "remove", "corrupt", "put_start", "put_end"))
     engine_listens = (s.heartbeat, s.down, s.cancel, s.resume_any)  # transfer nodes' whereabouts; cancellations
     if role is Role.GATEWAY:
         return Permissions(publish=(*own, s.schedule, s.prefill_submit_any, s.cancel, s.resume_any,

@@ -10,18 +10,19 @@ granted for that block (its answers' ``BlockLocation.capability``).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from halfmoon.core.block_format import BlockLayout, Sealer, Verifier
 from halfmoon.core.tiers import Tier
 from halfmoon.protocol import codecs
-from halfmoon.protocol.base import ProtocolError, RemoteError
+from halfmoon.protocol.base import Codec, ErrorReply, Message, ProtocolError, RemoteError
 from halfmoon.protocol.cache import CorruptBlocks, Lookup, LookupResult, PutEnd, PutPlan, PutStart, Release
 from halfmoon.protocol.pool import RemoveRequest
+from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import BlockLocation
-from halfmoon.runtime.base import Service
 from halfmoon.storage.allocator import Extent
 from halfmoon.storage.base import Buffer, StorageError
 from halfmoon.transfer.client import TransferClient
@@ -33,6 +34,18 @@ if TYPE_CHECKING:  # NOTE: only workers hold engines; the pool protocol itself n
 
 CACHE_TIMEOUT_S = 2.0
 FAILURES = (RemoteError, ProtocolError, TransferError, StorageError, OSError)
+Rep = TypeVar("Rep")
+
+
+class PoolPeer(Protocol):
+    """Who talks to the cache-manager: a service, or a KV connector inside another engine (connectors/)."""
+
+    instance_id: str
+    log: logging.Logger
+    subjects: Subjects
+
+    async def request(self, subject: str, message: Message, reply_codec: Codec[Rep | ErrorReply],
+                      timeout: float) -> Rep: ...
 
 
 class Fetched(NamedTuple):
@@ -52,7 +65,7 @@ def planned_key(placement: BlockLocation) -> bytes:
 
 
 class PoolClient:
-    def __init__(self, service: Service, transfer: TransferClient, layout: BlockLayout) -> None:
+    def __init__(self, service: PoolPeer, transfer: TransferClient, layout: BlockLayout) -> None:
         self.service = service
         self.transfer = transfer
         self.layout = layout

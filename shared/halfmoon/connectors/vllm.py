@@ -1,0 +1,425 @@
+"""Halfmoon's KV pool behind vLLM's v1 KV connector interface: any vLLM server shares the pool's blocks.
+
+Run a pool (``halfmoon up --pool-only``) and start vLLM with::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --kv-transfer-config '{"kv_connector":
+      "HalfmoonConnector", "kv_connector_module_path": "halfmoon.connectors.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"nats_url": "nats://..."}}'
+
+The connection settings are the services' own (HALFMOON_NATS_URL, HALFMOON_NAMESPACE,
+HALFMOON_NATS_USER/PASSWORD as the ``kv-client`` user, HALFMOON_CLUSTER_SECRET[_FILE], TLS), each of which
+``kv_connector_extra_config`` may override under the field's name; ``block_size`` (default 16, Halfmoon's)
+and ``cache_salt`` (the salt of the tenant this server serves, as Halfmoon's gateway derives it; a request's
+own ``cache_salt`` narrows within it, as at the gateway) are the pool's.
+
+One pool, one format: blocks are keyed by Halfmoon's chained keys (model fingerprint of the same model
+directory and dtype, block size, tenant salt) and laid out as Halfmoon's engine lays them out
+(core/block_format.py), so a prefix either engine stored is a prefix the other loads. vLLM's own block
+size need not match the pool's: blocks move by token position.
+
+Scheduler side: ``get_num_new_matched_tokens`` looks the prompt's full blocks up (leased until the request
+finishes) and says how many tokens the pool holds beyond vLLM's own cache. Worker side: the blocks are read
+(every layer's MAC verified) once the step starts, and each layer is copied into vLLM's paged cache just
+before that layer's attention; a block that is missing or fails its MAC is reported through
+``get_block_ids_with_load_errors``, and vLLM recomputes from there (``kv_load_failure_policy: recompute``).
+Every prompt block that a step completes is copied out layer by layer as each layer finishes and stored
+(put_start, the bytes, put_end) before the step ends, so vLLM's blocks are never held after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from halfmoon.connectors.pool_session import CONNECTION_FIELDS, PoolSession, session_config
+from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
+from halfmoon.core.keys import BlockHasher, Namespace
+from halfmoon.core.kv_spec import KVSpec, describe
+from halfmoon.core.tenants import within_tenant
+from halfmoon.engine.loader import model_fingerprint
+from halfmoon.protocol.cache import LookupResult
+from halfmoon.protocol.work import BlockLocation
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+DEFAULT_BLOCK_SIZE = 16  # Halfmoon's engine's default (engine/config.py): the pool's blocks are shared with it
+POOL_FIELDS = frozenset({"block_size", "cache_salt"})
+POOL_TIMEOUT_S = 30.0
+log = logging.getLogger("vllm.halfmoon")  # under vLLM's logger, so its handlers print it
+
+
+def kv_spec_of(vllm_config: VllmConfig, block_size: int) -> KVSpec:
+    """What vLLM's KV means in Halfmoon's terms; refuses what the pool's format cannot carry."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("HalfmoonConnector: tensor and pipeline parallelism are not supported yet (each worker "
+                         "would hold a slice of the heads or layers of every block)")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError(f"HalfmoonConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not a "
+                         "Halfmoon block format; use the model's dtype (--kv-cache-dtype auto)")
+    if model.use_mla:
+        raise ValueError("HalfmoonConnector: MLA caches are not Halfmoon blocks (K and V per head)")
+    directory = Path(model.model)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"HalfmoonConnector: the model fingerprint needs a local model directory, got {model.model!r}")
+    dtype: torch.dtype = model.dtype
+    return KVSpec(model_fingerprint=model_fingerprint(directory, dtype).hex(), block_size=block_size,
+                  dtype=str(dtype).removeprefix("torch."), num_layers=model.get_num_layers(parallel),
+                  num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size())
+
+
+def slots(block_ids: list[int], block_size: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vLLM block, offset in it) of each token position in ``[start, end)`` of a request."""
+    positions = torch.arange(start, end)
+    return torch.tensor(block_ids, dtype=torch.long)[positions // block_size], positions % block_size
+
+
+def cache_write_layout(dtype: torch.dtype, num_kv_heads: int, block_size: int, head_dim: int) -> torch.Tensor:
+    """``[2, block size, kv heads, head dim]``: where in a vLLM CPU cache block (flattened) its cache-write
+    kernel puts K and V of each (token offset, head, dim). The block interior depends on the kernel's ISA
+    (the ``vec`` kernels keep each head's K transposed, dim-major, and its V token-major), so it is
+    learned from the kernel itself, which writes each coordinate as a value, rather than assumed."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+    shape = (block_size, num_kv_heads, head_dim)
+    offsets = torch.full((2, *shape), -1, dtype=torch.long)
+    for part in (0, 1):  # K, V
+        coordinates = []
+        for grid in torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij"):
+            code = grid.to(dtype)
+            if not torch.equal(code.to(torch.long), grid):
+                raise ValueError(f"HalfmoonConnector: {dtype} cannot hold the coordinates that probe vLLM's "
+                                 f"{isa} KV layout")
+            cache = torch.full((1, num_kv_heads, block_size, 2 * head_dim), -1.0, dtype=dtype)
+            key_cache, value_cache = cache.view(1, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+            other = torch.full(shape, -2.0, dtype=dtype)  # the part not probed: told apart from the probed one
+            key, value = (code, other) if part == 0 else (other, code)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size), isa)
+            coordinates.append(cache.flatten().to(torch.long))
+        where = (coordinates[0] >= 0).nonzero().flatten()
+        token, head, dim = (c[where] for c in coordinates)
+        offsets[part, token, head, dim] = where
+    if (offsets < 0).any() or offsets.unique().numel() != offsets.numel():
+        raise ValueError(f"HalfmoonConnector: vLLM's {isa} cache-write kernel does not put each K and V element "
+                         "of a block in a place of its own; this connector cannot map its blocks")
+    return offsets
+
+
+@dataclass
+class LoadSpec:
+    """Tokens ``[start, end)`` of a request come from the pool blocks ``replicas`` (the first is block
+    ``first_block`` of the prompt) into the request's vLLM blocks ``block_ids``."""
+
+    request_id: str
+    block_ids: list[int]
+    start: int
+    end: int
+    first_block: int
+    replicas: list[BlockLocation]
+
+
+@dataclass
+class SaveSpec:
+    """Prompt blocks ``first_block ..`` (keys ``keys``) were completed by this step: store them."""
+
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+    keys: list[bytes]
+
+
+@dataclass
+class HalfmoonConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Prompt:
+    """A scheduled request's prompt as the pool knows it."""
+
+    keys: list[bytes]  # every full block of the prompt
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # prompt blocks before this one need no store (computed by an earlier step, or loaded)
+
+
+@dataclass
+class _Hit:
+    found: LookupResult
+    start: int  # tokens vLLM had itself when it asked
+    end: int
+
+
+@dataclass
+class _Reading:
+    spec: LoadSpec
+    future: concurrent.futures.Future[list[memoryview | None]]
+    bodies: list[torch.Tensor] | None = None  # [layers, 2, tokens, heads, dim] of each usable block
+    end: int = 0  # tokens up to here are usable
+
+
+class HalfmoonConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = set(extra) - POOL_FIELDS - CONNECTION_FIELDS
+        if unknown:
+            raise ValueError(f"HalfmoonConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; known: "
+                             f"{sorted(POOL_FIELDS | CONNECTION_FIELDS)}")
+        self.block_size = int(extra.get("block_size", DEFAULT_BLOCK_SIZE))
+        self.cache_salt: str | None = extra.get("cache_salt")
+        self.vllm_block_size: int = vllm_config.cache_config.block_size
+        self.spec = kv_spec_of(vllm_config, self.block_size)
+        self.layout = BlockLayout.of(self.spec)
+        if self.block_size != self.vllm_block_size:
+            log.warning("HalfmoonConnector: pool blocks of %d tokens, vLLM blocks of %d: blocks move by token "
+                        "position (same-size blocks copy fastest)", self.block_size, self.vllm_block_size)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("HalfmoonConnector: kv_load_failure_policy is %r: a pool block that fails its MAC or "
+                        "vanishes fails its request; set it to \"recompute\" to recompute it instead",
+                        self._kv_transfer_config.kv_load_failure_policy)
+        config = session_config({k: v for k, v in extra.items() if k in CONNECTION_FIELDS})
+        name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
+        self.session = PoolSession(config, self.layout, name)
+        log.info("HalfmoonConnector (%s) on %s namespace %s: KV %s", name, config.nats_url, config.namespace,
+                 describe(self.spec))
+        # scheduler side
+        self._prompts: dict[str, _Prompt] = {}
+        self._hits: dict[str, _Hit] = {}
+        self._loading: dict[str, _Hit] = {}
+        # worker side
+        self._layers: list[torch.Tensor] = []  # per layer: [blocks, elements of a block]
+        self._offsets = torch.empty(0, dtype=torch.long)  # cache_write_layout's
+        self._layer_index: dict[str, int] = {}
+        self._reading: list[_Reading] = []
+        self._saving: list[tuple[SaveSpec, list[bytearray], list[torch.Tensor]]] = []
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _hasher(self, request: Request) -> BlockHasher:
+        salt = getattr(request, "cache_salt", None)
+        if self.cache_salt is not None:
+            salt = within_tenant(self.cache_salt, salt)
+        return BlockHasher(self.block_size, Namespace(self.spec.model_fingerprint, salt))
+
+    def _prompt(self, request: Request) -> _Prompt:
+        prompt = self._prompts.get(request.request_id)
+        if prompt is None:
+            keys = self._hasher(request).keys(list(request.prompt_token_ids or []))
+            prompt = self._prompts[request.request_id] = _Prompt(keys)
+        return prompt
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = self._prompt(request)
+        # NOTE: vLLM computes at least the prompt's last token itself
+        usable = prompt.keys[:(request.num_prompt_tokens - 1) // self.block_size]
+        self._release(request.request_id)
+        if len(usable) * self.block_size <= num_computed_tokens:
+            return 0, False
+        found = self.session.run(self.session.pool.lookup(usable), POOL_TIMEOUT_S)
+        if found is None:
+            return 0, False
+        hits = 0
+        for hit, key in zip(found.hits, usable):
+            if hit.key != key or not hit.replicas:
+                break
+            hits += 1
+        end = hits * self.block_size
+        self._hits[request.request_id] = _Hit(found, num_computed_tokens, end)
+        if end <= num_computed_tokens:
+            return 0, False
+        log.info("HalfmoonConnector: pool hit of %d prompt tokens for %s (vLLM had %d)", end, request.request_id,
+                 num_computed_tokens)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        hit = self._hits.get(request.request_id)
+        if num_external_tokens and hit is not None:
+            self._loading[request.request_id] = _Hit(hit.found, hit.start, hit.start + num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HalfmoonConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = self._prompts.get(new.req_id)
+            if prompt is None:  # a request vLLM never asked about (none is): nothing to load or store
+                continue
+            prompt.block_ids = list(new.block_ids[0])
+            prompt.stored = new.num_computed_tokens // self.block_size
+            self._add_load(meta, new.req_id, prompt)
+            self._add_save(meta, new.req_id, prompt, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            prompt = self._prompts.get(req_id)
+            if prompt is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after a preemption: every block anew
+                prompt.block_ids = list(added[0]) if added else []
+            elif added:
+                prompt.block_ids.extend(added[0])
+            self._add_load(meta, req_id, prompt)
+            self._add_save(meta, req_id, prompt, cached.num_computed_tokens[i] + scheduled[req_id])
+        return meta
+
+    def _add_load(self, meta: HalfmoonConnectorMetadata, req_id: str, prompt: _Prompt) -> None:
+        hit = self._loading.pop(req_id, None)
+        if hit is None:
+            return
+        first, last = hit.start // self.block_size, -(-hit.end // self.block_size)
+        replicas = [h.replicas[0] for h in hit.found.hits[first:last]]
+        meta.loads.append(LoadSpec(req_id, list(prompt.block_ids), hit.start, hit.end, first, replicas))
+
+    def _add_save(self, meta: HalfmoonConnectorMetadata, req_id: str, prompt: _Prompt, computed: int) -> None:
+        full = min(computed // self.block_size, len(prompt.keys))
+        if full > prompt.stored:
+            meta.saves.append(SaveSpec(req_id, list(prompt.block_ids), prompt.stored, prompt.keys[prompt.stored:full]))
+            prompt.stored = full
+
+    def _release(self, req_id: str) -> None:
+        hit = self._hits.pop(req_id, None)
+        if hit is not None and hit.found.lease_id is not None:
+            self.session.submit(self.session.pool.release(hit.found.lease_id))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # NOTE: saves end with the step that computed them (wait_for_save), so no block is held past it
+        self._prompts.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
+        self._release(request.request_id)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        spec = self.spec
+        by_index = sorted((extract_layer_index(name), name) for name in kv_caches)
+        if [index for index, _ in by_index] != list(range(spec.num_layers)):
+            raise ValueError(f"HalfmoonConnector: vLLM's KV caches are for layers {[i for i, _ in by_index]}, "
+                             f"the model has {spec.num_layers}")
+        for index, name in by_index:
+            cache = kv_caches[name]
+            # NOTE: vLLM's CPU attention: [blocks, kv heads, block size, 2 * head dim]; inside a block, its own layout
+            expected = (spec.num_kv_heads, self.vllm_block_size, 2 * spec.head_dim)
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != expected or cache.dtype != self.layout.dtype:
+                raise ValueError(f"HalfmoonConnector: layer {name}'s KV cache is {tuple(cache.shape)} "
+                                 f"{cache.dtype}; this connector knows vLLM's CPU layout [blocks, {expected[0]}, "
+                                 f"{expected[1]}, {expected[2]}] {self.layout.dtype}")
+            self._layers.append(cache.view(cache.shape[0], -1))
+            self._layer_index[name] = index
+        self._offsets = cache_write_layout(self.layout.dtype, spec.num_kv_heads, self.vllm_block_size, spec.head_dim)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HalfmoonConnectorMetadata)
+        self._reading = [_Reading(load, self.session.submit(self.session.pool.read(load.replicas)))
+                         for load in meta.loads]
+
+    def _arrived(self, reading: _Reading) -> list[torch.Tensor]:
+        """The usable blocks of a load once read; what is missing or corrupt is a load error from its first
+        token on (vLLM recomputes from the first failed block)."""
+        if reading.bodies is not None:
+            return reading.bodies
+        spec = reading.spec
+        try:
+            payloads = reading.future.result(POOL_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, OSError) as exc:
+            log.warning("HalfmoonConnector: pool read for %s failed: %s", spec.request_id, exc)
+            payloads = []
+        bodies = []
+        for payload in payloads:
+            if payload is None:
+                break
+            bodies.append(decode_block(self.layout, payload))  # MACs verified as the read landed
+        reading.bodies = bodies
+        reading.end = min(spec.end, (spec.first_block + len(bodies)) * self.block_size)
+        if reading.end < spec.end:
+            failed, _ = slots(spec.block_ids, self.vllm_block_size, reading.end, spec.end)
+            self._load_errors.update(failed.tolist())
+            log.warning("HalfmoonConnector: %d of %d pool blocks for %s missing or corrupt: vLLM recomputes "
+                        "tokens from %d", len(spec.replicas) - len(bodies), len(spec.replicas), spec.request_id,
+                        reading.end)
+        else:
+            log.info("HalfmoonConnector: loading %d tokens of %s from the pool", spec.end - spec.start,
+                     spec.request_id)
+        return bodies
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        cache = self._layers[layer]
+        for reading in self._reading:
+            bodies = self._arrived(reading)
+            spec = reading.spec
+            for n, body in enumerate(bodies):
+                block_start = (spec.first_block + n) * self.block_size
+                lo, hi = max(spec.start, block_start), min(reading.end, block_start + self.block_size)
+                if lo >= hi:
+                    continue
+                blocks, places = self._places(spec.block_ids, lo, hi)
+                cache[blocks, places] = body[layer, :, lo - block_start:hi - block_start]
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HalfmoonConnectorMetadata)
+        if not meta.saves:
+            return
+        if not self._saving:
+            self._saving = [self._blank(save) for save in meta.saves]
+        cache = self._layers[layer]
+        size = self.block_size
+        for save, _payloads, bodies in self._saving:
+            start = save.first_block * size
+            blocks, places = self._places(save.block_ids, start, start + len(save.keys) * size)
+            kv = cache[blocks, places]  # [2, tokens, heads, dim]
+            for n, body in enumerate(bodies):
+                body[layer].copy_(kv[:, n * size:(n + 1) * size])
+
+    def _places(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into a layer's flat cache of K and V of tokens ``[start, end)``: ``[2, tokens, heads, dim]``
+        each, as Halfmoon's block bodies hold them."""
+        blocks, offsets = slots(block_ids, self.vllm_block_size, start, end)
+        places = self._offsets[:, offsets]
+        return blocks[None, :, None, None].expand_as(places), places
+
+    def _blank(self, save: SaveSpec) -> tuple[SaveSpec, list[bytearray], list[torch.Tensor]]:
+        payloads = [blank_block(self.layout, self.block_size) for _ in save.keys]
+        return save, payloads, [decode_block(self.layout, payload) for payload in payloads]
+
+    def wait_for_save(self) -> None:
+        self._reading = []
+        saving, self._saving = self._saving, []
+        for save, payloads, _bodies in saving:
+            stored = self.session.run(self.session.pool.store(save.keys, payloads, save.first_block), POOL_TIMEOUT_S)
+            log.info("HalfmoonConnector: stored %d of %d prompt blocks of %s in the pool", len(stored),
+                     len(save.keys), save.request_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.session.close()
