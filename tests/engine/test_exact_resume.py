@@ -9,7 +9,6 @@ rest. Greedy output, logprobs and the KV of every block must equal the first att
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
