@@ -72,10 +72,20 @@ class ModelRunner:
         for seq, start, n in chunks:
             end = start + n
             table = seq.block_table
-            mask = None
-            if start and n > 1:  # a chunk after cached context: causal diagonal offset by ``start``
-                mask = torch.arange(start, end, device=self.device)[:, None] >= torch.arange(end, device=self.device)
-            seqs.append(SeqAttention(len(ids), n, _spans(seq.block_runs, size, end), mask))
+            # Past the prompt's full blocks each token attends as a decode step does, one query alone, so
+            # its KV is bit for bit the same however the steps are cut: a migrated request recomputes
+            # exactly these tokens (the pool has the full prompt blocks) and gets the KV the first had.
+            split = min(max(start, seq.num_prompt_tokens - seq.num_prompt_tokens % size), end)
+            if split - start > 1:
+                mask = None
+                if start:  # a chunk after cached context: causal diagonal offset by ``start``
+                    mask = (torch.arange(start, split, device=self.device)[:, None]
+                            >= torch.arange(split, device=self.device))
+                seqs.append(SeqAttention(len(ids), split - start, _spans(seq.block_runs, size, split), mask))
+            else:
+                split = start
+            seqs.extend(SeqAttention(len(ids) + p - start, 1, _spans(seq.block_runs, size, p + 1), None)
+                        for p in range(split, end))
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // size] * size + p % size for p in range(start, end))

@@ -25,10 +25,11 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival: int, output_token_ids: list[int] | None = None,
-                 block_keys: tuple[bytes, ...] = (), seed: int = 0) -> None:
+                 block_keys: tuple[bytes, ...] = (), seed: int = 0, num_prompt_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.params = params
-        self.num_prompt_tokens = len(prompt_token_ids)
+        # a pipeline stage's sequence starts with part of the prompt and gets the rest chunk by chunk
+        self.num_prompt_tokens = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids or ())
         self.num_computed_tokens = 0
         self.compute_s = 0.0  # this sequence's share of the steps' time, by tokens computed

@@ -99,7 +99,8 @@ class PipelineStages:
             if chunk.prompt_len + chunk.params.max_tokens > parts.max_model_len:
                 raise InvalidRequestError(f"prompt ({chunk.prompt_len} tokens) plus max_tokens exceeds the "
                                           f"model's context length of {parts.max_model_len} tokens")
-            seq = Sequence(chunk.request_id, list(chunk.prefix_token_ids), chunk.params, 0, seed=parts.request_seed())
+            seq = Sequence(chunk.request_id, list(chunk.prefix_token_ids), chunk.params, 0, seed=parts.request_seed(),
+                           num_prompt_tokens=chunk.prompt_len)
             if chunk.prefix_blocks:
                 if not parts.blocks.can_grow(seq, chunk.start):
                     raise OutOfKVBlocksError(f"no free KV blocks for {chunk.request_id}'s reused prefix")
