@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from halfmoon.deploy.drills import (
@@ -29,7 +28,7 @@ from halfmoon.deploy.drills import (
 from halfmoon.deploy.drills import under_load as drill_under_load
 from halfmoon.deploy.local import LocalCluster
 from tests.e2e.conftest import AUTH, model_name, start_cluster
-from tests.faults.helpers import kill_holder_mid_stream, pool_block_count
+from tests.faults.helpers import pool_block_count
 
 FAULT_ENV = {"HALFMOON_SCHEDULE_TIMEOUT_S": "2", "HALFMOON_STALL_PROBE_S": "1"}
 
@@ -72,25 +71,6 @@ class TestDecodeBalance:
         total = sum(served.values())
         assert total >= 40
         assert all(0.35 <= n / total <= 0.65 for n in served.values()), served
-
-
-class TestGreedyMigration:
-    def test_migrated_output_equals_unmigrated(self, cluster: LocalCluster) -> None:
-        body = {"model": model_name(cluster), "prompt": "the same question every time", "max_tokens": 96,
-                "temperature": 0, "ignore_eos": True}
-        stored = pool_block_count(cluster)
-        plain = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
-        # the prompt fills no block: what the pool gains is generated tokens' KV, stored by decode
-        end = time.monotonic() + 15
-        while pool_block_count(cluster) < stored + 4:
-            assert time.monotonic() < end, "decode stored no generated blocks in the pool"
-            time.sleep(0.25)
-        # killed after 72 tokens: the continuation finds the first 4 blocks (64 tokens) in the pool
-        migrated = kill_holder_mid_stream(cluster, body, at_index=72)
-        restart(cluster, migrated["killed"])
-        assert migrated["text"] == plain["choices"][0]["text"]
-        assert migrated["tokens"] == 96
-        wait_live(cluster, {migrated["killed"]}, timeout=300)
 
 
 class TestDecodeKilled:

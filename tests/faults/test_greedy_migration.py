@@ -6,14 +6,12 @@ undisturbed, then again at once while the only decode instance is SIGKILLed (onc
 ``KILL_AT``) and restarted. Every stream migrates: prefill takes the full blocks from the pool (the prompt's,
 stored by prefill; the generated ones, stored by decode every 4 blocks) and recomputes the rest, the
 partial prompt block and the newest generated tokens (docs/RELIABILITY.md, "Exact greedy migration").
-The SmolLM2 drill runs with HALFMOON_SLOW_DRILLS=1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -145,7 +143,5 @@ class TestGreedyMigrationIsExact:
     def test_tiny_model(self, tiny_cluster: LocalCluster) -> None:
         assert_migrated_equal_undisturbed(tiny_cluster)
 
-    # about 4 minutes on a loaded 2-core machine (the cluster loads SmolLM2 three times): past a drill's share of CI
-    @pytest.mark.skipif(os.environ.get("HALFMOON_SLOW_DRILLS") != "1", reason="set HALFMOON_SLOW_DRILLS=1 to run")
     def test_smollm2(self, smollm2_cluster: LocalCluster) -> None:
         assert_migrated_equal_undisturbed(smollm2_cluster)
