@@ -184,3 +184,28 @@ class TestPredictionsTakeTheInstancesOwnScale:
                                     measured=MeasuredStep(2, 0, 0.02), measured_shared=MeasuredStep(2, 0, 0.12))
         # decode-only at batch 3: 0.025 * (0.02 / 0.02); with this prompt's chunk at batch 2: 0.06 * 2
         assert decode.predicted_tbt(state, 100) == pytest.approx(0.12)
+
+    def test_an_instance_without_steps_takes_its_peers_scale(self):
+        # The machine runs 3x slower than the model: judged by the bare model, the idle instance looked
+        # 3x faster than the busy one and drew every request until its own steps came in.
+        decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=1.0))
+        busy_one = DecodeInstanceState("d0", 1, 0, 10**6, measured=MeasuredStep(1, 0, 0.045))  # 3x the model
+        idle_one = DecodeInstanceState("d1", 0, 0, 10**6)
+        assert decode.predicted_tbt(idle_one, 100, peers=[busy_one, idle_one]) == pytest.approx(3 * 0.015)
+        assert decode.predicted_tbt(idle_one, 100) == pytest.approx(0.015)  # no peer measured: the model
+        choice = decode.choose([busy_one, idle_one], 100)
+        assert choice is not None and choice.instance_id == "d1"  # still the lighter batch
+        # once it holds as much, the two are judged alike, though only one has measured its steps
+        as_busy = idle_one._replace(batch_size=1)
+        pool = [busy_one, as_busy]
+        assert decode.predicted_tbt(as_busy, 100, peers=pool) == pytest.approx(decode.predicted_tbt(busy_one, 100, peers=pool))
+
+    def test_instances_share_the_load_whatever_their_scales(self):
+        # a model flat in the batch, and two instances whose latest steps differ by half (noise on shared
+        # cores): weighed by their scales, the faster one took nearly every request
+        decode = SloAwareDecode(DecodeCostModel((0.01, 0.0001, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        fast = DecodeInstanceState("d0", 2, 0, 10**6, measured=MeasuredStep(2, 0, 0.008))
+        slow = DecodeInstanceState("d1", 1, 0, 10**6, measured=MeasuredStep(1, 0, 0.012))
+        choice = decode.choose([fast, slow], 100)
+        assert choice is not None and choice.instance_id == "d1"  # the lighter batch, though slower
+        assert choice.predicted_tbt_s == pytest.approx(decode.predicted_tbt(slow, 100))  # reported at its scale

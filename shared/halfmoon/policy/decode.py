@@ -14,16 +14,33 @@ class DecodeChoice(NamedTuple):
     predicted_tbt_s: float
 
 
-def anchored(cost: DecodeCostModel, measured: MeasuredStep | None, batch: float, context_tokens: float) -> float:
-    """The step time of ``batch`` sequences over ``context_tokens``: the model's, scaled by how the
-    instance's own latest steps compared with the model's prediction for them. One model serves every
-    instance, and an instance's steps slow with whatever else shares its cores; what it measured now
-    is the truer scale, the model the shape (how the step grows with the batch and its context)."""
-    predicted = cost.predict(batch, context_tokens)
+def step_scale(cost: DecodeCostModel, measured: MeasuredStep | None) -> float | None:
+    """How an instance's own latest steps compared with the model's prediction for them (None: none lately)."""
     if measured is None or measured.batch <= 0:
-        return predicted
+        return None
     expected = cost.predict(measured.batch, measured.context_tokens)
-    return predicted * measured.seconds / expected if expected > 0 else predicted
+    return measured.seconds / expected if expected > 0 else None
+
+
+def peer_scale(cost: DecodeCostModel, measured: Sequence[MeasuredStep | None]) -> float | None:
+    """The median scale of the instances that measured steps lately: what an instance without steps of its
+    own is judged by. Judged by the bare model instead, an idle instance looked faster than every busy one
+    whenever the machine ran slower than the model, and drew every request until its own steps came in."""
+    scales = sorted(scale for m in measured if (scale := step_scale(cost, m)) is not None)
+    return scales[len(scales) // 2] if scales else None
+
+
+def anchored(cost: DecodeCostModel, measured: MeasuredStep | None, batch: float, context_tokens: float,
+             peers: float | None = None) -> float:
+    """The step time of ``batch`` sequences over ``context_tokens``: the model's, scaled by how the
+    instance's own latest steps compared with the model's prediction for them (``peers``' scale when it
+    has none). One model serves every instance, and an instance's steps slow with whatever else shares its
+    cores; what it measured now is the truer scale, the model the shape (how the step grows with the batch
+    and its context)."""
+    predicted = cost.predict(batch, context_tokens)
+    scale = step_scale(cost, measured)
+    scale = peers if scale is None else scale
+    return predicted if scale is None else predicted * scale
 
 
 class SloAwareDecode:
@@ -32,8 +49,9 @@ class SloAwareDecode:
     Contract: an instance qualifies when the request fits its KV capacity and the predicted
     step time with the request added stays within ``headroom * slo.tbt_s``. The qualifying
     instances share the load (the paper's rule: balance among those that meet the TBT SLO):
-    the least loaded wins, load being the recent TBT-SLO violation rate plus the predicted TBT
-    as a share of the SLO (summed, so a lagging violation signal cannot herd), then the batch
+    the least loaded wins, load being the recent TBT-SLO violation rate plus the model's step time
+    for its batch with the request as a share of the SLO (summed, so a lagging violation signal
+    cannot herd; the instance's own scale decides whether it qualifies, not its share), then the batch
     size, so instances a flat cost model cannot tell apart take turns instead of the first
     by id taking everything.
     ``at=None`` judges the batch running now; a time judges the work expected to be running
@@ -56,11 +74,15 @@ class SloAwareDecode:
         self.idle_qualifies = idle_qualifies
         self.shared_cost = shared_cost
 
-    def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> float:
+    def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None,
+                      peers: Sequence[DecodeInstanceState] = ()) -> float:
+        """``peers``: the instances ``inst`` is compared with; their scale stands in for one it has not measured."""
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        tbt = anchored(self.cost, inst.measured, batch + 1, context + context_tokens)
+        tbt = anchored(self.cost, inst.measured, batch + 1, context + context_tokens,
+                       peer_scale(self.cost, [p.measured for p in peers]))
         if self.shared_cost is not None and inst.interleaves_prefill:
-            tbt = max(tbt, anchored(self.shared_cost, inst.measured_shared, batch, context + context_tokens))
+            shared = peer_scale(self.shared_cost, [p.measured_shared for p in peers])
+            tbt = max(tbt, anchored(self.shared_cost, inst.measured_shared, batch, context + context_tokens, shared))
         return tbt
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
@@ -75,11 +97,15 @@ class SloAwareDecode:
         for inst in instances:
             if not self.fits(inst, context_tokens, at):
                 continue
-            tbt = self.predicted_tbt(inst, context_tokens, at)
+            tbt = self.predicted_tbt(inst, context_tokens, at, instances)
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
             if tbt > limit and not (self.idle_qualifies and batch == 0):
                 continue
-            load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + tbt / self.slo.tbt_s
+            # the share is weighed by the model's shape alone: an instance's scale (its latest steps) is noise
+            # of a few tens of percent between instances on shared cores, and with a model flat in the batch,
+            # weighing it gave the one measured fastest nearly every request
+            shape = self.predicted_tbt(inst._replace(measured=None, measured_shared=None), context_tokens, at)
+            load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + shape / self.slo.tbt_s
             key = (round(load, 6), batch, tbt, inst.id)
             if best is None or key < best:
                 best = key
@@ -90,7 +116,7 @@ class SloAwareDecode:
     ) -> DecodeChoice | None:
         """The instance with the lowest predicted TBT among those the request fits, qualifying or not:
         what a rejection reports (None when it fits none)."""
-        predicted = [(self.predicted_tbt(inst, context_tokens, at), inst.id) for inst in instances
+        predicted = [(self.predicted_tbt(inst, context_tokens, at, instances), inst.id) for inst in instances
                      if self.fits(inst, context_tokens, at)]
         if not predicted:
             return None
