@@ -77,12 +77,22 @@ class SloAwareDecode:
     def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None,
                       peers: Sequence[DecodeInstanceState] = ()) -> float:
         """``peers``: the instances ``inst`` is compared with; their scale stands in for one it has not measured."""
+        return self._predicted(inst, context_tokens, at, self._peer_scales(peers))
+
+    def _peer_scales(self, peers: Sequence[DecodeInstanceState]) -> tuple[float | None, float | None]:
+        """The peers' scales of decode-only steps and of steps shared with prefill: once per decision."""
+        shared = (None if self.shared_cost is None
+                  else peer_scale(self.shared_cost, [p.measured_shared for p in peers]))
+        return peer_scale(self.cost, [p.measured for p in peers]), shared
+
+    def _predicted(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
+                   peers: tuple[float | None, float | None], own_scale: bool = True) -> float:
+        """``own_scale=False`` with no peer scales: the model's shape alone."""
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        tbt = anchored(self.cost, inst.measured, batch + 1, context + context_tokens,
-                       peer_scale(self.cost, [p.measured for p in peers]))
+        measured, measured_shared = (inst.measured, inst.measured_shared) if own_scale else (None, None)
+        tbt = anchored(self.cost, measured, batch + 1, context + context_tokens, peers[0])
         if self.shared_cost is not None and inst.interleaves_prefill:
-            shared = peer_scale(self.shared_cost, [p.measured_shared for p in peers])
-            tbt = max(tbt, anchored(self.shared_cost, inst.measured_shared, batch, context + context_tokens, shared))
+            tbt = max(tbt, anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1]))
         return tbt
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
@@ -93,18 +103,19 @@ class SloAwareDecode:
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
     ) -> DecodeChoice | None:
         limit = self.headroom * self.slo.tbt_s
+        peers = self._peer_scales(instances)
         best: tuple[float, int, float, str] | None = None
         for inst in instances:
             if not self.fits(inst, context_tokens, at):
                 continue
-            tbt = self.predicted_tbt(inst, context_tokens, at, instances)
+            tbt = self._predicted(inst, context_tokens, at, peers)
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
             if tbt > limit and not (self.idle_qualifies and batch == 0):
                 continue
             # the share is weighed by the model's shape alone: an instance's scale (its latest steps) is noise
             # of a few tens of percent between instances on shared cores, and with a model flat in the batch,
             # weighing it gave the one measured fastest nearly every request
-            shape = self.predicted_tbt(inst._replace(measured=None, measured_shared=None), context_tokens, at)
+            shape = self._predicted(inst, context_tokens, at, (None, None), own_scale=False)
             load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + shape / self.slo.tbt_s
             key = (round(load, 6), batch, tbt, inst.id)
             if best is None or key < best:
@@ -116,7 +127,8 @@ class SloAwareDecode:
     ) -> DecodeChoice | None:
         """The instance with the lowest predicted TBT among those the request fits, qualifying or not:
         what a rejection reports (None when it fits none)."""
-        predicted = [(self.predicted_tbt(inst, context_tokens, at, instances), inst.id) for inst in instances
+        peers = self._peer_scales(instances)
+        predicted = [(self._predicted(inst, context_tokens, at, peers), inst.id) for inst in instances
                      if self.fits(inst, context_tokens, at)]
         if not predicted:
             return None
