@@ -25,7 +25,7 @@ from halfmoon.protocol import (
     Subjects,
     codecs,
 )
-from halfmoon.protocol.registry import StepSample
+from halfmoon.protocol.registry import Leaving, StepSample
 from halfmoon.runtime import ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
@@ -286,4 +286,4 @@ class TestConductorProcess:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0
         assert [(d.instance_id, d.reason) for d in downs.events] == [("cond-1", "shutdown")]
-        assert any(b.draining for b in beats if b.instance_id == "cond-1")
+        assert any(b.leaving is Leaving.DRAINING for b in beats if b.instance_id == "cond-1")

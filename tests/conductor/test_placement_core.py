@@ -16,7 +16,7 @@ from halfmoon.protocol import (
     SamplingParams,
     ScheduleRequest,
 )
-from halfmoon.protocol.registry import StepSample
+from halfmoon.protocol.registry import Leaving, StepSample
 from halfmoon.protocol.work import WorkDone, WorkOutcome
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import (
@@ -40,7 +40,7 @@ def hb(iid: str, role: Role = Role.PREFILL, interval: float = 0.1, draining: boo
         load=Load(**load),
         timestamp=0.0,
         interval_s=interval,
-        draining=draining,
+        leaving=Leaving.DRAINING if draining else None,
     )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
+from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
+from halfmoon.protocol.registry import Leaving
 
 
 def supervision(**policy: float) -> Supervision:

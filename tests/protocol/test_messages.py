@@ -20,6 +20,7 @@ from halfmoon.protocol import (
     KernelReport,
     KVLocation,
     KVProgress,
+    Leaving,
     Load,
     Placed,
     PrefillRequest,
@@ -178,7 +179,7 @@ CASES = [
                       shared_steps=StepSample(steps=2, batch=3.0, kv_tokens=2100.0, seconds=0.3)),
             timestamp=1.5,
             interval_s=0.5,
-            draining=True,
+            leaving=Leaving.DRAINING,
             model="tiny",
             kernels=KernelReport(kind="native", isa="avx2", reason="layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0)"),
         ),
@@ -302,7 +303,7 @@ class TestTypedDecodeErrors:
             load: Load
             timestamp: float
             interval_s: float
-            draining: bool = False
+            leaving: Leaving | None = None
             model: str = ""
 
         beat = next(m for _, m in CASES if isinstance(m, Heartbeat) and m.kernels is not None)

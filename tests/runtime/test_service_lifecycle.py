@@ -15,6 +15,7 @@ from halfmoon.protocol import (
     CancelRequest,
     ErrorCode,
     InstanceDown,
+    Leaving,
     Load,
     RemoteError,
     Role,
@@ -154,7 +155,7 @@ class TestLifecycle:
         while len(beats) < 3:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert beats[0].load == Load(queue_len=3) and beats[0].address == "" and not beats[0].draining
+        assert beats[0].load == Load(queue_len=3) and beats[0].address == "" and beats[0].leaving is None
         await host.stop()
         assert svc.drained.is_set()
         await nc.flush()
@@ -162,7 +163,7 @@ class TestLifecycle:
         while not downs:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert beats[-1].draining
+        assert beats[-1].leaving is Leaving.DRAINING
         assert downs == [
             InstanceDown(instance_id="echo-1", role=Role.DECODE, reason="shutdown", timestamp=downs[0].timestamp,
                          incarnation=beats[-1].incarnation)  # the goodbye names the run it is about

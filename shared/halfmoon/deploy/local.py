@@ -24,10 +24,10 @@ import halfmoon
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
-from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
+from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
-from halfmoon.protocol.registry import KernelReport
+from halfmoon.protocol.registry import KernelReport, Leaving
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime.memory import MemoryReport, deployment_bounds
 

@@ -6,14 +6,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-
-class Leaving(StrEnum):
-    """Why an instance is on its way out: not to be counted on to serve, nor restarted soon."""
-
-    CRASH_LOOPING = "crash-looping"  # exited crash_loop_exits times within crash_loop_window_s
-    DRAINING = "draining"  # asked to stop: its exit is the end, not a crash
+from halfmoon.protocol.registry import Leaving
 
 
 class CrashLoop(RuntimeError):

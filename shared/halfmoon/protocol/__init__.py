@@ -1,7 +1,7 @@
 """The wire protocol: NATS subjects and the msgspec messages they carry (docs/PROTOCOL.md)."""
 
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, KernelReport, Load, Role, StepSample
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, KernelReport, Leaving, Load, Role, StepSample
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
 from halfmoon.protocol.stream import ErrorEvent, FinishReason, ResumeRequest, StreamEvent, TokenEvent, Usage
@@ -33,6 +33,7 @@ __all__ = [
     "KVLocation",
     "KVProgress",
     "KernelReport",
+    "Leaving",
     "Load",
     "Message",
     "Placed",

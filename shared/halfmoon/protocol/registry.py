@@ -23,6 +23,17 @@ class Role(StrEnum):
     TRANSFER = "transfer"
 
 
+class Leaving(StrEnum):
+    """Why an instance is on its way out: it takes no new work, nor is it counted on to serve. The one
+    definition every part reads: an instance's heartbeat says it is draining, the conductor's live set
+    (placement, waiting for a live instance, readiness) leaves out whatever is leaving, and the
+    supervisor of a local deployment stops restarting what is draining and backs off from what is
+    crash-looping (silent between tries, so the conductor's silence rule takes it out)."""
+
+    CRASH_LOOPING = "crash-looping"  # exited crash_loop_exits times within crash_loop_window_s
+    DRAINING = "draining"  # asked to stop (shutdown, scale-down): finishes or hands back what it holds
+
+
 class StepSample(msgspec.Struct, frozen=True, kw_only=True):
     """Engine steps that advanced decoding sequences since the previous heartbeat, averaged: a step
     advancing ``batch`` of them while the KV cache held ``kv_tokens`` took ``seconds``. What the
@@ -91,7 +102,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
 
     ``address`` is how peers reach the instance (its submit subject, or ``host:port`` for
     a transfer node or gateway). ``timestamp`` is the sender's unix time; receivers judge
-    silence by their own clock. ``draining`` instances must not be given new work. ``incarnation``
+    silence by their own clock. Instances ``leaving`` must not be given new work. ``incarnation``
     names this run of the process: a restart keeps ``instance_id`` and gets a new one.
     """
 
@@ -101,7 +112,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     load: Load
     timestamp: float
     interval_s: float
-    draining: bool = False
+    leaving: Leaving | None = None
     model: str = ""
     kv_spec: KVSpec | None = None  # engine instances: the KV identity their blocks carry
     incarnation: str = ""

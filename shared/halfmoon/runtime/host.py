@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 
 from halfmoon.protocol.codecs import DOWN, HEARTBEAT
 from halfmoon.protocol.permissions import inbox_prefix
-from halfmoon.protocol.registry import Heartbeat, InstanceDown
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Leaving
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.liveness import NatsLiveness
@@ -149,7 +149,7 @@ class ServiceHost:
             load=svc.heartbeat_load(),
             timestamp=time.time(),
             interval_s=svc.config.heartbeat_interval_s,
-            draining=svc.draining,
+            leaving=Leaving.DRAINING if svc.draining else None,
             model=svc.model,
             incarnation=svc.incarnation,
             kv_spec=svc.kv_spec,

@@ -27,7 +27,7 @@ class TransferDirectory:
         self._changed = asyncio.Event()
 
     async def on_heartbeat(self, heartbeat: Heartbeat, _headers: Mapping[str, str]) -> None:
-        if heartbeat.role is Role.TRANSFER and not heartbeat.draining:
+        if heartbeat.role is Role.TRANSFER and heartbeat.leaving is None:
             now = time.time()
             self._nodes[heartbeat.instance_id] = TransferNode(heartbeat.instance_id, heartbeat.address, now,
                                                               now + 3 * heartbeat.interval_s)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from halfmoon.policy.ledger import Outstanding
-from halfmoon.protocol.registry import Heartbeat, Load, Role
+from halfmoon.protocol.registry import Heartbeat, Leaving, Load, Role
 
 
 class InstanceView(NamedTuple):
@@ -16,7 +16,7 @@ class InstanceView(NamedTuple):
     role: Role
     address: str
     load: Load
-    draining: bool
+    leaving: Leaving | None
     outstanding: Outstanding = Outstanding()  # the conductor's ledger of work placed here and not done
     incarnation: str = ""  # the run of the process its last heartbeat named
 
@@ -34,7 +34,7 @@ class _Entry:
 
     def view(self) -> InstanceView:
         hb = self.heartbeat
-        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.draining, incarnation=hb.incarnation)
+        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.leaving, incarnation=hb.incarnation)
 
 
 class InstanceTable:
@@ -75,11 +75,11 @@ class InstanceTable:
         return [self._entries.pop(iid).view() for iid in silent]
 
     def candidates(self, role: Role) -> list[InstanceView]:
-        """Live instances of ``role`` that take new work, in id order."""
+        """Live instances of ``role`` that take new work (none ``leaving``), in id order."""
         return [
             e.view()
             for iid, e in sorted(self._entries.items())
-            if e.heartbeat.role is role and not e.heartbeat.draining
+            if e.heartbeat.role is role and e.heartbeat.leaving is None
         ]
 
     def hold(self, now: float) -> None:
