@@ -185,6 +185,20 @@ class TestPredictionsTakeTheInstancesOwnScale:
         # decode-only at batch 3: 0.025 * (0.02 / 0.02); with this prompt's chunk at batch 2: 0.06 * 2
         assert decode.predicted_tbt(state, 100) == pytest.approx(0.12)
 
+    def test_rare_slow_prefill_steps_count_by_how_often_they_come(self):
+        # One step in 20 carried a prompt chunk and took 6x a decode-only step: a decoding sequence's mean
+        # time between tokens is 1.25x the decode-only step, not the chunk's 6x. Judged by the slowest step,
+        # every request was refused while the stream delivered within the SLO.
+        decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=0.05),
+                                shared_cost=DecodeCostModel((0.05, 0.005, 0.0)))
+        state = DecodeInstanceState("a0", 2, 0, 10**6, interleaves_prefill=True,
+                                    measured=MeasuredStep(2, 0, 0.02), measured_shared=MeasuredStep(2, 0, 0.12))
+        assert decode.choose([state], 100) is None  # no proportion measured: the chunk's 0.12 s
+        rare = state._replace(shared_step_fraction=0.05)
+        assert decode.predicted_tbt(rare, 100) == pytest.approx(0.025 + 0.05 * (0.12 - 0.025))
+        assert decode.choose([rare], 100) is not None
+        assert decode.choose([state._replace(shared_step_fraction=0.5)], 100) is None  # half the steps: 0.07 s
+
     def test_an_instance_without_steps_takes_its_peers_scale(self):
         # The machine runs 3x slower than the model: judged by the bare model, the idle instance looked
         # 3x faster than the busy one and drew every request until its own steps came in.

@@ -60,8 +60,10 @@ class SloAwareDecode:
     cost model is learned from the steps instances run, refusing idle ones would stop the steps
     that could correct a model soured by a slow spell).
     ``shared_cost``: the step time of a decoding batch whose steps carry a prefill chunk. Given, an
-    instance that interleaves prefill is judged by the slower of two: its batch while this request's
-    prompt is computed in its steps, and its batch with this request decoding.
+    instance that interleaves prefill is judged by the time between tokens its decoding sequences see:
+    its steps with this request decoding, and those a prompt chunk shares, mixed in the proportion the
+    instance measured lately (``shared_step_fraction``); what a client measures as its time between
+    tokens is that mean. Without a measured proportion, the slower of the two.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
@@ -92,7 +94,9 @@ class SloAwareDecode:
         measured, measured_shared = (inst.measured, inst.measured_shared) if own_scale else (None, None)
         tbt = anchored(self.cost, measured, batch + 1, context + context_tokens, peers[0])
         if self.shared_cost is not None and inst.interleaves_prefill:
-            tbt = max(tbt, anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1]))
+            shared = anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1])
+            fraction = inst.shared_step_fraction
+            tbt = max(tbt, shared) if fraction is None else tbt + fraction * max(0.0, shared - tbt)
         return tbt
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:

@@ -78,7 +78,8 @@ class DecodeInstanceState(NamedTuple):
     now), so the load now stands for the load later. ``interleaves_prefill``: the instance also
     prefills what it decodes (aggregated), in chunks that share its decoding steps.
     ``measured`` / ``measured_shared``: the instance's latest decoding steps without and with a prefill
-    chunk in them (None: none lately), which set the scale of its predictions."""
+    chunk in them (None: none lately), which set the scale of its predictions. ``shared_step_fraction``: of
+    its recent decoding steps, the share a prefill chunk shared (None: not measured)."""
 
     id: str
     batch_size: int
@@ -89,6 +90,7 @@ class DecodeInstanceState(NamedTuple):
     interleaves_prefill: bool = False
     measured: MeasuredStep | None = None
     measured_shared: MeasuredStep | None = None
+    shared_step_fraction: float | None = None
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""

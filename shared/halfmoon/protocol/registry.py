@@ -78,6 +78,9 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     accepted_total: int = 0
     steps: StepSample | None = None  # decoding steps since the last heartbeat that computed no prompt tokens
     shared_steps: StepSample | None = None  # those that did: an aggregated instance's prefill chunks shared them
+    # of the decoding steps of the last window, the share a prompt chunk shared: a decoding sequence's mean
+    # time between tokens mixes both kinds in this proportion (None until it decoded)
+    shared_step_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:

@@ -101,6 +101,7 @@ class LoadMeter:
         self.block_size = block_size
         self._ttft_s = RecentSamples(window_s)
         self._step_s = RecentSamples(window_s)
+        self._shared = RecentSamples(window_s)  # 1.0 for each decoding step a prompt chunk shared, else 0.0
         self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
 
     def on_step(self, timing: StepTiming) -> None:
@@ -108,6 +109,7 @@ class LoadMeter:
             self._step_s.add(timing.ended, timing.seconds)
         if timing.num_decoding:
             self._unreported.append(timing)
+            self._shared.add(timing.ended, float(timing.shared_with_prefill))
 
     def take_steps(self) -> tuple[StepSample | None, StepSample | None]:
         """The steps since the last call that advanced a decoding sequence, averaged: those that computed
@@ -139,11 +141,16 @@ class LoadMeter:
         return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
                     free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                     ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
-                    accepted_total=accepted_total)
+                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)))
+
+
+def _mean(values: tuple[float, ...]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _mean_ms(seconds: tuple[float, ...]) -> float | None:
-    return sum(seconds) * 1000 / len(seconds) if seconds else None
+    mean = _mean(seconds)
+    return None if mean is None else mean * 1000
 
 
 class EngineWorker(Service[WorkerConfig]):

@@ -72,7 +72,8 @@ class KVCentricPlacement(PlacementPolicy):
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent,
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
-                                   measured_shared=measured_step(shared))
+                                   measured_shared=measured_step(shared),
+                                   shared_step_fraction=view.load.shared_step_fraction if aggregated else None)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:
