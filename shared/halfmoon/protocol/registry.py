@@ -78,6 +78,9 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     accepted_total: int = 0
     steps: StepSample | None = None  # decoding steps since the last heartbeat that computed no prompt tokens
     shared_steps: StepSample | None = None  # those that did: an aggregated instance's prefill chunks shared them
+    # the decoding steps of the last window (with prompt chunks or without), averaged: the mean time between
+    # tokens the decoding sequences saw, and the batch and KV they saw it at
+    recent_steps: StepSample | None = None
     # of the decoding steps of the last window, the share a prompt chunk shared: a decoding sequence's mean
     # time between tokens mixes both kinds in this proportion (None until it decoded)
     shared_step_fraction: float | None = None
