@@ -50,17 +50,6 @@ class StepSample(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("a step sample needs steps >= 1 and finite, non-negative averages")
 
 
-def pooled_steps(*samples: StepSample | None) -> StepSample | None:
-    """The average of step samples, each weighted by its number of steps (None when all are None)."""
-    present = [s for s in samples if s is not None]
-    if not present:
-        return None
-    steps = sum(s.steps for s in present)
-    batch, kv_tokens, seconds = (sum(getattr(s, name) * s.steps for s in present) / steps
-                                 for name in ("batch", "kv_tokens", "seconds"))
-    return StepSample(steps=steps, batch=batch, kv_tokens=kv_tokens, seconds=seconds)
-
-
 class Load(msgspec.Struct, frozen=True, kw_only=True):
     """What an instance reports about its load; fields a role does not have stay at 0/None.
 
