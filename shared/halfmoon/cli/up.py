@@ -79,6 +79,7 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
 
 def _up(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -154,7 +155,7 @@ def _up(args: argparse.Namespace) -> int:
         if planning is not None:
             from halfmoon.deploy.planner import LocalPlanner
 
-            planner = LocalPlanner(cluster, planning, report=lambda line: console.print(f"[cyan]planner[/]: {line}"))
+            planner = LocalPlanner(cluster, planning, report=lambda line: console.print(f"[cyan]planner[/]: {escape(line)}"))
             console.print(f"planner: sizing the engine pools every {planning.interval_s:g} s to {planning.target:.0%} "
                           f"within TTFT {planning.ttft_slo_s:g} s and TBT {planning.tbt_slo_s * 1000:g} ms, at most "
                           f"{planning.max_instances} engines (profile {planning.profile}); its decisions go to "

@@ -312,7 +312,13 @@ class LocalPlanner:
         return both
 
     def tick(self, now: float | None = None) -> Decision | None:
-        return self.planner.tick(time.monotonic() if now is None else now)
+        try:
+            return self.planner.tick(time.monotonic() if now is None else now)
+        except Exception as exc:
+            # NOTE: a planner that fails must not take the deployment down: the pools stay as they are
+            log.exception("planner failed")
+            self.planner.report(f"failed, the pools stay as they are: {exc!r}")
+            return None
 
     def close(self) -> None:
         self.watch.stop()
