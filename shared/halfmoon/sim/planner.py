@@ -108,7 +108,7 @@ class Scaler:
         if not now.meets:
             best, tried = search(evaluate, s.search_settings)
             if best is None:
-                fallback = max(tried, key=lambda c: (c.attainment, -c.layout.instances))
+                fallback = max(tried, key=lambda c: (c.attainment, c.layout.instances))  # ties: the most capacity
                 goal, note = fallback.layout, (f"no layout of at most {s.plan.max_instances} instances meets it; "
                                                f"the best, {fallback.layout.label}, reaches {fallback.attainment:.0%}")
             else:
@@ -143,6 +143,6 @@ class Scaler:
             fewer = evaluate(layout)
             if fewer.meets:
                 self.since_change = 0
-                return Decision(layout, "down", f"{why}; {layout.label} meets it at {1 + s.headroom:.2g}x the forecast "
+                return Decision(layout, "down", f"{why}; {layout.label} meets it at {1 + s.headroom:g}x the forecast "
                                                 f"({fewer.attainment:.0%}): draining one instance")
-        return Decision(current, "hold", f"{why}; one fewer misses at {1 + s.headroom:.2g}x the forecast")
+        return Decision(current, "hold", f"{why}; one fewer misses at {1 + s.headroom:g}x the forecast")
