@@ -21,8 +21,13 @@ import httpx
 import psutil
 import pytest
 
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.protocol import codecs
+from halfmoon.protocol.stream import TokenEvent
+from halfmoon.protocol.subjects import Subjects
 from tests.conftest import Processes
 from tests.deploy.test_launcher_supervision import Up
+from tests.e2e.conftest import AUTH, admin_nats, model_name, start_cluster
 from tests.planner.conftest import TBT_SLO_S, capped_profile_dict
 
 LOW_RPS, HIGH_RPS = 0.2, 4.0
@@ -169,3 +174,70 @@ async def ramp(up: Up) -> None:
     assert len(load.results) == load.sent
     bad = [r for r in load.results if r[0] != 200 or len(r[1]) != MAX_TOKENS or r[2] != "length"]
     assert not bad, bad[:5]
+
+
+LONG_TOKENS = 400
+RETIRE_AFTER = 20  # tokens the instance has streamed before it is drained
+
+
+@pytest.mark.timeout(600)
+def test_an_instance_drained_mid_stream_finishes_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Scale-down's mechanism with work in flight: the instance streaming a request is retired (SIGTERM, as the
+    local actuator does); it finishes the stream, each token once, exits by itself, and is not restarted,
+    while the other instance takes the next request."""
+    cluster = start_cluster(tiny_model_dir, tmp_path, env=CONDUCTOR_ADMITS_ALL, conductor=1, prefill=0,
+                            decode=0, aggregated=2)
+    try:
+        holder, after, tokens, finish = asyncio.run(drain_mid_stream(cluster))
+        assert after > 0, "the instance streamed nothing after its SIGTERM: nothing was in flight"
+        assert len(tokens) == LONG_TOKENS and finish == "length"  # every token, each once
+        assert cluster.procs[holder].wait(timeout=60) == 0  # drained, said goodbye, exited by itself
+        assert not cluster.supervise() and cluster.members("aggregated") == [
+            iid for iid in ("aggregated-0", "aggregated-1") if iid != holder]
+        assert "service stopped" in cluster.log_file(holder).read_text()
+        model = model_name(cluster)
+        reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=120,
+                           json={"model": model, "prompt": "after the drain", "max_tokens": 4, "ignore_eos": True})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        cluster.stop()
+
+
+async def drain_mid_stream(cluster: LocalCluster) -> tuple[str, int, list[str], str]:
+    """Streams one long request, retires its instance once it has streamed ``RETIRE_AFTER`` tokens; returns
+    the instance, how many token events it published after that, and what the client got: the tokens and
+    the finish reason."""
+    nc = await admin_nats(cluster)
+    events: list[TokenEvent] = []
+    retired: list[str] = []
+    after = 0
+
+    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+        nonlocal after
+        event = codecs.STREAM.decode(msg.data)
+        if not isinstance(event, TokenEvent):
+            return
+        events.append(event)
+        if retired and event.instance_id == retired[0]:
+            after += 1
+        elif not retired and sum(len(e.token_ids) for e in events) >= RETIRE_AFTER:
+            retired.append(event.instance_id)
+            cluster.retire_instance(event.instance_id)
+
+    await nc.subscribe(Subjects(cluster.namespace).stream_any, cb=on_event)
+    await nc.flush()
+    body = {"model": model_name(cluster), "prompt": "a long answer", "max_tokens": LONG_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream": True}
+    tokens: list[str] = []
+    finish = ""
+    async with (httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=httpx.Timeout(300, connect=10)) as http,
+                http.stream("POST", "/v1/completions", json=body) as response):
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    tokens.extend((choice["logprobs"] or {}).get("tokens", []))
+                    finish = choice["finish_reason"] or finish
+    await nc.close()
+    assert retired, "the stream ended before its instance could be retired"
+    return retired[0], after, tokens, finish
