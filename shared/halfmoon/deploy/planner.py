@@ -226,7 +226,6 @@ class Planner:
         self.mode = deployment_mode(actuator.counts())
         self.forecaster = LoadForecaster(config.smoothing)
         self.scaler: Scaler | None = None  # made once the engines' block size is known
-        self.decisions: list[Decision] = []
         self._last: float | None = None
 
     def layout(self) -> Layout:
@@ -274,7 +273,6 @@ class Planner:
                                                                  for k, v in forecast._asdict().items()})})
         log.info(line)
         self.report(line)
-        self.decisions.append(decision)
         return decision
 
     def _apply(self, current: Layout, target: Layout) -> list[str]:
