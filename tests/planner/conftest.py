@@ -8,9 +8,10 @@ import pytest
 
 from halfmoon.sim.profile import Profile, profile_from_dict
 
-# decode steps take 20 ms + 30 ms per running request: with a TBT SLO of 100 ms an instance holds two
-# requests in SLO, not three
-STEP_FIXED_S, STEP_PER_REQUEST_S = 0.02, 0.03
+# decode steps take 20 ms + 80 ms per running request: within a TBT SLO of 200 ms an instance holds two
+# requests, not three (and fewer while it prefills others)
+STEP_FIXED_S, STEP_PER_REQUEST_S = 0.02, 0.08
+TBT_SLO_S = 0.2
 PREFILL_FIXED_S, PREFILL_PER_TOKEN_S = 0.01, 0.0001
 
 

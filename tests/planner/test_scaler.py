@@ -5,6 +5,7 @@ from halfmoon.sim.config import SimConfig
 from halfmoon.sim.forecast import IntervalLoad
 from halfmoon.sim.plan import AGGREGATED, DISAGGREGATED, Candidate, Layout, PlanSettings, simulator
 from halfmoon.sim.planner import Scaler, ScalingSettings, forecast_trace
+from tests.planner.conftest import TBT_SLO_S
 
 PER_INSTANCE_RPS = 1.0  # the constructed surface: each instance serves 1 req/s within the SLOs
 
@@ -97,7 +98,7 @@ class TestWithTheSimulator:
     """The same decisions on the simulator's replay, with the capped profile the live test gives the planner."""
 
     def scaling(self) -> ScalingSettings:
-        base = SimConfig(slo=SLO(ttft_s=2.0, tbt_s=0.1), block_size=16)
+        base = SimConfig(slo=SLO(ttft_s=2.0, tbt_s=TBT_SLO_S), block_size=16)
         return ScalingSettings(PlanSettings(base, target=0.9, max_instances=3), horizon_s=30.0, cooldown_intervals=0)
 
     def test_forecast_trace_shape(self):
