@@ -22,14 +22,16 @@ from tests.conftest import Processes
 class Up:
     """One `halfmoon up` process, its output in a file; stopped with Ctrl-C (SIGINT) at the end."""
 
-    def __init__(self, processes: Processes, model: Path, run_dir: Path, *args: str) -> None:
+    def __init__(self, processes: Processes, model: Path, run_dir: Path, *args: str,
+                 env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
         self.output = run_dir.parent / f"{run_dir.name}.out"
         with open(self.output, "wb") as out:
             self.proc = processes.start(
                 ["-m", "halfmoon.cli.main", "up", "--model", str(model), "--run-dir", str(run_dir),
                  "--timeout", "900", *args],  # a shared, loaded machine can take minutes to import torch
-                {"COLUMNS": "400", "HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5"},
+                {"COLUMNS": "400", "HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
+                 **(env or {})},
                 stdout=out, stderr=subprocess.STDOUT)
 
     def text(self) -> str:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from rich.console import Console  # loaded by main, once the command is known
 
     from halfmoon.deploy.local import LocalCluster
+    from halfmoon.deploy.planner import PlannerConfig
 
 DEFAULT_MODEL = "smollm2"
 MEMORY_CHECK_EVERY_S = 10
@@ -78,6 +79,7 @@ def gateway_security(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str,
 
 def _up(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -98,6 +100,7 @@ def _up(args: argparse.Namespace) -> int:
     counts.update(transfer=args.transfer, **{"cache-manager": args.cache_managers})
     if not args.pool_only:
         counts["conductor"] = args.conductors
+    planning = planner_config(args, os.environ, counts) if args.planner else None
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
                            gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
@@ -147,13 +150,26 @@ def _up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     over: set[str] = set()
     ticks = itertools.count()
+    planner = None
     try:
+        if planning is not None:
+            from halfmoon.deploy.planner import LocalPlanner
+
+            planner = LocalPlanner(cluster, planning, report=lambda line: console.print(f"[cyan]planner[/]: {escape(line)}"))
+            console.print(f"planner: sizing the engine pools every {planning.interval_s:g} s to {planning.target:.0%} "
+                          f"within TTFT {planning.ttft_slo_s:g} s and TBT {planning.tbt_slo_s * 1000:g} ms, at most "
+                          f"{planning.max_instances} engines (profile {planning.profile}); its decisions go to "
+                          f"{cluster.log_file('planner')} and the spans")
         while not stop.wait(1.0):
             cluster.supervise()
+            if planner is not None:
+                planner.tick()  # here, not in a thread: it starts and drains the processes supervise watches
             if next(ticks) % MEMORY_CHECK_EVERY_S == 0:
                 for line in over_bound(cluster, over):
                     console.print(f"[red]memory[/]: {line}")
     finally:
+        if planner is not None:
+            planner.close()
         with console.status("stopping (draining in-flight requests)"):
             cluster.stop()
         restarts = {name: rec.restarts for name, rec in cluster.supervision.records.items() if rec.restarts}
@@ -176,6 +192,30 @@ def over_bound(cluster: LocalCluster, reported: set[str]) -> list[str]:
             lines.append(f"{instance} holds {memory.rss / MIB:,.0f} MiB, past its bound of {bound.total / MIB:,.0f} "
                          f"MiB ({bound.describe()})")
     return lines
+
+
+def planner_config(args: argparse.Namespace, environ: Mapping[str, str], counts: dict[str, int]) -> PlannerConfig:
+    """``--planner``'s settings; unless given, its SLOs are the conductor's (HALFMOON_TTFT_SLO_S,
+    HALFMOON_TBT_SLO_S). They may differ: the conductor's reject what cannot be served in time, the
+    planner's are what the pools are sized for (a deployment may admit late requests yet size for fewer)."""
+    from halfmoon.deploy.planner import PlannerConfig, deployment_mode
+    from halfmoon.policy.state import SERVING_SLO
+    from halfmoon.protocol.registry import Role
+    from halfmoon.sim.profile import load_profile
+
+    if args.pool_only:
+        raise SystemExit("halfmoon up: --planner sizes engine pools; --pool-only runs none")
+    try:
+        deployment_mode({role: counts[role.value] for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED)})
+        given = {"interval_s": args.planner_interval, "profile": args.planner_profile,
+                 "max_instances": args.planner_max_instances}
+        ttft = args.planner_ttft_slo or float(environ.get("HALFMOON_TTFT_SLO_S", SERVING_SLO.ttft_s))
+        tbt = args.planner_tbt_slo or float(environ.get("HALFMOON_TBT_SLO_S", SERVING_SLO.tbt_s))
+        config = PlannerConfig(**{k: v for k, v in given.items() if v is not None}, ttft_slo_s=ttft, tbt_slo_s=tbt)
+        load_profile(config.profile)  # a missing or malformed profile fails here, before anything starts
+        return config
+    except ValueError as exc:
+        raise SystemExit(f"halfmoon up --planner: {exc}") from exc
 
 
 # ``--pool-only``: what an engine outside Halfmoon (vLLM with connectors/vllm.py) needs of it: NATS, the
@@ -257,4 +297,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--crash-loop-exits", type=int, default=5, help="this many exits of one process ...")
     up.add_argument("--crash-loop-window", type=float, default=60.0, help="... within this many seconds is a crash loop: while starting, stop all; once up, "
                     "restart it only every 5 minutes (others serve on)")
+    up.add_argument("--planner", action="store_true",
+                    help="resize the engine pools to the SLOs as the load changes (docs/PLANNER.md)")
+    up.add_argument("--planner-profile", help="with --planner: the cost profile (name or JSON file, "
+                                              "docs/SIMULATION.md) of the engines' machines (default: the bundled one)")
+    up.add_argument("--planner-interval", type=float, help="with --planner: seconds between decisions (default 5)")
+    up.add_argument("--planner-max-instances", type=int, help="with --planner: at most this many engines (default 4)")
+    up.add_argument("--planner-ttft-slo", type=float, help="with --planner: the TTFT (s) the pools are sized for "
+                                                           "(default: the conductor's, HALFMOON_TTFT_SLO_S)")
+    up.add_argument("--planner-tbt-slo", type=float, help="with --planner: the TBT (s) the pools are sized for "
+                                                          "(default: the conductor's, HALFMOON_TBT_SLO_S)")
     up.set_defaults(func=_up)

@@ -25,7 +25,7 @@ from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
-from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
+from halfmoon.deploy.topology import ENGINE_SERVICES, OPTIONAL_SERVICES, SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import KernelReport, Leaving
 from halfmoon.protocol.subjects import Subjects
@@ -230,6 +230,33 @@ class LocalCluster:
         self.supervision.started(instance_id, time.monotonic())
         return proc
 
+    def members(self, name: str) -> list[str]:
+        """The instances of service ``name`` the deployment runs: up, starting or restarting, not retired."""
+        return [iid for spec, iid in self.plan if spec.name == name]
+
+    def add_instance(self, name: str) -> str:
+        """Start one more instance of service ``name`` under an id no earlier instance of this run had (a
+        retired one may still be draining under its old id); ``supervise`` reports when it serves."""
+        spec = next(s for s in (*SERVICES, *OPTIONAL_SERVICES) if s.name == name)
+        used = [int(iid.rsplit("-", 1)[1]) for iid, s in self.specs.items() if s.name == name]
+        instance_id = f"{name}-{max(used, default=-1) + 1}"
+        self.plan.append((spec, instance_id))
+        self.specs[instance_id] = spec
+        self.start_instance(spec, instance_id)
+        self._coming_up.add(instance_id)
+        return instance_id
+
+    def retire_instance(self, instance_id: str) -> None:
+        """Drain one instance out of the deployment: SIGTERM, after which it takes no new work, finishes
+        what it holds and exits (runtime/host.py); it is leaving as draining, so nothing restarts it."""
+        self.supervision.stopping(instance_id)
+        self.plan = [(spec, iid) for spec, iid in self.plan if iid != instance_id]
+        self._restart_at.pop(instance_id, None)
+        self._coming_up.discard(instance_id)
+        proc = self.procs[instance_id]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
     @property
     def can_serve(self) -> bool:
         """The plan has a gateway, a conductor and engines for both phases (prefill and decode, or aggregated)."""
@@ -286,7 +313,8 @@ class LocalCluster:
             if self.read_ready(name) is not None:
                 self._coming_up.discard(name)
                 port = self.metrics_ports.get(name)
-                happened.append(f"{name} serving again (pid {self.procs[name].pid}"
+                again = " again" if self.supervision.restarts(name) else ""  # else added by scale_to
+                happened.append(f"{name} serving{again} (pid {self.procs[name].pid}"
                                 + (f", metrics at http://127.0.0.1:{port}/metrics)" if port else ")"))
         for line in happened:
             self.events(line)

@@ -58,7 +58,9 @@ class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     """Conductor ``conductor`` placed ``request_id`` on this pair: the others enter it in their ledgers
     too. ``prefill_s``: the predicted prefill work; ``ttl_s``: how long after placement it may stay
     without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part. ``pipeline``:
-    the later stages of a pipelined prefill (each busy about as long as the head)."""
+    the later stages of a pipelined prefill (each busy about as long as the head). ``max_tokens`` and
+    ``reused_tokens`` (prompt tokens the prefill instance is expected to reuse from the cache) are what
+    the planner forecasts output lengths and cache hits from."""
 
     conductor: str
     prefill_instance: str
@@ -66,6 +68,8 @@ class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     request_id: str
     prefill_s: float = 0.0
     prompt_tokens: int = 0
+    max_tokens: int = 0
+    reused_tokens: int = 0
     ttl_s: float = 60.0
     decode_ttl_s: float = 600.0
     pipeline: tuple[str, ...] = ()

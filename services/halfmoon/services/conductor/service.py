@@ -257,6 +257,7 @@ class ConductorService(Service[ConductorConfig]):
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
         placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
                         request_id=request.request_id, prefill_s=choice.prefill_s, prompt_tokens=request.prompt_len,
+                        max_tokens=request.sampling.max_tokens, reused_tokens=choice.reused_tokens,
                         pipeline=choice.pipeline,
                         ttl_s=self.config.ledger_ttl_s + 2 * ttft_s,
                         decode_ttl_s=self.config.ledger_ttl_s + 2 * (ttft_s + request.sampling.max_tokens

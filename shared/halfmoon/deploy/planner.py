@@ -1,0 +1,324 @@
+"""The online planner of a local deployment (`halfmoon up --planner`): every interval it reads what the
+deployment reported, forecasts the next interval (sim/forecast.py), asks the simulator for the counts that
+meet the SLOs at that load (sim/planner.py) and applies them through an :class:`Actuator`.
+
+It runs inside the launcher, not as a process of its own: the local actuator is the launcher's process
+table, and the launcher's supervision loop (the one thread that starts and restarts processes) also
+applies the planner's counts, so nothing races on it and no NATS subject or role is needed to ask the
+launcher for instances. Its NATS reading runs in a thread of its own, as the operator (docs/PLANNER.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import nats
+from nats.aio.msg import Msg
+from opentelemetry.trace import Tracer
+
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.policy.state import SERVING_SLO, SLO
+from halfmoon.protocol import codecs
+from halfmoon.protocol.registry import Role
+from halfmoon.protocol.subjects import Subjects
+from halfmoon.sim.config import SimConfig
+from halfmoon.sim.forecast import IntervalLoad, LoadForecaster, Smoothing
+from halfmoon.sim.plan import AGGREGATED, DISAGGREGATED, Evaluate, Layout, PlanSettings, simulator
+from halfmoon.sim.planner import Decision, Scaler, ScalingSettings, forecast_trace
+from halfmoon.sim.profile import DEFAULT_PROFILE, Profile, load_profile
+from halfmoon.telemetry.tracing import setup_tracing
+
+log = logging.getLogger("halfmoon.planner")
+
+ENGINE_ROLES = (Role.PREFILL, Role.DECODE, Role.AGGREGATED)
+RECENT_REQUESTS = 100_000  # request ids remembered so a request placed again (a retry) counts once
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """``profile``: the cost profile (name or file, docs/SIMULATION.md) of the machines the engines run
+    on; the SLOs and target are what the pools are sized to; ``max_instances`` bounds the engines."""
+
+    interval_s: float = 5.0
+    profile: str = DEFAULT_PROFILE
+    ttft_slo_s: float = SERVING_SLO.ttft_s
+    tbt_slo_s: float = SERVING_SLO.tbt_s
+    target: float = 0.9
+    max_instances: int = 4
+    horizon_s: float = 30.0
+    headroom: float = 0.25
+    cooldown_intervals: int = 3
+    smoothing: Smoothing = field(default_factory=Smoothing)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        self.scaling(AGGREGATED, 1)  # validates the rest
+
+    def scaling(self, mode: str, block_size: int) -> ScalingSettings:
+        base = SimConfig(slo=SLO(self.ttft_slo_s, self.tbt_slo_s), block_size=block_size)
+        return ScalingSettings(PlanSettings(base, target=self.target, max_instances=self.max_instances), mode=mode,
+                               horizon_s=self.horizon_s, headroom=self.headroom,
+                               cooldown_intervals=self.cooldown_intervals)
+
+
+class Actuator(ABC):
+    """Applies the planner's counts to a deployment.
+
+    Contract: ``counts()`` is, per engine role, the instances the deployment runs and that are not leaving
+    (those still starting count: asking twice for the same instance must not start two). ``scale_to(role,
+    n)`` returns once the change is under way, not done, naming the instances it started or drained.
+    Scale-up starts instances, which serve once their heartbeats reach the conductor. Scale-down drains
+    first: one instance at a time gets SIGTERM (or its platform's equivalent), after which it takes no new
+    work (its heartbeat says leaving=draining, and the conductor places nothing more on it), finishes or
+    hands back what it holds within its drain timeout, and exits; it is not restarted. Nothing is killed
+    to scale down, so no request is lost to it.
+    """
+
+    @abstractmethod
+    def counts(self) -> dict[Role, int]: ...
+
+    @abstractmethod
+    def scale_to(self, role: Role, count: int) -> list[str]: ...
+
+
+class LocalActuator(Actuator):
+    """The processes of a :class:`LocalCluster`; call it from the thread that supervises the cluster."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+
+    def counts(self) -> dict[Role, int]:
+        return {role: len(self.cluster.members(role.value)) for role in ENGINE_ROLES}
+
+    def scale_to(self, role: Role, count: int) -> list[str]:
+        members = self.cluster.members(role.value)
+        if count >= len(members):
+            return [self.cluster.add_instance(role.value) for _ in range(count - len(members))]
+        # the newest go first: the first instances keep their ids (and their caches) across a ramp
+        leaving = sorted(members, key=lambda iid: int(iid.rsplit("-", 1)[1]))[count:]
+        for instance_id in leaving:
+            self.cluster.retire_instance(instance_id)
+        return leaving
+
+
+class Report(NamedTuple):
+    """One interval of what the deployment reported: placements, and the engines' latest heartbeats."""
+
+    requests: int
+    prompt_tokens: int
+    output_tokens: int  # requested (max_tokens): the most each request may produce
+    reused_tokens: int
+    tbt_ms: dict[str, float]  # engine instance -> its recent mean time between tokens
+    block_size: int | None  # the engines' KV block size (from their KV spec), None before a heartbeat
+
+    def load(self, seconds: float) -> IntervalLoad:
+        if not self.requests:
+            return IntervalLoad(0.0, 0.0, 0.0, 0.0)
+        return IntervalLoad(self.requests / seconds, self.prompt_tokens / self.requests,
+                            self.output_tokens / self.requests, self.reused_tokens / max(1, self.prompt_tokens))
+
+
+class Watch:
+    """Reads heartbeats and the conductors' ``Placed`` notes off NATS in a thread of its own; ``take`` hands
+    over what came since the last call."""
+
+    def __init__(self, nats_url: str, subjects: Subjects, connect_options: Mapping[str, str]) -> None:
+        self.nats_url, self.subjects, self.connect_options = nats_url, subjects, dict(connect_options)
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._counts = [0, 0, 0, 0]  # requests, prompt, output, reused tokens
+        self._tbt_ms: dict[str, float] = {}
+        self._block_size: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="planner-watch", daemon=True)
+
+    def start(self, timeout: float = 15.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the planner could not subscribe on {self.nats_url} within {timeout}s")
+        if self._failure is not None:
+            raise self._failure
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    def take(self) -> Report:
+        with self._lock:
+            requests, prompt, output, reused = self._counts
+            self._counts = [0, 0, 0, 0]
+            return Report(requests, prompt, output, reused, dict(self._tbt_ms), self._block_size)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._watch())
+        except BaseException as exc:  # handed to start(), which raises it in the launcher
+            self._failure = exc
+            self._ready.set()
+
+    async def _watch(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=-1, **self.connect_options)
+        try:
+            await nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
+            await nc.subscribe(self.subjects.placed, cb=self._on_placed)
+            await nc.flush()
+            self._ready.set()
+            await self._stop.wait()
+        finally:
+            await nc.close()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        beat = codecs.HEARTBEAT.decode(msg.data)
+        if beat.role not in ENGINE_ROLES:
+            return
+        with self._lock:
+            if beat.kv_spec is not None:
+                self._block_size = beat.kv_spec.block_size
+            if beat.leaving is None and beat.load.tbt_ms is not None and beat.role is not Role.PREFILL:
+                self._tbt_ms[beat.instance_id] = beat.load.tbt_ms
+            else:
+                self._tbt_ms.pop(beat.instance_id, None)
+
+    async def _on_placed(self, msg: Msg) -> None:
+        placed = codecs.PLACED.decode(msg.data)
+        with self._lock:
+            if placed.request_id in self._seen:
+                return
+            self._seen[placed.request_id] = None
+            if len(self._seen) > RECENT_REQUESTS:
+                self._seen.popitem(last=False)
+            for i, value in enumerate((1, placed.prompt_tokens, placed.max_tokens, placed.reused_tokens)):
+                self._counts[i] += value
+
+
+def deployment_mode(counts: Mapping[Role, int]) -> str:
+    if counts[Role.AGGREGATED] and not (counts[Role.PREFILL] or counts[Role.DECODE]):
+        return AGGREGATED
+    if counts[Role.PREFILL] and counts[Role.DECODE] and not counts[Role.AGGREGATED]:
+        return DISAGGREGATED
+    raise ValueError("the planner sizes aggregated pools or prefill and decode pools, not both at once: "
+                     f"the deployment runs {dict(counts)}")
+
+
+class Planner:
+    """``tick(now)`` as often as the caller likes (the launcher: every second); every ``interval_s`` it
+    decides and applies. ``report`` gets each decision's line; each is also a span ``planner.decide``."""
+
+    def __init__(self, config: PlannerConfig, actuator: Actuator, watch: Watch, profile: Profile, tracer: Tracer,
+                 report: Callable[[str], None] = lambda _line: None) -> None:
+        self.config, self.actuator, self.watch, self.profile = config, actuator, watch, profile
+        self.tracer, self.report = tracer, report
+        self.mode = deployment_mode(actuator.counts())
+        self.forecaster = LoadForecaster(config.smoothing)
+        self.scaler: Scaler | None = None  # made once the engines' block size is known
+        self._last: float | None = None
+
+    def layout(self) -> Layout:
+        counts = self.actuator.counts()
+        if self.mode == AGGREGATED:
+            return Layout(AGGREGATED, counts[Role.AGGREGATED])
+        return Layout(DISAGGREGATED, counts[Role.PREFILL], counts[Role.DECODE])
+
+    def tick(self, now: float) -> Decision | None:
+        if self._last is None:
+            self._last = now
+            self.watch.take()  # what came before the first interval began is no interval's
+            return None
+        if now - self._last < self.config.interval_s:
+            return None
+        seconds, self._last = now - self._last, now
+        seen = self.watch.take()
+        if seen.block_size is None:
+            return None  # no engine has heartbeaten yet
+        if self.scaler is None:
+            self.scaler = Scaler(self.config.scaling(self.mode, seen.block_size))
+        scaling = self.scaler.settings
+        self.forecaster.observe(seen.load(seconds), seen.requests)
+        forecast = self.forecaster.forecast()
+
+        def evaluate_at(load: IntervalLoad) -> Evaluate:
+            return simulator(self.profile, forecast_trace(load, scaling.horizon_s, seen.block_size or 1), scaling.plan)
+
+        current = self.layout()
+        with self.tracer.start_as_current_span("planner.decide") as span:
+            started = time.perf_counter()
+            decision = self.scaler.decide(current, forecast, evaluate_at)
+            changed = self._apply(current, decision.target)
+            worst = max(seen.tbt_ms.values(), default=None)
+            measured = ("no TBT measured" if worst is None else
+                        f"measured TBT up to {worst:.0f} ms (SLO {self.config.tbt_slo_s * 1000:g} ms)")
+            line = (f"{decision.action} {current.label} -> {decision.target.label}: {decision.reason}; "
+                    f"{seen.requests} requests in the last {seconds:.1f} s, {measured}"
+                    + (f"; {', '.join(changed)}" if changed else ""))
+            span.set_attributes({"planner.action": decision.action, "planner.current": current.label,
+                                 "planner.target": decision.target.label, "planner.reason": decision.reason,
+                                 "planner.requests": seen.requests, "planner.changed": changed,
+                                 "planner.decide_s": time.perf_counter() - started,
+                                 **({} if forecast is None else {f"planner.forecast.{k}": v
+                                                                 for k, v in forecast._asdict().items()})})
+        log.info(line)
+        self.report(line)
+        return decision
+
+    def _apply(self, current: Layout, target: Layout) -> list[str]:
+        roles = ((Role.AGGREGATED, current.prefill, target.prefill),) if self.mode == AGGREGATED else (
+            (Role.PREFILL, current.prefill, target.prefill), (Role.DECODE, current.decode, target.decode))
+        changed = []
+        for role, have, want in roles:
+            if want != have:
+                verb = "started" if want > have else "draining"
+                changed += [f"{verb} {iid}" for iid in self.actuator.scale_to(role, want)]
+        return changed
+
+
+class LocalPlanner:
+    """A :class:`Planner` over a started :class:`LocalCluster`: reads NATS as the operator, writes its
+    decisions to ``logs/planner.log`` and its spans to the cluster's span file. ``close`` when done."""
+
+    def __init__(self, cluster: LocalCluster, config: PlannerConfig,
+                 report: Callable[[str], None] = lambda _line: None) -> None:
+        assert cluster.nats_url is not None, "start the cluster first"
+        options = cluster.nats_auth.connect_options() if cluster.nats_auth is not None else {}
+        self.watch = Watch(cluster.nats_url, Subjects(cluster.namespace), options)
+        self.provider = setup_tracing("planner", "planner", trace_file=str(cluster.trace_file))
+        self.log_file = cluster.log_file("planner")
+        self.planner = Planner(config, LocalActuator(cluster), self.watch, load_profile(config.profile),
+                               self.provider.get_tracer("halfmoon.planner"), self._line(report))
+        self.watch.start()
+
+    def _line(self, report: Callable[[str], None]) -> Callable[[str], None]:
+        def both(line: str) -> None:
+            with Path(self.log_file).open("a") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+            report(line)
+
+        return both
+
+    def tick(self, now: float | None = None) -> Decision | None:
+        try:
+            return self.planner.tick(time.monotonic() if now is None else now)
+        except Exception as exc:
+            # NOTE: a planner that fails must not take the deployment down: the pools stay as they are
+            log.exception("planner failed")
+            self.planner.report(f"failed, the pools stay as they are: {exc!r}")
+            return None
+
+    def close(self) -> None:
+        self.watch.stop()
+        self.provider.shutdown()  # flushes the last spans
+
