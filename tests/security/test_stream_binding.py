@@ -1,6 +1,7 @@
 """A request's token stream is bound to its id and issuing gateway: a worker derives where it streams,
-so a forged submit naming another request's stream (the field requests used to carry) streams nowhere
-near it, from the gateway's credentials through prefill or from prefill's through decode."""
+prefill from the subject the submit came on (a gateway's NATS user may only submit naming itself). So a
+forged submit naming another request's gateway and id streams nowhere near it: from another gateway's
+credentials through prefill, or from prefill's through decode."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ import pytest
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorReply
+from halfmoon.protocol.permissions import gateway_user
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.stream import ErrorEvent, TokenEvent
 from tests.security.conftest import bearer
-from tests.security.test_nats_permissions import SUBJECTS, connect
+from tests.security.test_nats_permissions import ATTACKER, SUBJECTS, connect
 
 VICTIM_TOKENS = 40
 TAKE_DEADLINE_S = 30.0
 
 
 def forged_prefill(victim_gateway: str, victim_id: str) -> list[dict]:
-    """What a gateway's credentials may submit to prefill, naming the victim's gateway and request id (both
-    read off its stream's subject): an invalid request (a token id past the vocabulary ends in an
-    ErrorEvent) and one that claims 100 delivered tokens and may add one (a TokenEvent at index 100)."""
+    """What another gateway's credentials may submit to prefill, naming the victim's gateway (in the field
+    requests used to carry) and request id, both read off the victim's stream subject: an invalid request
+    (a token id past the vocabulary ends in an ErrorEvent) and one that claims 100 delivered tokens and may
+    add one (a TokenEvent at index 100)."""
     base = {"kind": "prefill", "v": 1, "decode_instance": "decode-0", "gateway": victim_gateway,
             "request_id": victim_id, "deadline": time.time() + 60}
     return [
@@ -45,9 +48,10 @@ def forged_decode(_victim_gateway: str, victim_id: str) -> list[dict]:
              "sampling": msgspec.to_builtins(SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))}]
 
 
-ATTACKS = {  # credentials, the subject they may submit to, the forged bodies
-    "gateway through prefill": ("gateway", SUBJECTS.prefill_submit("prefill-0"), forged_prefill),
-    "prefill through decode": ("prefill", SUBJECTS.decode_submit("decode-0"), forged_decode),
+ATTACKS = {  # credentials, the subject they may submit to, the forged bodies, where those must stream
+    "another gateway through prefill": (gateway_user(ATTACKER), SUBJECTS.prefill_submit("prefill-0", ATTACKER),
+                                        forged_prefill, f".stream.{ATTACKER}."),
+    "prefill through decode": ("prefill", SUBJECTS.decode_submit("decode-0"), forged_decode, ".stream.attacker."),
 }
 
 
@@ -72,8 +76,8 @@ class TestForgedSubmitCannotWriteIntoAnotherStream:
     @pytest.mark.parametrize("attack", sorted(ATTACKS))
     async def test_victim_stream_gets_only_its_own_events(self, secure_cluster: LocalCluster, served_model: str,
                                                           attack: str) -> None:
-        role, submit, forge = ATTACKS[attack]
-        attacker = await connect(secure_cluster, role)
+        user, submit, forge, forged_prefix = ATTACKS[attack]
+        attacker = await connect(secure_cluster, user)
         tap = await connect(secure_cluster, "admin")
         seen: dict[str, list[TokenEvent | ErrorEvent]] = {}  # stream subject -> the events on it
         victim_stream: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -109,4 +113,4 @@ class TestForgedSubmitCannotWriteIntoAnotherStream:
         assert (reply.json()["usage"]["completion_tokens"], choice["finish_reason"]) == (VICTIM_TOKENS, "length")
         assert [e for e in seen[stream] if forged(e)] == []  # only the victim's own events
         forged_streams = {s for s, events in seen.items() if any(forged(e) for e in events)}
-        assert forged_streams and all(".attacker." in s for s in forged_streams), forged_streams
+        assert forged_streams and all(forged_prefix in s for s in forged_streams), forged_streams

@@ -27,7 +27,8 @@ from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.supervisor import CrashLoop, Leaving, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
-from halfmoon.protocol.registry import KernelReport
+from halfmoon.protocol.permissions import nats_user
+from halfmoon.protocol.registry import KernelReport, Role
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime.memory import MemoryReport, deployment_bounds
 
@@ -126,6 +127,11 @@ class LocalCluster:
         self._starting = False  # ``start`` is waiting for the deployment: a crash loop there fails it
 
     @property
+    def gateways(self) -> list[str]:
+        """The gateway instance ids of the plan."""
+        return [iid for spec, iid in self.plan if spec.name == Role.GATEWAY.value]
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
@@ -153,7 +159,7 @@ class LocalCluster:
                    HALFMOON_CLUSTER_SECRET=self.cluster_secret,
                    HALFMOON_READY_FILE=str(self.ready_file(instance_id)))
         if self.nats_auth is not None:
-            env.update(self.nats_auth.env(spec.name))
+            env.update(self.nats_auth.env(nats_user(spec.name, instance_id)))
         if spec.name == "gateway":
             env["HALFMOON_PORT"] = str(self.gateway_port)
         if spec.name == "transfer":
@@ -197,7 +203,8 @@ class LocalCluster:
         ports_dir = self.run_dir / "nats-ports"
         shutil.rmtree(ports_dir, ignore_errors=True)
         ports_dir.mkdir(parents=True)
-        self.nats_auth, self._nats_config = embedded_server_config(self.run_dir, self.namespace, -1)
+        # NOTE: a gateway's user is scoped to its instance id, which its restarts keep
+        self.nats_auth, self._nats_config = embedded_server_config(self.run_dir, self.namespace, -1, self.gateways)
         self.respawn_nats("--ports_file_dir", str(ports_dir))
         assert self._nats is not None
         end = time.monotonic() + timeout
