@@ -101,10 +101,12 @@ class LocalCluster:
     def __init__(self, model_dir: str | Path, run_dir: str | Path, counts: dict[str, int] | None = None, *,
                  nats_url: str | None = None, namespace: str = "halfmoon", gateway_port: int = 8000,
                  env: dict[str, str] | None = None, metrics: bool = False, supervised: bool = False,
-                 policy: RestartPolicy = DEFAULT_POLICY, events: Callable[[str], None] = lambda _m: None) -> None:
+                 policy: RestartPolicy = DEFAULT_POLICY, events: Callable[[str], None] = lambda _m: None,
+                 spare_gateways: tuple[str, ...] = ()) -> None:
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir).resolve()  # services run from the repository root
         self.plan = instances(counts or {})
+        self.spare_gateways = spare_gateways  # ids with NATS users for gateways started beside the plan's
         self.specs = {iid: spec for spec, iid in self.plan}
         self.nats_url = nats_url
         self.namespace = namespace
@@ -128,8 +130,8 @@ class LocalCluster:
 
     @property
     def gateways(self) -> list[str]:
-        """The gateway instance ids of the plan."""
-        return [iid for spec, iid in self.plan if spec.name == Role.GATEWAY.value]
+        """The gateway instance ids that get NATS users: the plan's and the spare ones."""
+        return [*(iid for spec, iid in self.plan if spec.name == Role.GATEWAY.value), *self.spare_gateways]
 
     @property
     def url(self) -> str:
