@@ -99,8 +99,8 @@ class PipelineHead:
             await worker.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
             return
         except (RemoteError, TransferError, OSError) as exc:  # a stage failed: the gateway migrates the request
-            await worker.send_error(stream, req.request_id, ErrorCode.UNAVAILABLE,
-                                 f"pipelined prefill failed: {exc}", req.attempt)
+            await worker.send_error(stream, req.request_id, ErrorCode.UNAVAILABLE, f"pipelined prefill failed: {exc}",
+                                    req.attempt)
             return
         worker.done_computing(req.request_id)
         await worker.publish_event(stream, token_event(first, req.sampling, worker.instance_id,
@@ -115,8 +115,8 @@ class PipelineHead:
         try:
             await self.send_to_decode(req, gateway, first, kv, 0)
         except (RemoteError, TransferError, OSError) as exc:
-            await worker.send_error(stream, req.request_id, ErrorCode.UNAVAILABLE,
-                                 f"hand-off to decode failed: {exc}", req.attempt)
+            await worker.send_error(stream, req.request_id, ErrorCode.UNAVAILABLE, f"hand-off to decode failed: {exc}",
+                                    req.attempt)
 
     async def _compute(self, req: PrefillRequest, keys: list[bytes],
                        fetched: Fetched) -> tuple[RequestOutput, PipelineBlocks, set[int]]:

@@ -73,14 +73,13 @@ class PrefillService(EngineWorker):
             try:
                 first = await self._compute(req, prefix, writer)
             except EngineError as exc:
-                await self.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc),
-                                      req.attempt)
+                await self.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
                 return
             finished = time.perf_counter()
             self.done_computing(req.request_id)
             # NOTE: the first token's event goes out before the hand-off: decode's tokens follow it
             await self.publish_event(stream, token_event(first, req.sampling, self.instance_id,
-                                                                     first.num_cached_tokens, req.attempt))
+                                                         first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
             layers = prefix.fetched.layers
@@ -95,8 +94,7 @@ class PrefillService(EngineWorker):
             # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
             bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
             code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE
-            await self.send_error(stream, req.request_id, code, f"hand-off to decode failed: {exc}",
-                                  req.attempt)
+            await self.send_error(stream, req.request_id, code, f"hand-off to decode failed: {exc}", req.attempt)
         finally:
             shipping.cancel()
             await self.pool.release(prefix.fetched.lease_id)
