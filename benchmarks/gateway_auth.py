@@ -31,6 +31,7 @@ from rich.table import Table
 from halfmoon.core.tenants import KeyRing, Tenant, bearer_key
 from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.deploy.topology import SERVICES
+from halfmoon.protocol.permissions import gateway_user
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.services.gateway.ratelimit import SharedRateLimiter
 
@@ -100,7 +101,7 @@ def main() -> None:
         keys = keys_file(Path(tmp) / "api-keys", args.keys)
         env = {"HALFMOON_API_KEYS_FILE": str(Path(tmp) / "api-keys")}
         cluster = LocalCluster(model, Path(tmp) / "run", {"prefill": 0, "decode": 0, "transfer": 0},
-                               gateway_port=0, namespace="bench", env=env)
+                               gateway_port=0, namespace="bench", env=env, spare_gateways=("gateway-plain",))
         cluster.start()
         plain, plain_url = start_plain_gateway(cluster)
         try:
@@ -131,7 +132,7 @@ async def admission_vs_round_trip(cluster: LocalCluster, rounds: int) -> tuple[l
     """Seconds per rate-limit admission (read + compare-and-set in the shared bucket) and, interleaved,
     per plain NATS round trip (a flush), both over the gateway's own NATS credentials."""
     assert cluster.nats_auth is not None
-    nc = await nats.connect(cluster.nats_url, **cluster.nats_auth.connect_options("gateway"))
+    nc = await nats.connect(cluster.nats_url, **cluster.nats_auth.connect_options(gateway_user("gateway-0")))
     try:
         limiter = await SharedRateLimiter.open(nc, Subjects(cluster.namespace), time.time)
         tenant = Tenant("bench-direct", 10**9, 10**12)

@@ -62,9 +62,9 @@ async def timed_request(nc: Any, ns: str, prefill: str, decode: str, prompt: lis
 
     sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
     started = time.perf_counter()
-    await request(nc, subjects.prefill_submit(prefill),
+    await request(nc, subjects.prefill_submit(prefill, "gateway-0"),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=sampling,
-                                 decode_instance=decode, gateway="gateway-0",
+                                 decode_instance=decode,
                                  deadline=time.time() + 600, pipeline=pipeline), codecs.SUBMIT_REPLY, 30)
     await asyncio.wait_for(done.wait(), 600)
     await sub.unsubscribe()

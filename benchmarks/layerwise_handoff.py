@@ -138,9 +138,9 @@ async def one_round(nc: Any, ns: str, prefill: PrefillService, decode: DecodeSer
 
     sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
     before = len(ready)
-    await request(nc, subjects.prefill_submit(prefill.instance_id),
+    await request(nc, subjects.prefill_submit(prefill.instance_id, "gateway-0"),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(prompt), sampling=GREEDY,
-                                 decode_instance=decode.instance_id, gateway="gateway-0",
+                                 decode_instance=decode.instance_id,
                                  deadline=time.time() + 300), codecs.SUBMIT_REPLY, 30)
     await asyncio.wait_for(done.wait(), 300)
     await sub.unsubscribe()

@@ -14,6 +14,11 @@
   names: ``python -m halfmoon.services.cache_manager`` is ``cache-manager``), keys its data plane
   with the cluster secret, and a gateway checks the API keys there, a transfer node uses the S3
   keys there. A variable already set to a non-empty value is left alone.
+- Gateways: each has a NATS user of its own, scoped to one instance id (``halfmoon secrets --gateways N``
+  writes ``gateway-0.env`` .. ``gateway-<N-1>.env``). A replica runs as gateway slot
+  ``HALFMOON_GATEWAY_SLOT`` (Kubernetes: the pod's index), else claims the lowest free one by ``flock``
+  under ``HALFMOON_GATEWAY_SLOTS``, a writable directory the replicas share, held as the NVMe slots are;
+  it takes that slot's instance id and credentials.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ def own_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def claim_slot(root: Path, limit: int = MAX_SLOTS) -> tuple[Path, int]:
-    """(directory, inheritable locked fd) of the lowest-numbered slot no live process holds."""
+def claim_slot(root: Path, limit: int = MAX_SLOTS) -> tuple[int, int]:
+    """(number, inheritable locked fd) of the lowest-numbered slot under ``root`` no live process holds."""
     root.mkdir(parents=True, exist_ok=True)
     for n in range(limit):
         fd = os.open(root / f"slot-{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -49,10 +54,8 @@ def claim_slot(root: Path, limit: int = MAX_SLOTS) -> tuple[Path, int]:
             os.close(fd)
             continue
         os.set_inheritable(fd, True)
-        slot = root / f"slot-{n}"
-        slot.mkdir(exist_ok=True)
-        return slot, fd
-    raise NoFreeSlot(f"all {limit} NVMe slots under {root} are held by running replicas")
+        return n, fd
+    raise NoFreeSlot(f"all {limit} slots under {root} are held by running replicas")
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -67,15 +70,32 @@ def role_of(command: list[str]) -> str:
     return next((m[len(prefix):].replace("_", "-") for m in modules if m.startswith(prefix)), "")
 
 
+def gateway_slot(env: MutableMapping[str, str], secrets: Path) -> str:
+    """The name of this gateway replica's slot (``gateway-<n>``: its instance id and its env file's name)."""
+    slots = len(list(secrets.glob("gateway-*.env")))
+    if chosen := env.get("HALFMOON_GATEWAY_SLOT", ""):
+        n = int(chosen)
+    elif root := env.get("HALFMOON_GATEWAY_SLOTS", ""):
+        try:
+            n, _fd = claim_slot(Path(root), slots)  # NOTE: _fd stays open: the lock must outlive this exec
+        except NoFreeSlot as exc:
+            raise SystemExit(f"{exc}: `halfmoon secrets --gateways N` makes N gateway slots") from None
+    else:
+        raise SystemExit("a gateway runs as one of the gateway slots `halfmoon secrets` made: set "
+                         "HALFMOON_GATEWAY_SLOTS (a writable directory its replicas share) or HALFMOON_GATEWAY_SLOT")
+    return f"gateway-{n}"
+
+
 def load_secrets(env: MutableMapping[str, str], command: list[str]) -> None:
     directory = env.get("HALFMOON_SECRETS_DIR", "")
     if not directory:
         return
     root, role = Path(directory), env.get("HALFMOON_SECRETS_ROLE") or role_of(command)
-    if not (root / f"{role}.env").is_file():
-        raise SystemExit(f"HALFMOON_SECRETS_DIR={directory} has no {role or '<HALFMOON_SECRETS_ROLE>'}.env: "
+    name = gateway_slot(env, root) if role == "gateway" else role
+    if not (root / f"{name}.env").is_file():
+        raise SystemExit(f"HALFMOON_SECRETS_DIR={directory} has no {name or '<HALFMOON_SECRETS_ROLE>'}.env: "
                          "run `halfmoon secrets DIR` (compose's `secrets` job does)")
-    found = read_env_file(root / f"{role}.env")
+    found = read_env_file(root / f"{name}.env")
     found["HALFMOON_CLUSTER_SECRET_FILE"] = str(root / "cluster-secret")
     if role == "gateway":
         found.update(HALFMOON_API_KEYS_FILE=str(root / "api-keys"), HALFMOON_AUTH_SECRET_FILE=str(root / "auth-secret"))
@@ -92,7 +112,9 @@ def prepare(env: MutableMapping[str, str], command: list[str]) -> None:
     if env.get("HALFMOON_HOST") in WILDCARDS and not env.get("HALFMOON_ADVERTISE_HOST"):
         env["HALFMOON_ADVERTISE_HOST"] = own_address()
     if root := env.pop("HALFMOON_NVME_ROOT", ""):
-        slot, _fd = claim_slot(Path(root))  # NOTE: _fd stays open: the lock must outlive this exec
+        n, _fd = claim_slot(Path(root))  # NOTE: _fd stays open: the lock must outlive this exec
+        slot = Path(root) / f"slot-{n}"
+        slot.mkdir(exist_ok=True)
         env["HALFMOON_NVME_DIR"] = str(slot)
 
 

@@ -21,7 +21,7 @@ class LoadReporter(Service[ServiceConfig]):
     @property
     def address(self) -> str:
         if self.role is Role.PREFILL:
-            return self.subjects.prefill_submit(self.instance_id)
+            return self.subjects.prefill_submit_to(self.instance_id)
         return self.subjects.decode_submit(self.instance_id)
 
     def load(self) -> Load:

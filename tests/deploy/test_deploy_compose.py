@@ -27,8 +27,8 @@ from tests.deploy.conftest import (
 from tests.deploy.test_deploy_entrypoint import role_of
 
 SCALE = {"prefill": 2, "decode": 3, "transfer": 2, "gateway": 3}
-# read by infra/entrypoint.py: turned into HALFMOON_NVME_DIR, and into this role's credentials
-ENTRYPOINT_ONLY = {"HALFMOON_NVME_ROOT", "HALFMOON_SECRETS_DIR", "HALFMOON_SECRETS_ROLE"}
+# read by infra/entrypoint.py: turned into HALFMOON_NVME_DIR, and into this role's (or gateway slot's) credentials
+ENTRYPOINT_ONLY = {"HALFMOON_NVME_ROOT", "HALFMOON_SECRETS_DIR", "HALFMOON_SECRETS_ROLE", "HALFMOON_GATEWAY_SLOTS"}
 JOBS = {"models": "test", "secrets": "halfmoon", "jetstream": "halfmoon"}  # one-shot jobs on the Halfmoon image, and what they run
 
 

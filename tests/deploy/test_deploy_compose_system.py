@@ -1,9 +1,10 @@
 """docker-compose.yml's Halfmoon services, run here as plain processes: each with its compose command
 through infra/entrypoint.py and its compose environment, only the container addresses mapped to
 loopback ones (there is no Docker engine). Two transfer replicas share one NVMe root, as
-`--scale transfer=2` makes them. As compose does, the `secrets` job's command writes the credentials
-first and NATS runs with its config (a user per role). They must all pass their compose health checks
-and serve a completion with the generated API key."""
+`--scale transfer=2` makes them, and two gateway replicas one slots directory. As compose does, the
+`secrets` job's command writes the credentials first and NATS runs with its config (a user per role, and
+one per gateway slot). They must all pass their compose health checks and serve a completion with the
+generated API key, through each gateway."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.deploy.conftest import env_of
 from tests.fixtures.s3 import S3Server, s3_server  # noqa: F401  (fixture)
 
 ENTRYPOINT = REPO_ROOT / "infra" / "entrypoint.py"
-REPLICAS = {"transfer": 2}
+REPLICAS = {"transfer": 2, "gateway": 2}
 START_TIMEOUT_S = 180.0
 
 
@@ -56,7 +57,7 @@ def distinct_port(taken: set[int]) -> int:
 
 def local_env(
     compose_env: dict[str, str], nats_url: str, s3_url: str, namespace: str, model_dir: Path, nvme_root: Path,
-    secrets: Path, taken: set[int],
+    secrets: Path, taken: set[int], gateway_slots: Path,
 ) -> dict[str, str]:
     """The service's compose environment with container names and ports replaced by loopback ones."""
     env = dict(compose_env)
@@ -74,6 +75,8 @@ def local_env(
         env["HALFMOON_S3_ENDPOINT"] = s3_url
     if "HALFMOON_NVME_ROOT" in env:
         env["HALFMOON_NVME_ROOT"] = str(nvme_root)
+    if "HALFMOON_GATEWAY_SLOTS" in env:
+        env["HALFMOON_GATEWAY_SLOTS"] = str(gateway_slots)
     if "HALFMOON_HOST" in env:
         assert env["HALFMOON_HOST"] == "0.0.0.0"
         env.update(HALFMOON_HOST="127.0.0.1", HALFMOON_PORT=str(distinct_port(taken)))  # loopback only on this machine
@@ -130,7 +133,7 @@ def compose_system(
             svc = compose["services"][spec.name]
             for replica in range(REPLICAS.get(spec.name, 1)):
                 env = local_env(env_of(svc), nats_url, s3_server.endpoint_url, namespace, tiny_model_dir,
-                                tmp_path / "nvme", secrets, taken)
+                                tmp_path / "nvme", secrets, taken, tmp_path / "gateway-slots")
                 health = [sys.executable if a == "python" else a for a in svc["healthcheck"]["test"][1:]]
                 if spec.name == "gateway":
                     health = [a.replace("127.0.0.1:8000/", f"127.0.0.1:{env['HALFMOON_PORT']}/") for a in health]
@@ -174,17 +177,20 @@ class TestComposeServicesRunAsConfigured:
         nvme_root = Path(compose_system["transfer"][0].env["HALFMOON_NVME_ROOT"])
         assert sorted(p.name for p in nvme_root.iterdir() if p.is_dir()) == ["slot-0", "slot-1"]
 
-        gateway = f"http://127.0.0.1:{compose_system['gateway'][0].env['HALFMOON_PORT']}"
+        slots = Path(compose_system["gateway"][0].env["HALFMOON_GATEWAY_SLOTS"])
+        assert sorted(p.name for p in slots.iterdir()) == ["slot-0.lock", "slot-1.lock"], "one slot per gateway"
         keys = Path(compose_system["gateway"][0].env["HALFMOON_SECRETS_DIR"]) / "api-keys"
         key = next(line.split()[0] for line in keys.read_text().splitlines() if not line.startswith("#"))
-        assert httpx.get(f"{gateway}/v1/models", timeout=10).status_code == 401, "compose's gateway needs a key"
-        auth = {"authorization": f"Bearer {key}"}
-        model = httpx.get(f"{gateway}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
-        reply = httpx.post(
-            f"{gateway}/v1/completions",
-            headers=auth,
-            timeout=120,
-            json={"model": model, "prompt": "the cache block", "max_tokens": 8, "temperature": 0},
-        )
-        assert reply.status_code == 200, reply.text
-        assert reply.headers["x-request-id"] and reply.json()["usage"]["completion_tokens"] > 0
+        for instance in compose_system["gateway"]:  # each as its own slot's NATS user
+            gateway = f"http://127.0.0.1:{instance.env['HALFMOON_PORT']}"
+            assert httpx.get(f"{gateway}/v1/models", timeout=10).status_code == 401, "compose's gateway needs a key"
+            auth = {"authorization": f"Bearer {key}"}
+            model = httpx.get(f"{gateway}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+            reply = httpx.post(
+                f"{gateway}/v1/completions",
+                headers=auth,
+                timeout=120,
+                json={"model": model, "prompt": "the cache block", "max_tokens": 8, "temperature": 0},
+            )
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-request-id"] and reply.json()["usage"]["completion_tokens"] > 0

@@ -125,10 +125,11 @@ class TestSecrets:
         secrets = tmp_path / "secrets"
         make_secrets(secrets, "--tenants", "a,b")
         proc = start(HALFMOON_SECRETS_DIR=str(secrets), HALFMOON_SECRETS_ROLE="gateway",
-                     HALFMOON_NATS_URL="nats://nats:4222")
+                     HALFMOON_NATS_URL="nats://nats:4222", HALFMOON_GATEWAY_SLOT="3")
         env = report(proc)["env"]
         finish(proc)
-        assert env["HALFMOON_NATS_USER"] == "gateway" and env["HALFMOON_NATS_PASSWORD"]
+        assert (env["HALFMOON_INSTANCE_ID"], env["HALFMOON_NATS_USER"]) == ("gateway-3", "gateway-gateway-3")
+        assert env["HALFMOON_NATS_PASSWORD"]
         assert env["HALFMOON_API_KEYS_FILE"] == str(secrets / "api-keys")
         assert env["HALFMOON_CLUSTER_SECRET_FILE"] == str(secrets / "cluster-secret")
         assert "HALFMOON_S3_ACCESS_KEY" not in env  # only a transfer node gets the S3 keys
@@ -138,6 +139,32 @@ class TestSecrets:
         finish(proc)
         assert env["HALFMOON_NATS_USER"] == "transfer" and env["HALFMOON_S3_ACCESS_KEY"] == "mine"
         assert env["HALFMOON_S3_SECRET_KEY"] and "HALFMOON_API_KEYS_FILE" not in env
+
+    def test_gateway_replicas_claim_distinct_slots_while_they_live(self, tmp_path: Path) -> None:
+        secrets, slots = tmp_path / "secrets", tmp_path / "gateway-slots"
+        make_secrets(secrets, "--gateways", "2")
+        claim = {"HALFMOON_SECRETS_DIR": str(secrets), "HALFMOON_SECRETS_ROLE": "gateway",
+                 "HALFMOON_GATEWAY_SLOTS": str(slots)}
+        first, second = start(**claim), start(**claim)
+        a, b = report(first)["env"], report(second)["env"]
+        assert {(e["HALFMOON_INSTANCE_ID"], e["HALFMOON_NATS_USER"]) for e in (a, b)} == {
+            ("gateway-0", "gateway-gateway-0"), ("gateway-1", "gateway-gateway-1")}
+        assert a["HALFMOON_NATS_PASSWORD"] != b["HALFMOON_NATS_PASSWORD"]
+        full = subprocess.run([sys.executable, str(ENTRYPOINT), "true"], check=False, capture_output=True, text=True,
+                              env=service_env(**claim), timeout=30)
+        assert full.returncode != 0 and "--gateways" in full.stderr, "a third replica has no slot of its own"
+        finish(first)
+        third = start(**claim)
+        assert report(third)["env"]["HALFMOON_INSTANCE_ID"] == a["HALFMOON_INSTANCE_ID"], "the freed slot is taken"
+        finish(third)
+        finish(second)
+
+    def test_a_gateway_without_a_slot_stops_with_the_fix(self, tmp_path: Path) -> None:
+        make_secrets(tmp_path)
+        result = subprocess.run([sys.executable, str(ENTRYPOINT), "true"], check=False, capture_output=True, text=True,
+                                env=service_env(HALFMOON_SECRETS_DIR=str(tmp_path), HALFMOON_SECRETS_ROLE="gateway"),
+                                timeout=30)
+        assert result.returncode != 0 and "HALFMOON_GATEWAY_SLOTS" in result.stderr
 
     def test_the_role_is_the_commands_unless_named(self) -> None:
         assert role_of(["python", "-m", "halfmoon.services.cache_manager"]) == "cache-manager"

@@ -115,9 +115,9 @@ class SubmitWatch:
 
         async def on_submit(msg) -> None:  # type: ignore[no-untyped-def]
             request = codecs.PREFILL_REQUEST.decode(msg.data)
-            self.where[request.request_id] = msg.subject.split(".")[-2]
+            self.where[request.request_id] = msg.subject.split(".")[-3]  # prefill.{instance}.submit.{gateway}
 
-        await self.nc.subscribe(f"{Subjects('e2e').root}.prefill.*.submit", cb=on_submit)
+        await self.nc.subscribe(Subjects("e2e").prefill_submit_any, cb=on_submit)
         await self.nc.flush()
         return self
 

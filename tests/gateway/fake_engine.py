@@ -15,6 +15,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, ErrorCode, ErrorReply, Message
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.protocol.stream import ErrorEvent, TokenEvent, Usage
+from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import CancelRequest, PrefillRequest
 from halfmoon.runtime import Service, ServiceConfig
 
@@ -45,20 +46,21 @@ class ScriptedPrefill(Service[ServiceConfig]):
 
     @property
     def address(self) -> str:
-        return self.subjects.prefill_submit(self.instance_id)
+        return self.subjects.prefill_submit_to(self.instance_id)
 
     def load(self) -> Load:
         return Load(running=len(self._tasks))
 
     async def start(self) -> None:
-        await self.serve(self.address, codecs.PREFILL_REQUEST, self._on_submit, span_name="prefill.submit")
+        await self.serve_addressed(self.address, codecs.PREFILL_REQUEST, self._on_submit, span_name="prefill.submit")
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
 
-    async def _on_submit(self, request: PrefillRequest) -> Message:
+    async def _on_submit(self, request: PrefillRequest, subject: str) -> Message:
         self.received.append(request)
         if self.script.refuse:
             return ErrorReply(code=ErrorCode.UNAVAILABLE, message="draining", retryable=True)
-        task = asyncio.create_task(self._run(request))
+        task = asyncio.create_task(self._run(request, self.subjects.stream(Subjects.submitter(subject),
+                                                                           request.request_id)))
         self._tasks[request.request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request.request_id, None))
         return Ack(request_id=request.request_id, instance_id=self.instance_id)
@@ -68,7 +70,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
         if (task := self._tasks.get(cancel.request_id)) is not None:
             task.cancel()
 
-    async def _run(self, req: PrefillRequest) -> None:
+    async def _run(self, req: PrefillRequest, stream: str) -> None:
         s = self.script
         out = s.output[: req.sampling.max_tokens]
         finish = "length" if len(s.output) >= req.sampling.max_tokens else "stop"
@@ -82,7 +84,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
                 return
             if faulty and s.fail_after is not None and n >= s.fail_after:
                 await self.publish(
-                    self.subjects.stream(req.gateway, req.request_id),
+                    stream,
                     ErrorEvent(
                         request_id=req.request_id,
                         code=ErrorCode.INTERNAL,
@@ -105,7 +107,7 @@ class ScriptedPrefill(Service[ServiceConfig]):
                 else None
             )
             await self.publish(
-                self.subjects.stream(req.gateway, req.request_id),
+                stream,
                 TokenEvent(
                     request_id=req.request_id,
                     index=sum(len(c) for c in chunks[:n]),

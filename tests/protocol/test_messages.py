@@ -105,7 +105,6 @@ CASES = [
             prompt_token_ids=(1, 2, 3),
             sampling=SAMPLING,
             decode_instance="d0",
-            gateway="gateway-0",
             deadline=1e9,
         ),
     ),

@@ -81,9 +81,9 @@ async def serve(nc, namespace: str, cluster: Cluster, rid: str) -> list[int]:  #
             done.set()
 
     sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
-    await request(nc, subjects.prefill_submit(cluster.prefill.instance_id),
+    await request(nc, subjects.prefill_submit(cluster.prefill.instance_id, "gateway-0"),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(PROMPT), sampling=GREEDY,
-                                 decode_instance=cluster.decode.instance_id, gateway="gateway-0",
+                                 decode_instance=cluster.decode.instance_id,
                                  deadline=time.time() + 120), codecs.SUBMIT_REPLY, 10)
     await asyncio.wait_for(done.wait(), 60)
     await sub.unsubscribe()

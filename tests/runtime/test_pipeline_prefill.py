@@ -75,9 +75,9 @@ async def serve(nc: Any, namespace: str, cluster: Cluster, rid: str,
             done.set()
 
     sub = await nc.subscribe(subjects.stream("gateway-0", rid), cb=on_event)
-    await request(nc, subjects.prefill_submit(cluster.head.instance_id),
+    await request(nc, subjects.prefill_submit(cluster.head.instance_id, "gateway-0"),
                   PrefillRequest(request_id=rid, prompt_token_ids=tuple(PROMPT), sampling=GREEDY,
-                                 decode_instance=cluster.decode.instance_id, gateway="gateway-0",
+                                 decode_instance=cluster.decode.instance_id,
                                  deadline=time.time() + 120, pipeline=pipeline), codecs.SUBMIT_REPLY, 10)
     await asyncio.wait_for(done.wait(), 90)
     await sub.unsubscribe()

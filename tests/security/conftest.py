@@ -1,5 +1,6 @@
-"""One deployment with security on, shared by the security tests: per-role NATS users and API keys
-for three tenants (``limited`` may send 2 requests a minute)."""
+"""One deployment with security on, shared by the security tests: per-role NATS users (one per gateway:
+it runs two, ``gateway-0`` at ``url`` and ``gateway-1``) and API keys for three tenants (``limited`` may
+send 2 requests a minute)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def secure_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
             f"{KEYS['limited']} limited {LIMITED_RPM} 0   # two requests a minute\n")
     # a short context keeps every generated request (the fuzzer's too) quick on a CPU
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-secure"), api_keys=keys,
-                            env={"HALFMOON_MAX_MODEL_LEN": "160"}, prefill=1, decode=1)
+                            env={"HALFMOON_MAX_MODEL_LEN": "160"}, prefill=1, decode=1, gateway=2)
     yield cluster
     cluster.stop()
 

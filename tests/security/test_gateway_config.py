@@ -31,6 +31,26 @@ class TestNoKeysMeansLoopbackOnly:
         assert not (tmp_path / "run" / "nats-server.conf").exists()
 
 
+class TestOwnNatsUser:
+    """A gateway's NATS user may submit and read streams for one gateway id: it must be this gateway's."""
+
+    @pytest.mark.parametrize(("instance_id", "user", "fix"), [
+        ("gateway-0", "gateway-gateway-1", "HALFMOON_INSTANCE_ID (instance_id)=gateway-1"),
+        ("", "gateway-gateway-1", "HALFMOON_INSTANCE_ID (instance_id)=gateway-1"),
+        ("gateway-0", "gateway", "credentials of gateway-gateway-0"),
+    ])
+    def test_another_gateways_or_a_roles_user_is_refused_with_the_fix(self, tiny_model_dir: Path, instance_id: str,
+                                                                      user: str, fix: str) -> None:
+        with pytest.raises(ValueError, match="not the NATS user of gateway") as refused:
+            GatewayConfig(model_dir=str(tiny_model_dir), instance_id=instance_id, nats_user=user, nats_password="x")
+        assert fix in str(refused.value)
+
+    def test_its_own_user_is_accepted(self, tiny_model_dir: Path) -> None:
+        config = GatewayConfig(model_dir=str(tiny_model_dir), instance_id="gateway-1", nats_user="gateway-gateway-1",
+                               nats_password="x")
+        assert config.nats_user == "gateway-gateway-1"
+
+
 class TestKeysFile:
     def test_keys_map_to_tenants_with_limits(self) -> None:
         hidden = key_digest("sk-hidden-0123456789").hex()

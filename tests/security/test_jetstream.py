@@ -10,10 +10,10 @@ import time
 import pytest
 
 from halfmoon.deploy.local import LocalCluster
-from halfmoon.protocol.permissions import leadership_bucket, rate_limit_bucket
+from halfmoon.protocol.permissions import gateway_user, leadership_bucket, rate_limit_bucket
 from tests.security.test_nats_permissions import SUBJECTS, connect
 
-BUCKETS = {"gateway": rate_limit_bucket(SUBJECTS), "cache-manager": leadership_bucket(SUBJECTS)}
+BUCKETS = {gateway_user("gateway-0"): rate_limit_bucket(SUBJECTS), "cache-manager": leadership_bucket(SUBJECTS)}
 
 
 class TestNoRoleCreatesStreams:

@@ -1,5 +1,6 @@
 """NATS: nobody connects without credentials, and a role's credentials publish only what that
-role sends: a gateway cannot submit to decode, end a stream, or declare an instance down."""
+role sends: a gateway cannot submit to decode, end a stream, or declare an instance down; one gateway's
+credentials cannot submit in another's name, nor read its streams or its replies."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import pytest
 
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
+from halfmoon.protocol.permissions import gateway_user, inbox_prefix
 from halfmoon.protocol.registry import InstanceDown, Role
 from halfmoon.protocol.subjects import Subjects
 from tests.security.conftest import bearer
 
 SUBJECTS = Subjects("e2e")  # start_cluster's namespace
+VICTIM, ATTACKER = "gateway-0", "gateway-1"  # secure_cluster's gateways: the victim serves its ``url``
 
 
-async def connect(cluster: LocalCluster, role: str, errors: list[Exception] | None = None):  # type: ignore[no-untyped-def]
+async def connect(cluster: LocalCluster, user: str, errors: list[Exception] | None = None):  # type: ignore[no-untyped-def]
     assert cluster.nats_auth is not None
 
     async def on_error(exc: Exception) -> None:
@@ -28,7 +31,7 @@ async def connect(cluster: LocalCluster, role: str, errors: list[Exception] | No
             errors.append(exc)
 
     return await nats.connect(cluster.nats_url, error_cb=on_error, allow_reconnect=False,
-                              **cluster.nats_auth.connect_options(role))
+                              **cluster.nats_auth.connect_options(user))
 
 
 class TestOutsiderCannotConnect:
@@ -47,6 +50,7 @@ FORGED = {
     "a token stream": SUBJECTS.stream("gateway-0", "cmpl-victim"),
     "a decode heartbeat": SUBJECTS.heartbeat_from(Role.DECODE.value),
     "a pipeline stage's chunk": SUBJECTS.prefill_stage("prefill-0"),
+    "a prefill submit in another gateway's name": SUBJECTS.prefill_submit("prefill-0", VICTIM),
 }
 
 
@@ -56,7 +60,7 @@ class TestGatewayCredentialsCannotImpersonate:
         subject = FORGED[what]
         errors: list[Exception] = []
         received: list[str] = []
-        gateway = await connect(secure_cluster, "gateway", errors)
+        gateway = await connect(secure_cluster, gateway_user(ATTACKER), errors)
         tap = await connect(secure_cluster, "admin")
 
         async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
@@ -79,11 +83,48 @@ class TestGatewayCredentialsCannotImpersonate:
         assert received == []
 
 
+OTHERS = {  # what one gateway's credentials may not read of another's
+    "its token streams": SUBJECTS.streams_of(VICTIM),
+    "its request replies": f"{inbox_prefix(gateway_user(VICTIM))}.>",
+}
+
+
+class TestGatewayCredentialsReadOnlyTheirOwn:
+    @pytest.mark.parametrize("what", sorted(OTHERS))
+    async def test_subscribing_to_another_gateways_traffic_is_refused(self, secure_cluster: LocalCluster,
+                                                                      served_model: str, what: str) -> None:
+        subject = OTHERS[what]
+        errors: list[Exception] = []
+        received: list[str] = []
+        attacker = await connect(secure_cluster, gateway_user(ATTACKER), errors)
+
+        async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+            received.append(msg.subject)
+
+        body = {"model": served_model, "prompt": "traffic for the victim gateway only", "max_tokens": 8}
+        try:
+            await attacker.subscribe(subject, cb=on_message)
+            await attacker.flush()
+            # the victim's traffic: a schedule reply and a submit ack to its inbox, tokens on its streams
+            async with httpx.AsyncClient(base_url=secure_cluster.url, headers=bearer("tenant-a"), timeout=120) as http:
+                reply = await http.post("/v1/completions", json=body)
+            end = time.monotonic() + 10
+            while not errors and time.monotonic() < end:
+                await asyncio.sleep(0.05)  # the server's -ERR arrives asynchronously
+            await attacker.flush()
+        finally:
+            await attacker.close()
+        assert reply.status_code == 200, reply.text
+        # NOTE: nats-py lower-cases the server's -ERR text (the inbox prefix has capitals)
+        assert any("permissions violation" in str(e).lower() and subject.lower() in str(e) for e in errors), errors
+        assert received == []
+
+
 class TestForgedInstanceDownIsIgnored:
     async def test_a_gateway_naming_decode_down_on_its_own_subject_kills_nothing(
             self, secure_cluster: LocalCluster, served_model: str) -> None:
         """The gateway may say goodbye for gateways only; listeners drop an InstanceDown for decode from it."""
-        gateway = await connect(secure_cluster, "gateway")
+        gateway = await connect(secure_cluster, gateway_user(ATTACKER))
         body = {"model": served_model, "prompt": "a stream that must survive", "max_tokens": 24,
                 "ignore_eos": True, "temperature": 0}
         try:

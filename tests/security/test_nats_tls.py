@@ -50,7 +50,7 @@ def tls_nats(tmp_path: Path) -> Iterator[TlsNats]:
 
 class TestNatsTls:
     async def test_a_service_with_its_client_certificate_connects(self, tls_nats: TlsNats) -> None:
-        nc = await connect_nats(tls_nats.config("gateway"), "gw", "gateway")
+        nc = await connect_nats(tls_nats.config("conductor"), "conductor-0", "conductor")
         try:
             assert nc.is_connected
             await nc.flush()
@@ -59,9 +59,9 @@ class TestNatsTls:
 
     async def test_no_client_certificate_is_refused(self, tls_nats: TlsNats) -> None:
         with pytest.raises(ConnectionError):
-            await connect_nats(tls_nats.config("gateway", cert=False), "gw", "gateway")
+            await connect_nats(tls_nats.config("conductor", cert=False), "conductor-0", "conductor")
 
     async def test_a_server_from_another_ca_is_not_trusted(self, tls_nats: TlsNats, tmp_path: Path) -> None:
         assert halfmoon(["certs", str(tmp_path / "other")]) == 0
         with pytest.raises(ConnectionError):
-            await connect_nats(tls_nats.config("gateway", ca=tmp_path / "other" / "ca.pem"), "gw", "gateway")
+            await connect_nats(tls_nats.config("conductor", ca=tmp_path / "other" / "ca.pem"), "conductor-0", "conductor")

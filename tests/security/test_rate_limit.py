@@ -4,37 +4,21 @@ allowed two gets 429 with Retry-After, whichever replica each request reached.""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from halfmoon.deploy.local import LocalCluster, free_port
-from halfmoon.deploy.topology import SERVICES
+from halfmoon.deploy.local import LocalCluster
 from halfmoon.services.gateway.ratelimit import WINDOW_S
-from tests.conftest import Processes
 from tests.security.conftest import LIMITED_RPM, bearer
 
 
 @pytest.fixture
-def second_gateway(secure_cluster: LocalCluster, processes: Processes) -> Iterator[str]:
-    """Another gateway replica of the same deployment, on its own port."""
-    spec = next(s for s in SERVICES if s.name == "gateway")
-    port = free_port()
-    env = {k: v for k, v in secure_cluster.env_for(spec, "gateway-9").items() if k.startswith("HALFMOON_")}
-    proc = processes.start(["-m", spec.module], extra_env={**env, "HALFMOON_PORT": str(port)})
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "second gateway exited"
-        assert time.monotonic() < end, "second gateway not up"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # polling a port with a deadline
-    yield url
+def second_gateway(secure_cluster: LocalCluster) -> str:
+    """The deployment's other gateway replica (its own port, its own NATS user)."""
+    ready = secure_cluster.read_ready("gateway-1")
+    assert ready is not None, "the second gateway is not up"
+    return str(ready["address"])
 
 
 def wait_for_fresh_window(needed_s: float = 20.0) -> None:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets_as_operator
-from halfmoon.deploy.nats_auth import ROLES, NatsAuth, TlsFiles, write_private
+from halfmoon.deploy.nats_auth import ROLE_USERS, ROLES, NatsAuth, TlsFiles, write_private
+from halfmoon.protocol.permissions import gateway_user
 
 COMPLETE = ".complete"  # written after every other file
+DEFAULT_GATEWAY_SLOTS = 8
 
 
 def _s3_identity(access: str, secret: str) -> str:
@@ -28,7 +30,8 @@ def _secrets(args: argparse.Namespace) -> int:
     if args.if_missing and (out / COMPLETE).exists():
         print(f"{out}/ already holds a deployment's secrets; left as they are")
         return 0
-    auth = NatsAuth.generate(args.namespace)
+    gateways = [f"gateway-{n}" for n in range(args.gateways)]  # the slots gateway replicas claim (infra/entrypoint.py)
+    auth = NatsAuth.generate(args.namespace, gateways)
     auth.save(out / "nats-credentials.json")
     tls = None
     if args.tls_dir:
@@ -38,8 +41,10 @@ def _secrets(args: argparse.Namespace) -> int:
                                                               tls, args.monitor_port))
     # for a server whose config is someone else's (a NATS cluster): `include` this file
     write_private(out / "nats-authorization.conf", json.dumps(auth.authorization(), indent=1))
-    for role in ROLES:
-        write_private(out / f"{role}.env", "".join(f"{k}={v}\n" for k, v in auth.env(role).items()))
+    for stale in out.glob("gateway-*.env"):  # a replica would claim a slot whose user is gone
+        stale.unlink()
+    for name, user in (*((r, r) for r in ROLE_USERS), *((g, gateway_user(g)) for g in gateways)):
+        write_private(out / f"{name}.env", "".join(f"{k}={v}\n" for k, v in auth.env(user).items()))
     keys = [(f"sk-hm-{secrets.token_urlsafe(32)}", tenant) for tenant in args.tenants.split(",") if tenant]
     write_private(out / "api-keys", "# KEY TENANT [RPM] [TPM]\n" + "".join(f"{k} {t}\n" for k, t in keys))
     write_private(out / "auth-secret", secrets.token_hex(32) + "\n")
@@ -49,7 +54,8 @@ def _secrets(args: argparse.Namespace) -> int:
     write_private(out / "s3.env", f"HALFMOON_S3_ACCESS_KEY={access}\nHALFMOON_S3_SECRET_KEY={secret}\n"
                                   f"AWS_ACCESS_KEY_ID={access}\nAWS_SECRET_ACCESS_KEY={secret}\n")
     write_private(out / COMPLETE, "")  # last: a run cut short is redone by the next --if-missing
-    print(f"wrote {out}/: nats-server.conf, nats-authorization.conf, nats-credentials.json, <role>.env for {', '.join(ROLES)}, "
+    print(f"wrote {out}/: nats-server.conf, nats-authorization.conf, nats-credentials.json, <role>.env for "
+          f"{', '.join(ROLE_USERS)}, gateway-<n>.env for {len(gateways)} gateway slots, "
           f"api-keys ({len(keys)} keys), auth-secret, cluster-secret, s3.json and s3.env (all mode 0600)")
     return 0
 
@@ -74,6 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sec.add_argument("dir", help="output directory (files are mode 0600)")
     sec.add_argument("--namespace", default="halfmoon", help="NATS subject namespace of the deployment")
     sec.add_argument("--tenants", default="default", help="comma-separated tenants to make one API key each for")
+    sec.add_argument("--gateways", type=int, default=DEFAULT_GATEWAY_SLOTS,
+                     help="gateway slots: NATS users gateway-0.. (each gateway replica runs as one; more replicas "
+                          "than slots do not start)")
     sec.add_argument("--nats-host", default="0.0.0.0", help="address nats-server listens on")
     sec.add_argument("--nats-port", type=int, default=4222, help="port nats-server listens on")
     sec.add_argument("--store-dir", default="/data", help="JetStream store inside the NATS container")

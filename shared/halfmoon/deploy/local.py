@@ -27,7 +27,8 @@ from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
 from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, OPTIONAL_SERVICES, SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
-from halfmoon.protocol.registry import KernelReport, Leaving
+from halfmoon.protocol.permissions import nats_user
+from halfmoon.protocol.registry import KernelReport, Leaving, Role
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime.memory import MemoryReport, deployment_bounds
 
@@ -100,10 +101,12 @@ class LocalCluster:
     def __init__(self, model_dir: str | Path, run_dir: str | Path, counts: dict[str, int] | None = None, *,
                  nats_url: str | None = None, namespace: str = "halfmoon", gateway_port: int = 8000,
                  env: dict[str, str] | None = None, metrics: bool = False, supervised: bool = False,
-                 policy: RestartPolicy = DEFAULT_POLICY, events: Callable[[str], None] = lambda _m: None) -> None:
+                 policy: RestartPolicy = DEFAULT_POLICY, events: Callable[[str], None] = lambda _m: None,
+                 spare_gateways: tuple[str, ...] = ()) -> None:
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir).resolve()  # services run from the repository root
         self.plan = instances(counts or {})
+        self.spare_gateways = spare_gateways  # ids with NATS users for gateways started beside the plan's
         self.specs = {iid: spec for spec, iid in self.plan}
         self.nats_url = nats_url
         self.namespace = namespace
@@ -124,6 +127,11 @@ class LocalCluster:
         self._nats_port = 0
         self._nats_config = Path()
         self._starting = False  # ``start`` is waiting for the deployment: a crash loop there fails it
+
+    @property
+    def gateways(self) -> list[str]:
+        """The gateway instance ids that get NATS users: the plan's and the spare ones."""
+        return [*(iid for spec, iid in self.plan if spec.name == Role.GATEWAY.value), *self.spare_gateways]
 
     @property
     def url(self) -> str:
@@ -153,7 +161,7 @@ class LocalCluster:
                    HALFMOON_CLUSTER_SECRET=self.cluster_secret,
                    HALFMOON_READY_FILE=str(self.ready_file(instance_id)))
         if self.nats_auth is not None:
-            env.update(self.nats_auth.env(spec.name))
+            env.update(self.nats_auth.env(nats_user(spec.name, instance_id)))
         if spec.name == "gateway":
             env["HALFMOON_PORT"] = str(self.gateway_port)
         if spec.name == "transfer":
@@ -197,7 +205,8 @@ class LocalCluster:
         ports_dir = self.run_dir / "nats-ports"
         shutil.rmtree(ports_dir, ignore_errors=True)
         ports_dir.mkdir(parents=True)
-        self.nats_auth, self._nats_config = embedded_server_config(self.run_dir, self.namespace, -1)
+        # NOTE: a gateway's user is scoped to its instance id, which its restarts keep
+        self.nats_auth, self._nats_config = embedded_server_config(self.run_dir, self.namespace, -1, self.gateways)
         self.respawn_nats("--ports_file_dir", str(ports_dir))
         assert self._nats is not None
         end = time.monotonic() + timeout

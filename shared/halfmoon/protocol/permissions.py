@@ -1,11 +1,13 @@
 """Who may publish and subscribe to what on NATS, per service role, built from :class:`Subjects`
 so the allow-lists cannot drift from the subjects the services use.
 
-Each role connects as its own NATS user with these permissions (see ``halfmoon.deploy.nats_auth``).
-The server enforces them: a gateway cannot submit to a decode instance, publish a token stream or
-declare an instance down; only the conductor may publish InstanceDown for others, and every
-instance heartbeats and says goodbye only on its own role's registry subject. Request/reply
-answers go to per-role inbox prefixes, so one role cannot read another's replies.
+Each role connects as its own NATS user with these permissions (see ``halfmoon.deploy.nats_auth``),
+and each gateway instance as a user of its own (``gateway_user``). The server enforces them: a gateway
+cannot submit to a decode instance, publish a token stream or declare an instance down; it submits to
+prefill only on subjects naming itself, and reads only its own requests' streams and its own replies.
+Only the conductor may publish InstanceDown for others, and every instance heartbeats and says goodbye
+only on its own role's registry subject. Request/reply answers go to per-user inbox prefixes, so one
+role (or gateway) cannot read another's replies.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from halfmoon.protocol.registry import Role
-from halfmoon.protocol.subjects import CACHE_OPERATIONS, Subjects
+from halfmoon.protocol.subjects import CACHE_OPERATIONS, Subjects, check_token
 
 ADMIN = "admin"  # the operator: the launcher's readiness watch, taps and tests; everything
 # An engine outside Halfmoon's services that uses the pool (vLLM with connectors/vllm.py): the pool
@@ -27,9 +29,29 @@ class Permissions(NamedTuple):
     responds: bool  # answers requests: may publish to the reply subject of a message it received
 
 
-def inbox_prefix(role: str) -> str:
-    """Where ``role``'s request replies arrive (set as nats-py's ``inbox_prefix``)."""
-    return f"_INBOX_{role}"
+def inbox_prefix(user: str) -> str:
+    """Where the request replies of NATS user ``user`` (a role, or a ``gateway_user``) arrive (set as
+    nats-py's ``inbox_prefix``)."""
+    return f"_INBOX_{user}"
+
+
+_GATEWAY_USER = f"{Role.GATEWAY.value}-"
+
+
+def gateway_user(instance_id: str) -> str:
+    """The NATS user of gateway instance ``instance_id``: one per gateway, so that its credentials submit,
+    and read streams and replies, for its own requests only."""
+    return _GATEWAY_USER + check_token(instance_id, "gateway instance id")
+
+
+def gateway_of_user(user: str) -> str | None:
+    """The gateway instance id a NATS user is scoped to; None for a role's user."""
+    return user[len(_GATEWAY_USER):] if user.startswith(_GATEWAY_USER) else None
+
+
+def nats_user(role: Role | str, instance_id: str) -> str:
+    """The NATS user an instance of ``role`` connects as: a gateway its own, everyone else its role's."""
+    return gateway_user(instance_id) if role == Role.GATEWAY else Role(role).value
 
 
 def rate_limit_bucket(subjects: Subjects) -> str:
@@ -50,8 +72,27 @@ def _jetstream_kv(bucket: str) -> tuple[str, ...]:
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>", f"$KV.{bucket}.>")
 
 
+def user_permissions(subjects: Subjects, user: str) -> Permissions:
+    """The allow-lists of one NATS user: a ``gateway_user``, or a role's (see ``role_permissions``)."""
+    gateway = gateway_of_user(user)
+    return role_permissions(subjects, user) if gateway is None else gateway_permissions(subjects, gateway)
+
+
+def gateway_permissions(subjects: Subjects, instance_id: str) -> Permissions:
+    """One gateway instance's: submits naming itself, its own requests' streams, its own replies."""
+    s = subjects
+    own = (s.heartbeat_from(Role.GATEWAY.value), s.down_from(Role.GATEWAY.value))
+    return Permissions(publish=(*own, s.schedule, s.prefill_submit_from(instance_id), s.cancel, s.resume_any,
+                                *_jetstream_kv(rate_limit_bucket(s))),
+                       subscribe=(s.streams_of(instance_id), s.down, f"{inbox_prefix(gateway_user(instance_id))}.>"),
+                       responds=False)
+
+
 def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
-    """The allow-lists of one role (``Role``, ``ADMIN`` or ``KV_CLIENT``)."""
+    """The allow-lists of one role (``Role``, ``ADMIN`` or ``KV_CLIENT``); a gateway's are its instance's
+    (``gateway_permissions``)."""
+    if role == Role.GATEWAY:
+        raise ValueError("each gateway instance has a user of its own: gateway_permissions(subjects, instance_id)")
     if role == ADMIN:
         return Permissions(publish=(">",), subscribe=(">",), responds=True)
     s = subjects
@@ -62,10 +103,6 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
     own = (s.heartbeat_from(role.value), s.down_from(role.value))
     inbox = (f"{inbox_prefix(role.value)}.>",)
     engine_listens = (s.heartbeat, s.down, s.cancel, s.resume_any)  # transfer nodes' whereabouts; cancellations
-    if role is Role.GATEWAY:
-        return Permissions(publish=(*own, s.schedule, s.prefill_submit_any, s.cancel, s.resume_any,
-                                    *_jetstream_kv(rate_limit_bucket(s))),
-                           subscribe=(s.stream_any, s.down, *inbox), responds=False)
     if role is Role.CONDUCTOR:
         return Permissions(publish=(*own, s.kv_snapshot, s.placed),
                            subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, s.placed, s.work_done, s.cancel,

@@ -44,9 +44,11 @@ class Subjects:
         return f"{self.root}.conductor.schedule"
 
     # prefill / decode work intake
-    def prefill_submit(self, instance_id: str) -> str:
-        """Request/reply: PrefillRequest -> Ack | ErrorReply."""
-        return self._prefill_submit(check_token(instance_id, "instance id"))
+    def prefill_submit(self, instance_id: str, gateway: str) -> str:
+        """Request/reply: PrefillRequest -> Ack | ErrorReply, from gateway ``gateway``. The last token names
+        the issuing gateway: the worker streams to that gateway's prefix, and each gateway's NATS user may
+        publish only its own (``Subjects.submitter``)."""
+        return self._prefill_submit(check_token(instance_id, "instance id"), check_token(gateway, "gateway"))
 
     def decode_submit(self, instance_id: str) -> str:
         """Request/reply: DecodeRequest -> Ack | ErrorReply."""
@@ -74,15 +76,28 @@ class Subjects:
     def prefill_stage_any(self) -> str:
         return self._prefill_stage(ANY)
 
-    def _prefill_submit(self, instance: str) -> str:
-        return f"{self.root}.prefill.{instance}.submit"
+    def _prefill_submit(self, instance: str, gateway: str) -> str:
+        return f"{self.root}.prefill.{instance}.submit.{gateway}"
+
+    def prefill_submit_to(self, instance_id: str) -> str:
+        """Subscription pattern: one prefill (or aggregated) instance's submits, from every gateway."""
+        return self._prefill_submit(check_token(instance_id, "instance id"), ANY)
+
+    def prefill_submit_from(self, gateway: str) -> str:
+        """Permission pattern: one gateway's submits, to every instance."""
+        return self._prefill_submit(ANY, check_token(gateway, "gateway"))
+
+    @staticmethod
+    def submitter(subject: str) -> str:
+        """The gateway a ``prefill_submit`` subject names as its issuer."""
+        return subject.rsplit(".", 1)[-1]
 
     def _decode_submit(self, instance: str) -> str:
         return f"{self.root}.decode.{instance}.submit"
 
     @property
     def prefill_submit_any(self) -> str:
-        return self._prefill_submit(ANY)
+        return self._prefill_submit(ANY, ANY)
 
     @property
     def decode_submit_any(self) -> str:
@@ -120,12 +135,20 @@ class Subjects:
 
     def stream(self, gateway: str, request_id: str) -> str:
         """Pub/sub: TokenEvent | ErrorEvent for one request, consumed by the gateway that issued it. Derived
-        from both ids, never carried in a message, so a worker streams only into the request it was given."""
-        return f"{self.root}.stream.{check_token(gateway, 'gateway')}.{check_token(request_id, 'request id')}"
+        from both ids, never carried in a message, so a worker streams only into the request it was given;
+        prefill takes the gateway from the subject the submit arrived on (``submitter``)."""
+        return self._stream(check_token(gateway, "gateway"), check_token(request_id, "request id"))
+
+    def _stream(self, gateway: str, request_id: str) -> str:
+        return f"{self.root}.stream.{gateway}.{request_id}"
 
     @property
     def stream_any(self) -> str:
-        return f"{self.root}.stream.{ANY}.{ANY}"
+        return self._stream(ANY, ANY)
+
+    def streams_of(self, gateway: str) -> str:
+        """Subscription pattern: every stream of one gateway's requests."""
+        return self._stream(check_token(gateway, "gateway"), ANY)
 
     # registry: the last token names the sender's role, so subject permissions bind a message to a role
     def heartbeat_from(self, role: str) -> str:

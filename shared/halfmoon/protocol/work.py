@@ -15,9 +15,10 @@ from halfmoon.protocol.subjects import check_token
 class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     """Compute the prompt's KV and first token, then hand off to ``decode_instance``.
 
-    Tokens go to ``Subjects.stream(gateway, request_id)`` as TokenEvents numbered from index 0: the
-    stream is derived from the issuing gateway's instance id and the request id, never named by the
-    message, so a forged request can only ever stream into its own request's subject. ``deadline`` is
+    Tokens go to ``Subjects.stream(gateway, request_id)`` as TokenEvents numbered from index 0, where
+    ``gateway`` is the issuer the submit's subject names (``Subjects.prefill_submit``), never a field: a
+    gateway's NATS user may submit only naming itself, so forged requests stream only into that
+    gateway's own streams, whatever request id they name. ``deadline`` is
     absolute unix time; work past it may be dropped with an ErrorEvent(TIMEOUT). The W3C
     trace context travels in the NATS headers, not here.
 
@@ -33,7 +34,6 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     decode_instance: str
-    gateway: str  # the issuing gateway's instance id: its requests' streams are under its prefix
     deadline: float
     tenant_salt: str | None = None
     tenant: str = ""  # whose pool quota the request's blocks count against ("": none)
@@ -48,7 +48,6 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
             check_token(stage, "pipeline stage")
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        check_token(self.gateway, "gateway")
         if self.attempt < 0:
             raise ValueError(f"attempt must be >= 0, got {self.attempt}")
 
@@ -150,7 +149,7 @@ class DecodeRequest(Message, frozen=True, kw_only=True, tag="decode"):
     first_token_id: int
     sampling: SamplingParams
     kv: KVLocation | None
-    gateway: str  # from the PrefillRequest: decode streams to Subjects.stream(gateway, request_id)
+    gateway: str  # the submit's issuer: decode streams to Subjects.stream(gateway, request_id)
     prefill_instance: str
     deadline: float
     first_logprob: float | None = None

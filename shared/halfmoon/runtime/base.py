@@ -134,6 +134,12 @@ class Service(ABC, Generic[C]):
             self.nc, subject, codec, handler, tracer=self.tracer, span_name=span_name, log=self.log, queue=queue
         )
 
+    async def serve_addressed(
+        self, subject: str, codec: Codec[Req], handler: rpc.AddressedHandler[Req], *, span_name: str
+    ) -> Subscription:
+        return await rpc.serve_addressed_requests(self.nc, subject, codec, handler, tracer=self.tracer,
+                                                  span_name=span_name, log=self.log)
+
     async def listen(
         self, subject: str, codec: Codec[Req], handler: rpc.EventHandler[Req], *, queue: str = ""
     ) -> Subscription:

@@ -18,7 +18,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from halfmoon.protocol.codecs import DOWN, HEARTBEAT
-from halfmoon.protocol.permissions import inbox_prefix
+from halfmoon.protocol.permissions import inbox_prefix, nats_user
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, Leaving
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import ServiceConfig
@@ -32,8 +32,8 @@ class NatsLost(ConnectionError):
     """NATS stayed unreachable past ``nats_give_up_s``: the process exits non-zero to be restarted."""
 
 
-async def connect_nats(config: ServiceConfig, name: str, role: str, liveness: NatsLiveness | None = None) -> NATS:
-    """Connect as ``role`` (its credentials, TLS and reply inbox) with unlimited reconnects; give up if the first connect takes ``connect_timeout_s``.
+async def connect_nats(config: ServiceConfig, name: str, user: str, liveness: NatsLiveness | None = None) -> NATS:
+    """Connect as NATS user ``user`` (its credentials, TLS and reply inbox) with unlimited reconnects; give up if the first connect takes ``connect_timeout_s``.
 
     ``liveness`` learns of every disconnect and reconnect."""
     servers = [s.strip() for s in config.nats_url.split(",") if s.strip()]
@@ -70,7 +70,7 @@ async def connect_nats(config: ServiceConfig, name: str, role: str, liveness: Na
                 user=config.nats_user or None,
                 password=config.nats_password or None,
                 tls=config.nats_tls(),
-                inbox_prefix=inbox_prefix(role),
+                inbox_prefix=inbox_prefix(user),
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
@@ -111,7 +111,7 @@ class ServiceHost:
 
     async def start(self) -> None:
         svc, config = self.service, self.service.config
-        self._nc = await connect_nats(config, svc.instance_id, svc.role.value, svc.liveness)
+        self._nc = await connect_nats(config, svc.instance_id, nats_user(svc.role, svc.instance_id), svc.liveness)
         svc.attach(self._nc)
         await svc.start()
         self._unscrape = METRICS.on_scrape(self._record_load)

@@ -31,6 +31,7 @@ RESEND_INTERVAL_S = 0.1
 RECONNECT_GRACE_S = 3.0
 
 RequestHandler = Callable[[Req], Awaitable[Message]]
+AddressedHandler = Callable[[Req, str], Awaitable[Message]]  # also given the subject the request arrived on
 EventHandler = Callable[[Req, Mapping[str, str]], Awaitable[None]]
 
 
@@ -99,12 +100,29 @@ async def serve_requests(
     NOTE: requests of one subscription are handled one after another, so a handler must only
     validate and enqueue, never run the work itself.
     """
+    return await serve_addressed_requests(nc, subject, codec, lambda request, _subject: handler(request),
+                                          tracer=tracer, span_name=span_name, log=log, queue=queue)
+
+
+async def serve_addressed_requests(
+    nc: NATS,
+    subject: str,
+    codec: Codec[Req],
+    handler: AddressedHandler[Req],
+    *,
+    tracer: trace.Tracer,
+    span_name: str,
+    log: logging.Logger,
+    queue: str = "",
+) -> Subscription:
+    """``serve_requests`` for a subject pattern whose tokens say something about the request (who sent it,
+    as the sender's permissions vouch): ``handler`` gets the subject each request arrived on too."""
 
     async def on_message(msg: Msg) -> None:
         with tracer.start_as_current_span(
             span_name, context=extract_context(msg.headers), kind=SpanKind.SERVER
         ) as span:
-            reply = await _handle(codec, handler, msg.data, log, subject)
+            reply = await _handle(codec, handler, msg.data, log, msg.subject)
             if isinstance(reply, ErrorReply):
                 span.set_status(Status(StatusCode.ERROR, reply.message))
                 span.set_attribute("halfmoon.error_code", reply.code.value)
@@ -115,10 +133,10 @@ async def serve_requests(
 
 
 async def _handle(
-    codec: Codec[Req], handler: RequestHandler[Req], data: bytes, log: logging.Logger, subject: str
+    codec: Codec[Req], handler: AddressedHandler[Req], data: bytes, log: logging.Logger, subject: str
 ) -> Message:
     try:
-        return await handler(codec.decode(data))
+        return await handler(codec.decode(data), subject)
     except ProtocolError as exc:
         log.warning("refused message", extra={"subject": subject, "code": exc.code.value, "reason": exc.message})
         return exc.to_reply()

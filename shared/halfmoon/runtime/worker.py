@@ -163,13 +163,13 @@ def _mean_ms(seconds: tuple[float, ...]) -> float | None:
 class EngineWorker(Service[WorkerConfig]):
     """Base of prefill and decode: owns the engine thread and the requests in flight.
 
-    Contract for subclasses: ``submit_subject`` names where work arrives and ``accept``
-    validates one decoded request and returns the coroutine that serves it; the base
-    acks, runs it as a task keyed by request id, cancels it on CancelRequest, refuses new
-    work while draining and waits for the tasks on drain. A newer attempt of a request that
-    is still here (it migrated away and back) replaces the older one. Stream events go out
-    through ``publish_event``, which keeps the recent ones for ``ResumeRequest``. How each request's
-    work ends here goes out as WorkDone, for the conductors' ledgers of placed work.
+    Contract for subclasses: ``submit_subject`` names where work arrives (a pattern), ``issuer`` which
+    gateway a request came from, and ``accept`` validates one decoded request and returns the coroutine
+    that serves it; the base acks, runs it as a task keyed by request id, cancels it on CancelRequest,
+    refuses new work while draining and waits for the tasks on drain. A newer attempt of a request that
+    is still here (it migrated away and back) replaces the older one, when it streams to the same place.
+    Stream events go out through ``publish_event``, which keeps the recent ones for ``ResumeRequest``.
+    How each request's work ends here goes out as WorkDone, for the conductors' ledgers of placed work.
     """
 
     config_class = WorkerConfig
@@ -218,7 +218,13 @@ class EngineWorker(Service[WorkerConfig]):
     def submit_subject(self) -> str: ...
 
     @abstractmethod
-    def accept(self, request: Any) -> Coroutine[Any, Any, None]: ...
+    def issuer(self, request: Any, subject: str) -> str:
+        """The gateway that issued ``request``, which arrived on ``subject``: its events stream to
+        ``Subjects.stream(issuer, request_id)``. Whatever names it must be vouched for by the NATS permissions
+        of those who may send here, so a forged request cannot aim this instance's output at another stream."""
+
+    @abstractmethod
+    def accept(self, request: Any, gateway: str) -> Coroutine[Any, Any, None]: ...
 
     def memory_report(self) -> MemoryReport:
         memory = self._memory
@@ -253,7 +259,8 @@ class EngineWorker(Service[WorkerConfig]):
         await self.listen(self.subjects.cancel, codecs.CANCEL, self._on_cancel)
         await self.serve(self.subjects.resume(self.instance_id), codecs.RESUME, self._on_resume,
                          span_name=f"{self.role.value}.resume")
-        await self.serve(self.submit_subject, self.submit_codec, self._on_submit, span_name=f"{self.role.value}.submit")
+        await self.serve_addressed(self.submit_subject, self.submit_codec, self._on_submit,
+                                   span_name=f"{self.role.value}.submit")
 
     def _on_step(self, timing: StepTiming) -> None:
         """Runs on the engine thread after every step."""
@@ -261,21 +268,23 @@ class EngineWorker(Service[WorkerConfig]):
         if timing.num_outputs and self.role in (Role.DECODE, Role.AGGREGATED):
             self._tbt.observe(timing.seconds)
 
-    async def _on_submit(self, request: Any) -> Message:
+    async def _on_submit(self, request: Any, subject: str) -> Message:
         if self.draining:
             return ErrorReply(code=ErrorCode.UNAVAILABLE, message=f"{self.instance_id} is draining", retryable=True)
-        rid = request.request_id
+        rid, gateway = request.request_id, self.issuer(request, subject)
+        stream = self.subjects.stream(gateway, rid)
         if rid in self._tasks:
-            if self._attempts[rid] >= request.attempt:
+            # NOTE: only the request's own gateway moves it on: another's submit under its id ends nothing
+            if self._attempts[rid] >= request.attempt or self._streams[rid] != stream:
                 return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"request {rid} already here")
             self._tasks[rid].cancel()  # superseded: the requester moved on to a newer attempt
-        task = asyncio.create_task(self._guarded(request))
+        task = asyncio.create_task(self._guarded(request, gateway))
         self._busy.add(rid)
         self._failed.discard(rid)
         self._reported.pop(rid, None)
         self._accepted += 1
         self._tasks[rid], self._attempts[rid] = task, request.attempt
-        self._streams[rid] = self.stream_of(request)
+        self._streams[rid] = stream
         task.add_done_callback(functools.partial(self._forget, rid))
         return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
 
@@ -291,13 +300,14 @@ class EngineWorker(Service[WorkerConfig]):
             self._failed.discard(request_id)
             self._reported.pop(request_id, None)
 
-    async def _guarded(self, request: Any) -> None:
+    async def _guarded(self, request: Any, gateway: str) -> None:
         """Run one request; a bug fails that request with an error event, never silently."""
         try:
-            await self.accept(request)
+            await self.accept(request, gateway)
         except Exception as exc:  # reported to the requester and logged
             self.log.exception("request failed", extra={"request_id": request.request_id})
-            await self.send_error(self.stream_of(request), request.request_id, ErrorCode.INTERNAL,
+            await self.send_error(self.subjects.stream(gateway, request.request_id), request.request_id,
+                                  ErrorCode.INTERNAL,
                                   f"{self.instance_id}: {type(exc).__name__}: {exc}", request.attempt)
         self.done_computing(request.request_id)
 
@@ -377,11 +387,6 @@ class EngineWorker(Service[WorkerConfig]):
             for event in events:
                 await self.publish(subject, event)
         return Ack(request_id=rid, instance_id=self.instance_id, incarnation=self.incarnation)
-
-    def stream_of(self, request: Any) -> str:
-        """Where ``request``'s events go (a Prefill/DecodeRequest): derived from its gateway and id, so a
-        forged request cannot aim this instance's output at another request's stream."""
-        return self.subjects.stream(request.gateway, request.request_id)
 
     async def publish_event(self, subject: str, event: TokenEvent | ErrorEvent) -> None:
         """Publish one stream event and keep it for re-sending."""

@@ -19,6 +19,7 @@ from halfmoon.core.errors import EngineError
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
+from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import PrefillRequest
 from halfmoon.runtime.generated_kv import GeneratedKV
 from halfmoon.runtime.prefix_reuse import Prefix, PrefixReuse
@@ -36,26 +37,29 @@ class AggregatedService(EngineWorker):
 
     @property
     def submit_subject(self) -> str:
-        return self.subjects.prefill_submit(self.instance_id)
+        return self.subjects.prefill_submit_to(self.instance_id)
 
-    def accept(self, request: PrefillRequest) -> Coroutine[Any, Any, None]:
-        return self._serve(request)
+    def issuer(self, request: PrefillRequest, subject: str) -> str:
+        return Subjects.submitter(subject)  # each gateway's NATS user may submit only naming itself
+
+    def accept(self, request: PrefillRequest, gateway: str) -> Coroutine[Any, Any, None]:
+        return self._serve(request, self.subjects.stream(gateway, request.request_id))
 
     async def start(self) -> None:
         await super().start()
         await self.prefix.start()
 
-    async def _serve(self, req: PrefillRequest) -> None:
+    async def _serve(self, req: PrefillRequest, stream: str) -> None:
         started = time.perf_counter()
         prefix = await self.prefix.fetch(req)
         try:
-            await self._generate(req, prefix, started)
+            await self._generate(req, stream, prefix, started)
         except EngineError as exc:
-            await self.send_error(self.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await self.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
         finally:
             await self.pool.release(prefix.fetched.lease_id)
 
-    async def _generate(self, req: PrefillRequest, prefix: Prefix, started: float) -> None:
+    async def _generate(self, req: PrefillRequest, stream: str, prefix: Prefix, started: float) -> None:
         assert self.engine is not None
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
         saver = GeneratedKV(self, req.request_id, req.tenant_salt, [*req.prompt_token_ids, *req.output_token_ids],
@@ -78,8 +82,8 @@ class AggregatedService(EngineWorker):
                         self.record_ttft(time.perf_counter() - started)
                     # the prompt's blocks (out.prompt_kv) go to the pool at once; generated ones in batches
                     saver.progress(out)
-                    await self.publish_event(self.stream_of(req), token_event(out, req.sampling, self.instance_id,
-                                                                             cached, req.attempt))
+                    await self.publish_event(stream, token_event(out, req.sampling, self.instance_id, cached,
+                                                                 req.attempt))
                     if first:
                         self.report_prefilled(req.request_id)
                         await self.prefix.publish_cache_events((context - cached, cached, out.compute_s))

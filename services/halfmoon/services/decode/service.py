@@ -32,8 +32,11 @@ class DecodeService(EngineWorker):
     def submit_subject(self) -> str:
         return self.subjects.decode_submit(self.instance_id)
 
-    def accept(self, request: DecodeRequest) -> Coroutine[Any, Any, None]:
-        return self._serve(request)
+    def issuer(self, request: DecodeRequest, subject: str) -> str:
+        return request.gateway  # only prefill may submit here, and it is trusted with every stream
+
+    def accept(self, request: DecodeRequest, gateway: str) -> Coroutine[Any, Any, None]:
+        return self._serve(request, self.subjects.stream(gateway, request.request_id))
 
     async def start(self) -> None:
         await super().start()
@@ -43,20 +46,20 @@ class DecodeService(EngineWorker):
     async def _on_progress(self, msg: KVProgress, headers: Mapping[str, str]) -> None:
         await self.layers.on_progress(msg, extract_context(headers))
 
-    async def _serve(self, req: DecodeRequest) -> None:
+    async def _serve(self, req: DecodeRequest, stream: str) -> None:
         streamed = await self.layers.take(req.request_id, req.layers_announced)
         payloads = await self.handoff.receive(req.request_id, req.kv, streamed) if req.kv is not None else []
         # the one-off blocks are read: dropping them need not hold up the first step
         dropping = asyncio.create_task(self.handoff.drop(req.request_id, req.kv)) if req.kv is not None else None
         try:
-            await self._generate(req, payloads)
+            await self._generate(req, stream, payloads)
         except EngineError as exc:
-            await self.send_error(self.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await self.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
         finally:
             if dropping is not None:
                 await dropping
 
-    async def _generate(self, req: DecodeRequest, payloads: list[memoryview]) -> None:
+    async def _generate(self, req: DecodeRequest, stream: str, payloads: list[memoryview]) -> None:
         assert self.engine is not None
         with self.tracer.start_as_current_span("decode.generate") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
@@ -72,8 +75,8 @@ class DecodeService(EngineWorker):
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=outputs, kv=RequestKV(source=payloads)):
                     produced += len(out.new_token_ids)
-                    await self.publish_event(self.stream_of(req), token_event(out, req.sampling, self.instance_id,
-                                                                             req.cached_tokens, req.attempt))
+                    await self.publish_event(stream, token_event(out, req.sampling, self.instance_id,
+                                                                 req.cached_tokens, req.attempt))
                     saver.progress(out)
             except asyncio.CancelledError:
                 await saver.close(wait=False)

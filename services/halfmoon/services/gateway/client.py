@@ -165,14 +165,14 @@ class Generation:
             placed_at = time.monotonic()
             prefill = PrefillRequest(
                 request_id=self.request_id, prompt_token_ids=self.prompt_ids, sampling=self.sampling,
-                decode_instance=placement.decode_instance, gateway=svc.instance_id,
+                decode_instance=placement.decode_instance,
                 deadline=deadline, tenant_salt=self.tenant_salt, output_token_ids=tuple(self.order.tokens),
                 attempt=self.attempt, tenant=self.tenant, pipeline=placement.pipeline,
             )
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)
             try:
-                ack = await svc.request(svc.subjects.prefill_submit(placement.prefill_instance), prefill,
+                ack = await svc.request(svc.subjects.prefill_submit(placement.prefill_instance, svc.instance_id), prefill,
                                         codecs.SUBMIT_REPLY, dl.submit_timeout_s,
                                         responder_grace_s=min(RECONNECT_GRACE_S, max(0.0, deadline - time.time())))
             except (RemoteError, ProtocolError, nats.errors.Error) as exc:

@@ -14,6 +14,7 @@ import uvicorn
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
+from halfmoon.protocol.permissions import gateway_of_user, gateway_user
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime import Service, ServiceConfig
 from halfmoon.runtime.config import setting
@@ -77,6 +78,14 @@ class GatewayConfig(ServiceConfig):
         if self.api_keys_file and self.insecure_no_auth:
             raise ValueError(f"{setting('insecure_no_auth')} does nothing with {setting('api_keys_file')} set: "
                              "keys are required; drop one")
+        scoped = gateway_of_user(self.nats_user)
+        if self.nats_user and scoped != self.instance_id:
+            # NOTE: a gateway user may submit and read streams for its own gateway only: under another id this
+            # gateway's submits and streams would all be refused
+            fix = (f"run it as {setting('instance_id')}={scoped}" if scoped else
+                   f"give it the credentials of {gateway_user(self.instance_id or 'ID')} (a user per gateway)")
+            raise ValueError(f"{setting('nats_user')} {self.nats_user!r} is not the NATS user of gateway "
+                             f"{self.instance_id or '(no instance_id set)'}: {fix}")
         if not self.api_keys_file and not self.insecure_no_auth and not is_loopback(self.host):
             raise ValueError(f"listening on {self.host} without API keys would open the API to the network: "
                              "set api_keys_file (--api-keys-file, HALFMOON_API_KEYS_FILE) or insecure_no_auth")

@@ -48,7 +48,7 @@ from halfmoon.runtime.worker import EngineWorker
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.transport import TransferError
 
-SendToDecode = Callable[[PrefillRequest, RequestOutput, KVLocation | None, int], Awaitable[None]]
+SendToDecode = Callable[[PrefillRequest, str, RequestOutput, KVLocation | None, int], Awaitable[None]]
 """Hands a prefilled request to its decode instance: the first token, where its KV is, layers announced."""
 
 
@@ -80,30 +80,31 @@ class PipelineHead:
         return chunk_tokens(worker.config.prefill_chunk_size, worker.nc.max_payload,
                             worker.engine.hidden_size * worker.engine.dtype.itemsize)
 
-    async def serve(self, req: PrefillRequest) -> None:
+    async def serve(self, req: PrefillRequest, gateway: str) -> None:
         worker = self.worker
         started = time.perf_counter()
         keys = self.prefix.block_keys(req)
         fetched = await worker.pool.fetch_prefix(keys[:(len(req.prompt_token_ids) - 1) // worker.config.block_size])
         try:  # NOTE: the lease keeps the reused prefix in the pool until decode was handed its locations
-            await self._serve(req, keys, fetched, started)
+            await self._serve(req, gateway, keys, fetched, started)
         finally:
             await worker.pool.release(fetched.lease_id)
 
-    async def _serve(self, req: PrefillRequest, keys: list[bytes], fetched: Fetched, started: float) -> None:
-        worker = self.worker
+    async def _serve(self, req: PrefillRequest, gateway: str, keys: list[bytes], fetched: Fetched,
+                     started: float) -> None:
+        worker, stream = self.worker, self.worker.subjects.stream(gateway, req.request_id)
         try:
             first, blocks, written = await self._compute(req, keys, fetched)
         except (EngineError, ValueError) as exc:
-            await worker.send_error(worker.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
+            await worker.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
             return
         except (RemoteError, TransferError, OSError) as exc:  # a stage failed: the gateway migrates the request
-            await worker.send_error(worker.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
-                                 f"pipelined prefill failed: {exc}", req.attempt)
+            await worker.send_error(stream, req.request_id, ErrorCode.UNAVAILABLE, f"pipelined prefill failed: {exc}",
+                                    req.attempt)
             return
         worker.done_computing(req.request_id)
-        await worker.publish_event(worker.stream_of(req), token_event(first, req.sampling, worker.instance_id,
-                                                                first.num_cached_tokens, req.attempt))
+        await worker.publish_event(stream, token_event(first, req.sampling, worker.instance_id,
+                                                       first.num_cached_tokens, req.attempt))
         worker.record_ttft(time.perf_counter() - started)
         kv = await blocks.finish(written)
         if first.finish_reason != PREFILL_DONE:
@@ -112,10 +113,10 @@ class PipelineHead:
             worker.log.warning("pipelined prefill without complete blocks in the pool: decode recomputes",
                             extra={"request_id": req.request_id})
         try:
-            await self.send_to_decode(req, first, kv, 0)
+            await self.send_to_decode(req, gateway, first, kv, 0)
         except (RemoteError, TransferError, OSError) as exc:
-            await worker.send_error(worker.stream_of(req), req.request_id, ErrorCode.UNAVAILABLE,
-                                 f"hand-off to decode failed: {exc}", req.attempt)
+            await worker.send_error(stream, req.request_id, ErrorCode.UNAVAILABLE, f"hand-off to decode failed: {exc}",
+                                    req.attempt)
 
     async def _compute(self, req: PrefillRequest, keys: list[bytes],
                        fetched: Fetched) -> tuple[RequestOutput, PipelineBlocks, set[int]]:

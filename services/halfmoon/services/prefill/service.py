@@ -15,6 +15,7 @@ from halfmoon.engine.interface import PREFILL_DONE, RequestOutput
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.registry import Role
+from halfmoon.protocol.subjects import Subjects
 from halfmoon.protocol.work import DecodeRequest, KVLocation, PrefillRequest
 from halfmoon.runtime.layer_writer import LayerWriter
 from halfmoon.runtime.prefix_layers import PrefixLayers
@@ -41,10 +42,13 @@ class PrefillService(EngineWorker):
 
     @property
     def submit_subject(self) -> str:
-        return self.subjects.prefill_submit(self.instance_id)
+        return self.subjects.prefill_submit_to(self.instance_id)
 
-    def accept(self, request: PrefillRequest) -> Coroutine[Any, Any, None]:
-        return self._serve(request)
+    def issuer(self, request: PrefillRequest, subject: str) -> str:
+        return Subjects.submitter(subject)  # each gateway's NATS user may submit only naming itself
+
+    def accept(self, request: PrefillRequest, gateway: str) -> Coroutine[Any, Any, None]:
+        return self._serve(request, gateway)
 
     def writer(self, req: PrefillRequest, prefix: Prefix) -> LayerWriter:
         """Ships each layer of the request's new blocks to the pool as the engine finishes it, and tells
@@ -55,10 +59,11 @@ class PrefillService(EngineWorker):
                                    prefix.fetched, lambda msg: self.publish(subject, msg),
                                    self.config.layerwise_handoff)
 
-    async def _serve(self, req: PrefillRequest) -> None:
+    async def _serve(self, req: PrefillRequest, gateway: str) -> None:
         if req.pipeline and not req.output_token_ids:  # a migrated request continues on one instance
-            await self.pipeline.serve(req)
+            await self.pipeline.serve(req, gateway)
             return
+        stream = self.subjects.stream(gateway, req.request_id)
         started = time.perf_counter()
         prefix = await self.prefix.fetch(req)
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
@@ -68,14 +73,13 @@ class PrefillService(EngineWorker):
             try:
                 first = await self._compute(req, prefix, writer)
             except EngineError as exc:
-                await self.send_error(self.stream_of(req), req.request_id, ErrorCode.BAD_REQUEST, str(exc),
-                                      req.attempt)
+                await self.send_error(stream, req.request_id, ErrorCode.BAD_REQUEST, str(exc), req.attempt)
                 return
             finished = time.perf_counter()
             self.done_computing(req.request_id)
             # NOTE: the first token's event goes out before the hand-off: decode's tokens follow it
-            await self.publish_event(self.stream_of(req), token_event(first, req.sampling, self.instance_id,
-                                                                     first.num_cached_tokens, req.attempt))
+            await self.publish_event(stream, token_event(first, req.sampling, self.instance_id,
+                                                         first.num_cached_tokens, req.attempt))
             self.record_ttft(finished - started)
             cached = first.num_cached_tokens
             layers = prefix.fetched.layers
@@ -83,15 +87,14 @@ class PrefillService(EngineWorker):
                 await self._store_recomputed(req, prefix)
             try:
                 if first.finish_reason == PREFILL_DONE:
-                    await self._hand_off(req, first, writer, shipping)
+                    await self._hand_off(req, gateway, first, writer, shipping)
             finally:  # for the conductor's index, not this request: after the hand-off
                 await self.prefix.publish_cache_events((context - cached, cached, first.compute_s))
         except (RemoteError, TransferError, OSError, EngineError) as exc:
             # NOTE: anything but a refusal of the request itself is retryable: the gateway migrates it
             bad = isinstance(exc, (RemoteError, EngineError)) and getattr(exc, "code", None) is ErrorCode.BAD_REQUEST
             code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE
-            await self.send_error(self.stream_of(req), req.request_id, code, f"hand-off to decode failed: {exc}",
-                                  req.attempt)
+            await self.send_error(stream, req.request_id, code, f"hand-off to decode failed: {exc}", req.attempt)
         finally:
             shipping.cancel()
             await self.pool.release(prefix.fetched.lease_id)
@@ -148,7 +151,7 @@ class PrefillService(EngineWorker):
         await self.stages.stop()
         await super().close()
 
-    async def _hand_off(self, req: PrefillRequest, first: RequestOutput, writer: LayerWriter,
+    async def _hand_off(self, req: PrefillRequest, gateway: str, first: RequestOutput, writer: LayerWriter,
                         shipping: asyncio.Task[None]) -> None:
         assert self.engine is not None
         rid = req.request_id
@@ -159,19 +162,20 @@ class PrefillService(EngineWorker):
         kv = await self._place_kv(writer)
         deferred = kv is not None and writer.complete  # decode holds every block: commit after the hand-off
         try:
-            await self.send_to_decode(req, first, kv, writer.announced if kv is not None else 0)
+            await self.send_to_decode(req, gateway, first, kv, writer.announced if kv is not None else 0)
         finally:
             if deferred:
                 await self.handoff.commit(writer)
 
-    async def send_to_decode(self, req: PrefillRequest, first: RequestOutput, kv: KVLocation | None,
+    async def send_to_decode(self, req: PrefillRequest, gateway: str, first: RequestOutput, kv: KVLocation | None,
                              layers_announced: int) -> None:
-        """Hand the request to its decode instance: the first token, and where its KV is."""
+        """Hand the request to its decode instance: the first token, where its KV is, and the gateway it
+        streams to (``gateway``, as the submit's subject named it)."""
         rid = req.request_id
         handoff = DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids, first_token_id=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if req.sampling.logprobs else None, sampling=req.sampling, kv=kv,
-            gateway=req.gateway, prefill_instance=self.instance_id, deadline=req.deadline,
+            gateway=gateway, prefill_instance=self.instance_id, deadline=req.deadline,
             cached_tokens=min(first.num_cached_tokens, len(req.prompt_token_ids)),
             output_token_ids=req.output_token_ids, attempt=req.attempt, tenant_salt=req.tenant_salt,
             layers_announced=layers_announced,
