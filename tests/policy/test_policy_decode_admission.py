@@ -199,17 +199,6 @@ class TestPredictionsTakeTheInstancesOwnScale:
         assert decode.choose([rare], 100) is not None
         assert decode.choose([state._replace(shared_step_fraction=0.5)], 100) is None  # half the steps: 0.07 s
 
-    def test_an_aggregated_instance_is_judged_by_the_batch_its_streams_decode_beside(self):
-        # eight placed, three decoding on average over the window (the rest computing their prompts):
-        # judged beside eight, a ninth stream was predicted twice what streams then got
-        decode = SloAwareDecode(DecodeCostModel((0.01, 0.01, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
-        aggregated = DecodeInstanceState("a0", 8, 0, 10**6, interleaves_prefill=True, measured=MeasuredStep(3, 0, 0.1))
-        assert decode.predicted_tbt(aggregated, 100) == pytest.approx(0.1 * 0.05 / 0.04)
-        assert decode.choose([aggregated], 100) is not None
-        decode_only = aggregated._replace(interleaves_prefill=False)  # a decode instance: all it holds decodes
-        assert decode.predicted_tbt(decode_only, 100) == pytest.approx(0.1 * 0.1 / 0.04)
-        assert decode.choose([decode_only], 100) is None
-
     def test_an_instance_without_steps_takes_its_peers_scale(self):
         # The machine runs 3x slower than the model: judged by the bare model, the idle instance looked
         # 3x faster than the busy one and drew every request until its own steps came in.

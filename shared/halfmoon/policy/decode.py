@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -93,10 +92,6 @@ class SloAwareDecode:
         """``own_scale=False`` with no peer scales: the model's shape alone."""
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
         measured, measured_shared = (inst.measured, inst.measured_shared) if own_scale else (None, None)
-        if inst.interleaves_prefill and measured is not None and measured.batch > 0:
-            # its placed work counts prompts still being computed, which in steady state replace streams that
-            # end: the streams decode beside the batch its steps measured, not beside everything placed
-            batch = min(batch, math.ceil(measured.batch))
         tbt = anchored(self.cost, measured, batch + 1, context + context_tokens, peers[0])
         if self.shared_cost is not None and inst.interleaves_prefill:
             shared = anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1])
