@@ -54,6 +54,18 @@ FORGED = {
 }
 
 
+async def refusal(errors: list[Exception], timeout_s: float = 10.0) -> None:
+    """Until the server's -ERR for a refused publish or subscribe arrives (asynchronously), or the deadline."""
+    end = time.monotonic() + timeout_s
+    while not errors and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
+def assert_refused(errors: list[Exception], subject: str) -> None:
+    # NOTE: nats-py lower-cases the server's -ERR text (an inbox prefix has capitals)
+    assert any("permissions violation" in str(e).lower() and subject.lower() in str(e).lower() for e in errors), errors
+
+
 class TestGatewayCredentialsCannotImpersonate:
     @pytest.mark.parametrize("what", sorted(FORGED))
     async def test_server_refuses_and_nobody_receives(self, secure_cluster: LocalCluster, what: str) -> None:
@@ -72,14 +84,12 @@ class TestGatewayCredentialsCannotImpersonate:
             await tap.flush()
             await gateway.publish(subject, b"forged")
             await gateway.flush()
-            end = time.monotonic() + 10
-            while not errors and time.monotonic() < end:
-                await asyncio.sleep(0.05)  # the server's -ERR arrives asynchronously
+            await refusal(errors)
             await tap.flush()
         finally:
             await gateway.close()
             await tap.close()
-        assert any("permissions violation" in str(e).lower() and subject in str(e) for e in errors), errors
+        assert_refused(errors, subject)
         assert received == []
 
 
@@ -108,15 +118,12 @@ class TestGatewayCredentialsReadOnlyTheirOwn:
             # the victim's traffic: a schedule reply and a submit ack to its inbox, tokens on its streams
             async with httpx.AsyncClient(base_url=secure_cluster.url, headers=bearer("tenant-a"), timeout=120) as http:
                 reply = await http.post("/v1/completions", json=body)
-            end = time.monotonic() + 10
-            while not errors and time.monotonic() < end:
-                await asyncio.sleep(0.05)  # the server's -ERR arrives asynchronously
+            await refusal(errors)
             await attacker.flush()
         finally:
             await attacker.close()
         assert reply.status_code == 200, reply.text
-        # NOTE: nats-py lower-cases the server's -ERR text (the inbox prefix has capitals)
-        assert any("permissions violation" in str(e).lower() and subject.lower() in str(e) for e in errors), errors
+        assert_refused(errors, subject)
         assert received == []
 
 
