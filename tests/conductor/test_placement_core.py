@@ -305,8 +305,7 @@ class TestLearnedDecodeCost:
 
     def test_the_instances_own_latest_steps_set_the_scale(self):
         # the model, soured by a slow spell, says 0.27 s a step for five; the instance's heartbeat says its
-        # four sequences stepped in 40 ms over the last window, so five are predicted near 50 ms and the
-        # request is placed
+        # four sequences step in 40 ms now, so five are predicted near 50 ms and the request is placed
         built = build_placement(PolicySettings(tbt_slo_s=0.25))
         built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
         assert built.decode_cost is not None
@@ -316,7 +315,7 @@ class TestLearnedDecodeCost:
         view = self.aggregated(running=4, used_blocks=100)[0]
         assert isinstance(place_pair(built.policy, self.REQUEST, [], [], [view], now=0.0), Rejection)
         measured = view._replace(load=msgspec.structs.replace(
-            view.load, recent_steps=StepSample(steps=20, batch=4, kv_tokens=1600, seconds=0.04)))
+            view.load, steps=StepSample(steps=20, batch=4, kv_tokens=1600, seconds=0.04)))
         placed = place_pair(built.policy, self.REQUEST, [], [], [measured], now=0.0)
         assert isinstance(placed, Placement), placed
         assert placed.predicted_tbt_ms is not None and 40 < placed.predicted_tbt_ms < 60

@@ -61,23 +61,3 @@ class TestRecentLoad:
         meter.on_first_token(7.0, now=100.0)
         load = meter.load(self.STATS, in_flight=0, accepted_total=4, now=111.0)
         assert (load.tbt_ms, load.ttft_ms) == (None, None)
-
-    def test_the_windows_decoding_steps_are_averaged_for_the_conductors_scale(self):
-        # heartbeats every second see one 2 s step that carried a prompt chunk, or a few decode-only ones:
-        # averaged over one heartbeat, the scale jumped from 0.1 s to 2 s; over the window it is their mean
-        meter = LoadMeter(block_size=16, window_s=10.0)
-        for t in range(100, 109):
-            meter.on_step(StepTiming(ended=float(t), seconds=0.1, num_outputs=4, num_decoding=4, kv_blocks=10,
-                                     num_tokens=4))
-        meter.on_step(StepTiming(ended=109.0, seconds=2.0, num_outputs=5, num_decoding=4, kv_blocks=40,
-                                 num_tokens=516))
-        meter.on_step(StepTiming(ended=109.5, seconds=0.3, num_outputs=0, num_decoding=0, kv_blocks=40,
-                                 num_tokens=512))  # a prompt alone: no decoding sequence waited on it
-        load = meter.load(self.STATS, in_flight=0, accepted_total=5, now=110.0)
-        assert load.recent_steps is not None and load.recent_steps.steps == 10
-        assert (load.recent_steps.batch, load.recent_steps.seconds) == pytest.approx((4.0, (9 * 0.1 + 2.0) / 10))
-        assert load.shared_step_fraction == pytest.approx(0.1)
-        load = meter.load(self.STATS, in_flight=0, accepted_total=5, now=115.0)
-        assert load.recent_steps is not None and load.recent_steps.steps == 5  # those before 105 left the window
-        load = meter.load(self.STATS, in_flight=0, accepted_total=5, now=120.0)
-        assert (load.recent_steps, load.shared_step_fraction) == (None, None)

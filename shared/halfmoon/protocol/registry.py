@@ -50,6 +50,17 @@ class StepSample(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("a step sample needs steps >= 1 and finite, non-negative averages")
 
 
+def pooled_steps(*samples: StepSample | None) -> StepSample | None:
+    """The average of step samples, each weighted by its number of steps (None when all are None)."""
+    present = [s for s in samples if s is not None]
+    if not present:
+        return None
+    steps = sum(s.steps for s in present)
+    batch, kv_tokens, seconds = (sum(getattr(s, name) * s.steps for s in present) / steps
+                                 for name in ("batch", "kv_tokens", "seconds"))
+    return StepSample(steps=steps, batch=batch, kv_tokens=kv_tokens, seconds=seconds)
+
+
 class Load(msgspec.Struct, frozen=True, kw_only=True):
     """What an instance reports about its load; fields a role does not have stay at 0/None.
 
@@ -67,9 +78,6 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     accepted_total: int = 0
     steps: StepSample | None = None  # decoding steps since the last heartbeat that computed no prompt tokens
     shared_steps: StepSample | None = None  # those that did: an aggregated instance's prefill chunks shared them
-    # the decoding steps of the last window (with prompt chunks or without), averaged: the mean time between
-    # tokens the decoding sequences saw, and the batch and KV they saw it at
-    recent_steps: StepSample | None = None
     # of the decoding steps of the last window, the share a prompt chunk shared: a decoding sequence's mean
     # time between tokens mixes both kinds in this proportion (None until it decoded)
     shared_step_fraction: float | None = None

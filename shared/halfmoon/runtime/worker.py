@@ -101,8 +101,7 @@ class LoadMeter:
         self.block_size = block_size
         self._ttft_s = RecentSamples(window_s)
         self._step_s = RecentSamples(window_s)
-        self.window_s = window_s
-        self._decoding: collections.deque[StepTiming] = collections.deque()  # decoding steps of the window
+        self._shared = RecentSamples(window_s)  # 1.0 for each decoding step a prompt chunk shared, else 0.0
         self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
 
     def on_step(self, timing: StepTiming) -> None:
@@ -110,7 +109,7 @@ class LoadMeter:
             self._step_s.add(timing.ended, timing.seconds)
         if timing.num_decoding:
             self._unreported.append(timing)
-            self._decoding.append(timing)
+            self._shared.add(timing.ended, float(timing.shared_with_prefill))
 
     def take_steps(self) -> tuple[StepSample | None, StepSample | None]:
         """The steps since the last call that advanced a decoding sequence, averaged: those that computed
@@ -137,18 +136,12 @@ class LoadMeter:
         """Running: sequences in the engine's batch; queued: every other request taken and not done
         (waiting in the engine, or still fetching its prefix). TTFT and TBT are means over the last
         window: an instance idle that long reports none, so a slow spell it had cannot keep the
-        conductor's balance away from it after the spell ends. The decoding steps of the window, averaged
-        (``recent_steps``), are what the conductor scales its step predictions by: one heartbeat's steps
-        are too few when a step that carries a prompt chunk takes seconds."""
+        conductor's balance away from it after the spell ends."""
         now = time.time() if now is None else now
-        while self._decoding and self._decoding[0].ended < now - self.window_s:
-            self._decoding.popleft()
-        recent = tuple(self._decoding)
         return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
                     free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                     ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
-                    accepted_total=accepted_total, recent_steps=self._average(list(recent)),
-                    shared_step_fraction=_mean(tuple(float(t.shared_with_prefill) for t in recent)))
+                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)))
 
 
 def _mean(values: tuple[float, ...]) -> float | None:

@@ -9,7 +9,7 @@ from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.calibration import TTFTCalibration
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import DecodeInstanceState, MeasuredStep, PrefillInstanceState, RouteRequest
-from halfmoon.protocol.registry import Role, StepSample
+from halfmoon.protocol.registry import Role, StepSample, pooled_steps
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import LeastLoaded, Placement, PlacementPolicy, Rejection
@@ -67,8 +67,8 @@ class KVCentricPlacement(PlacementPolicy):
         batch = max(view.load.running, view.outstanding.count)
         aggregated = view.role is Role.AGGREGATED
         steps, shared = view.load.steps, view.load.shared_steps
-        if self.pools_steps:  # the window's steps: one heartbeat's are one or two when a prompt chunk takes seconds
-            steps, shared = view.load.recent_steps, None
+        if self.pools_steps:
+            steps, shared = pooled_steps(steps, shared), None
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent,
                                    interleaves_prefill=aggregated, measured=measured_step(steps),

@@ -16,7 +16,7 @@ from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Message
 from halfmoon.protocol.pool import KVEvents, SnapshotRequest
-from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, StepSample
+from halfmoon.protocol.registry import Heartbeat, InstanceDown, Load, Role, StepSample, pooled_steps
 from halfmoon.protocol.scheduling import (
     Placed,
     Readiness,
@@ -199,12 +199,12 @@ class ConductorService(Service[ConductorConfig]):
         if self.decode_cost is None:
             return
         if self.shared_cost is None:
-            # NOTE: the model learns the shape (how a step grows with the batch and the KV) from decode-only
-            # steps; the scale comes from each instance's steps of the last window, prompt-sharing ones
-            # included (``recent_steps``). Learned from those too, the shape took the prompt chunks, which
-            # come more often when more requests are in, for a steep growth with the batch, and predicted
-            # 0.49 s for a ninth stream on an aggregated instance whose streams got 125 ms.
-            samples: tuple[tuple[StepSample | None, OnlineFitter], ...] = ((load.steps, self.decode_cost),)
+            # NOTE: one model for both kinds of step learns their mean as the decoding sequences saw it,
+            # each kind weighted by how many steps it was; unweighted, one step that carried a prefill
+            # chunk counted as much as the dozen decode-only steps around it, and the predicted TBT
+            # rejected nearly every request on an aggregated instance whose tokens came well within the SLO.
+            samples: tuple[tuple[StepSample | None, OnlineFitter], ...] = (
+                (pooled_steps(load.steps, load.shared_steps), self.decode_cost),)
         else:
             samples = ((load.steps, self.decode_cost), (load.shared_steps, self.shared_cost))
         for sample, fitter in samples:
