@@ -61,3 +61,40 @@ class TestRecentLoad:
         meter.on_first_token(7.0, now=100.0)
         load = meter.load(self.STATS, in_flight=0, accepted_total=4, now=111.0)
         assert (load.tbt_ms, load.ttft_ms) == (None, None)
+
+
+class TestRecentSteps:
+    """The window's decoding steps, as the sample that scales the conductor's TBT predictions."""
+
+    @staticmethod
+    def decoding(ended: float, seconds: float, requests: int, tokens: int = 2) -> StepTiming:
+        return StepTiming(ended=ended, seconds=seconds, num_outputs=2, num_decoding=2, kv_blocks=4,
+                          num_tokens=tokens, num_requests=requests)
+
+    def test_both_kinds_of_step_over_the_window_against_the_requests_held(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(self.decoding(90.0, 0.9, requests=1))  # before the window
+        meter.on_step(self.decoding(101.0, 0.1, requests=3))
+        meter.on_step(self.decoding(102.0, 0.4, requests=5, tokens=258))  # a prompt chunk shared it
+        meter.on_step(StepTiming(ended=103.0, seconds=2.0, num_outputs=0, num_decoding=0, kv_blocks=4,
+                                 num_tokens=512, num_requests=5))  # no decoding sequence waited on it
+        meter.take_steps()  # what heartbeats took does not leave the window
+        sample = meter.recent_steps(now=105.0)
+        assert sample is not None and sample.steps == 2
+        assert (sample.batch, sample.kv_tokens, sample.seconds) == pytest.approx((4.0, 64.0, 0.25))
+
+    def test_one_stall_counts_as_ten_median_steps(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        for i in range(9):
+            meter.on_step(self.decoding(100.0 + i / 10, 0.1, requests=2))
+        meter.on_step(self.decoding(101.0, 30.0, requests=2))  # a step that waited out an outage
+        sample = meter.recent_steps(now=102.0)
+        assert sample is not None and sample.seconds == pytest.approx((9 * 0.1 + 10 * 0.1) / 10)
+
+    def test_a_heartbeat_carries_it_and_forgets_it_after_the_window(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(self.decoding(100.0, 0.2, requests=1))
+        stats = EngineStats(running=1, waiting=0, free_blocks=6, total_blocks=10)
+        load = meter.load(stats, in_flight=1, accepted_total=1, now=101.0)
+        assert load.recent_steps is not None and load.recent_steps.seconds == pytest.approx(0.2)
+        assert meter.load(stats, in_flight=1, accepted_total=1, now=111.0).recent_steps is None

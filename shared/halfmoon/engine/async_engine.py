@@ -111,7 +111,8 @@ class AsyncEngine(Engine):
         if self._on_step is not None:
             decoding = sum(1 for out in outputs if out.num_output_tokens > 1)
             self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs), decoding,
-                                     stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens))
+                                     stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens,
+                                     stats.running + stats.waiting))
         for out in outputs:
             self._deliver(out.request_id, out)
             if out.finished:
