@@ -9,11 +9,13 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from halfmoon.deploy.kubernetes_actuator import ENGINE_WORKLOADS
+from halfmoon.deploy.planner import ENGINE_ROLES
 from halfmoon.deploy.topology import SERVICES
+from halfmoon.runtime.config import ENV_PREFIX, ServiceConfig
 from tests.conftest import REPO_ROOT
-from tests.deploy.conftest import workloads
+from tests.deploy.conftest import K8S_VERSION, workloads
 
-K8S_VERSION = "1.37.0"
 GPU = "nvidia.com/gpu"
 
 
@@ -25,8 +27,12 @@ def env(workload: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(workload).get("env", [])}
 
 
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
 class TestSchemas:
-    @pytest.mark.parametrize("docs", ["k8s_base", "k8s_gpu"])
+    @pytest.mark.parametrize("docs", ["k8s_base", "k8s_gpu", "k8s_planner"])
     def test_every_resource_validates_strictly(self, docs: str, request: pytest.FixtureRequest) -> None:
         resources = request.getfixturevalue(docs)
         assert len(resources) > 10
@@ -152,3 +158,73 @@ class TestNoSinglePointOfFailure:
     def test_two_of_each_control_service(self, k8s_base: list[dict[str, Any]], name: str) -> None:
         spec = workloads(k8s_base)[name]["spec"]
         assert spec["replicas"] >= 2 and spec.get("strategy", {}).get("type") != "Recreate"
+
+
+class TestDrainOnScaleDown:
+    def test_the_engines_grace_period_outlasts_their_drain(self, k8s_base: list[dict[str, Any]]) -> None:
+        """The kubelet kills a pod its grace period after SIGTERM: an engine must have finished draining."""
+        config = named(k8s_base, "ConfigMap", "halfmoon-env")["data"]
+        variable = f"{ENV_PREFIX}DRAIN_TIMEOUT_S"
+        for reference in ENGINE_WORKLOADS.values():
+            workload = workloads(k8s_base)[reference.split("/")[1]]
+            drain_s = float(env(workload).get(variable) or config.get(variable) or ServiceConfig().drain_timeout_s)
+            assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s, reference
+
+
+class TestPlannerOverlay:
+    """infra/k8s/overlays/planner: the base, unchanged, plus a planner allowed to set the engines' replicas
+    and nothing else."""
+
+    def test_the_base_is_in_it_unchanged(self, k8s_base: list[dict[str, Any]],
+                                         k8s_planner: list[dict[str, Any]]) -> None:
+        for doc in k8s_base:
+            assert named(k8s_planner, doc["kind"], doc["metadata"]["name"]) == doc
+        added = {(d["kind"], d["metadata"]["name"]) for d in k8s_planner} - {
+            (d["kind"], d["metadata"]["name"]) for d in k8s_base}
+        assert added == {("ServiceAccount", "planner"), ("Role", "planner"), ("RoleBinding", "planner"),
+                         ("Deployment", "planner")}
+
+    def test_the_engine_workloads_the_actuator_scales_are_the_bases(self, k8s_base: list[dict[str, Any]]) -> None:
+        modules = {f"halfmoon.services.{role.value}" for role in ENGINE_ROLES}
+        engines = {name: w["kind"] for name, w in workloads(k8s_base).items()
+                   if modules & set(container(w).get("args", []))}
+        assert {f"{kind.lower()}/{name}" for name, kind in engines.items()} == set(ENGINE_WORKLOADS.values())
+
+    def test_its_role_grants_exactly_get_and_patch_of_the_engines_scale(
+            self, k8s_planner: list[dict[str, Any]]) -> None:
+        assert not [d for d in k8s_planner if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+        (rule,) = named(k8s_planner, "Role", "planner")["rules"]
+        plural = {kind: f"{kind}s/scale" for kind in ("deployment", "statefulset")}
+        assert rule["apiGroups"] == ["apps"]
+        assert {(resource, name) for resource in rule["resources"] for name in rule["resourceNames"]} == {
+            (plural[kind], name) for kind, name in (r.split("/") for r in ENGINE_WORKLOADS.values())}
+        assert sorted(rule["verbs"]) == ["get", "patch"]
+
+    def test_the_planner_alone_runs_as_the_bound_service_account(self, k8s_planner: list[dict[str, Any]]) -> None:
+        account = named(k8s_planner, "ServiceAccount", "planner")
+        binding = named(k8s_planner, "RoleBinding", "planner")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "planner"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "planner",
+                                        "namespace": account["metadata"]["namespace"]}]
+        assert {d["metadata"]["namespace"] for d in (account, binding, named(k8s_planner, "Role", "planner"))} == {
+            named(k8s_planner, "Deployment", "prefill")["metadata"]["namespace"]}
+        runs_as = {name: w["spec"]["template"]["spec"].get("serviceAccountName") for name, w in
+                   workloads(k8s_planner).items()}
+        assert {name for name, account_name in runs_as.items() if account_name == "planner"} == {"planner"}
+        assert named(k8s_planner, "Deployment", "planner")["spec"]["template"]["spec"][
+            "automountServiceAccountToken"] is True
+
+    def test_the_planner_runs_the_kubernetes_actuator_with_the_operators_nats_user(
+            self, k8s_planner: list[dict[str, Any]]) -> None:
+        planner = named(k8s_planner, "Deployment", "planner")
+        assert container(planner)["args"] == ["python", "-m", "halfmoon.services.planner"]
+        assert container(planner)["image"] == container(named(k8s_planner, "Deployment", "decode"))["image"]
+        assert env(planner)["HALFMOON_PLANNER_ACTUATOR"] == "kubernetes"
+        assert env(planner)["HALFMOON_SECRETS_ROLE"] == "admin"  # the entrypoint loads admin.env
+        pod = planner["spec"]["template"]["spec"]
+        assert next(v for v in pod["volumes"] if v["name"] == "secrets")["secret"]["secretName"] == "halfmoon-secrets"
+        assert container(planner)["envFrom"] == [{"configMapRef": {"name": "halfmoon-env"}}]
+
+    def test_one_planner_at_a_time(self, k8s_planner: list[dict[str, Any]]) -> None:
+        spec = named(k8s_planner, "Deployment", "planner")["spec"]
+        assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
