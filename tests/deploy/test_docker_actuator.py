@@ -9,6 +9,8 @@ start a dockerd with (CI installs them and runs as root).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import shutil
@@ -22,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.deploy.docker_actuator import (
     NUMBER,
     PROJECT,
@@ -33,8 +37,13 @@ from halfmoon.deploy.docker_actuator import (
     clone_request,
     replica_name,
 )
-from halfmoon.protocol.registry import Role
-from tests.conftest import REPO_ROOT
+from halfmoon.protocol import codecs
+from halfmoon.protocol.registry import Heartbeat, Load, Role
+from halfmoon.protocol.scheduling import Placed
+from halfmoon.protocol.subjects import Subjects
+from halfmoon.telemetry import read_spans
+from tests.conftest import REPO_ROOT, NatsServer, Processes
+from tests.planner.conftest import TBT_SLO_S, capped_profile_dict
 
 sys.path.insert(0, str(REPO_ROOT / "infra"))  # the compose check's modules import each other by bare name
 from compose_engine import Skipped, compose_command, host_image
@@ -205,6 +214,65 @@ class TestDockerActuator:
             assert project.marks(first["Id"]) == ["serving"]
         finally:
             actuator.close(60)
+
+
+SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16)
+
+
+async def report_load(nc: NATS, subjects: Subjects, per_s: float, stop: asyncio.Event) -> None:
+    """What a decode engine's heartbeats and the conductor's placements say of ``per_s`` requests a second."""
+    sent = 0
+    while not stop.is_set():
+        beat = Heartbeat(instance_id="decode-0", role=Role.DECODE, address="decode-0", load=Load(tbt_ms=150.0),
+                         timestamp=time.time(), interval_s=0.5, kv_spec=SPEC)
+        await nc.publish(subjects.heartbeat_from(Role.DECODE.value), codecs.HEARTBEAT.encode(beat))
+        for _ in range(int(per_s / 2)):
+            sent += 1
+            placed = Placed(conductor="conductor-0", prefill_instance="prefill-0", decode_instance="decode-0",
+                            request_id=f"cmpl-{sent}", prompt_tokens=10, max_tokens=16)
+            await nc.publish(subjects.placed, codecs.PLACED.encode(placed))
+        await nc.flush()
+        await asyncio.sleep(0.5)  # the heartbeat interval
+
+
+class TestPlannerService:
+    @pytest.mark.timeout(600)
+    async def test_scales_the_compose_engines_up_under_load_and_drains_after(
+            self, project: Project, docker_host: str, nats_server: NatsServer, nc: NATS, namespace: str,
+            processes: Processes, tmp_path: Path) -> None:
+        """`python -m halfmoon.services.planner` as compose runs it, on NATS reports of a load that one prefill
+        and one decode replica cannot serve within the SLOs by the profile (capacity by configuration)."""
+        profile, spans = tmp_path / "profile.json", tmp_path / "spans.jsonl"
+        profile.write_text(json.dumps(capped_profile_dict()))
+        planner = processes.start(["-m", "halfmoon.services.planner"], {
+            "HALFMOON_NATS_URL": nats_server.url, "HALFMOON_NAMESPACE": namespace, "HALFMOON_ACTUATOR": "docker",
+            "HALFMOON_COMPOSE_PROJECT": project.name, "HALFMOON_DOCKER_SOCKET": docker_host.removeprefix("unix://"),
+            "HALFMOON_PROFILE": str(profile), "HALFMOON_TBT_SLO_S": str(TBT_SLO_S), "HALFMOON_INTERVAL_S": "1",
+            "HALFMOON_HORIZON_S": "10", "HALFMOON_MAX_INSTANCES": "4", "HALFMOON_TRACE_FILE": str(spans),
+            "HALFMOON_LOG_FORMAT": "text"}, stderr=subprocess.PIPE, text=True)
+        actuator = DockerActuator(project.name, DockerApi(docker_host.removeprefix("unix://")))
+
+        def engines() -> int:
+            assert planner.poll() is None, planner.stderr.read() if planner.stderr else planner.returncode
+            counts = actuator.counts()
+            return counts[Role.PREFILL] + counts[Role.DECODE]
+
+        try:
+            stop = asyncio.Event()
+            load = asyncio.create_task(report_load(nc, Subjects(namespace), 8.0, stop))
+            await asyncio.to_thread(poll, "the planner to start engines", lambda: engines() == 4)
+            stop.set()
+            await load
+            await asyncio.to_thread(poll, "the planner to drain one after the load", lambda: engines() < 4)
+        finally:
+            actuator.close(5)
+        planner.send_signal(signal.SIGTERM)
+        _, err = planner.communicate(timeout=120)
+        assert planner.returncode == 0, err
+        decisions = [s["attributes"] for s in read_spans(spans) if s["name"] == "planner.decide"]
+        assert {"up", "down"} <= {d["planner.action"] for d in decisions}, decisions
+        ups = [line for line in err.splitlines() if " up " in line and "started" in line]
+        assert ups, err[-3000:]
 
 
 INSPECTED = {
