@@ -274,6 +274,16 @@ class TestPlannerService:
         ups = [line for line in err.splitlines() if " up " in line and "started" in line]
         assert ups, err[-3000:]
 
+    def test_without_engines_to_size_it_exits_non_zero_saying_why(self, docker_host: str, nats_server: NatsServer,
+                                                                  processes: Processes) -> None:
+        planner = processes.start(["-m", "halfmoon.services.planner"], {
+            "HALFMOON_NATS_URL": nats_server.url, "HALFMOON_COMPOSE_PROJECT": "nothing-runs-here",
+            "HALFMOON_DOCKER_SOCKET": docker_host.removeprefix("unix://"), "HALFMOON_LOG_FORMAT": "text"},
+            stderr=subprocess.PIPE, text=True)
+        _, err = planner.communicate(timeout=120)
+        assert planner.returncode == 1, err
+        assert "the planner could not start" in err and "the deployment runs" in err, err
+
 
 INSPECTED = {
     "Id": "0123456789abcdef" * 4, "Name": "/shop-decode-1",

@@ -88,7 +88,7 @@ def clone_request(inspected: dict[str, Any], name: str, number: int) -> tuple[di
     config = dict(inspected["Config"])
     if config.get("Hostname") == short_id:  # Docker's default: the container's own id; the clone gets its own
         del config["Hostname"]
-    config["Labels"] = {**config.get("Labels", {}), NUMBER: str(number)}
+    config["Labels"] = {**(config.get("Labels") or {}), NUMBER: str(number)}
     aliases = {}
     for network, endpoint in inspected["NetworkSettings"]["Networks"].items():
         own = [name if alias == old_name else alias for alias in endpoint.get("Aliases") or ()

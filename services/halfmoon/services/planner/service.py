@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import threading
 import uuid
@@ -49,20 +50,27 @@ def docker_actuator(config: PlannerServiceConfig) -> Actuator:
 ACTUATORS: dict[str, Callable[[PlannerServiceConfig], Actuator]] = {"docker": docker_actuator}
 
 
-def serve(config: PlannerServiceConfig) -> None:
-    """Plan until SIGTERM or SIGINT; the drains under way then get ``drain_timeout_s`` to finish."""
+def serve(config: PlannerServiceConfig) -> int:
+    """Plan until SIGTERM or SIGINT, then give the drains under way ``drain_timeout_s`` to finish; the exit code."""
     if not config.instance_id:
         config = dataclasses.replace(config, instance_id=f"planner-{uuid.uuid4().hex[:8]}")
     setup_logging("planner", config.instance_id, config.log_level, config.log_format)
     provider = setup_tracing("planner", config.instance_id, config.trace_file or None)
-    actuator = ACTUATORS[config.actuator](config)
-    watch = Watch(lambda: connect_nats(config, config.instance_id, PLANNER), config.subjects)
-    planner = RunningPlanner(config, actuator, watch, provider)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _sig, _frame: stop.set())
+    try:
+        actuator = ACTUATORS[config.actuator](config)
+        watch = Watch(lambda: connect_nats(config, config.instance_id, PLANNER), config.subjects)
+        planner = RunningPlanner(config, actuator, watch, provider)
+    except Exception:
+        # e.g. no engines running yet, or NATS unreachable: the restart policy tries again
+        logging.getLogger("halfmoon.planner").exception("the planner could not start")
+        provider.shutdown()
+        return 1
     try:
         planner.run(stop)
     finally:
         planner.close()
         actuator.close(config.drain_timeout_s)
+    return 0
