@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,6 +142,28 @@ def build_cli() -> tuple[str, dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------- images
+
+def host_image(tag: str, binaries: Mapping[str, str], files: Mapping[str, str] | None = None,
+               command: list[str] | None = None, docker_host: str | None = None) -> None:
+    """An image of a few of the host's executables (path in the image -> the host's), the libraries they
+    link and ``files`` (path -> text), for tests that need a container and no particular image: no
+    registry, no build, a second or so."""
+    libraries: set[str] = set()
+    for binary in binaries.values():
+        ldd = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+        libraries.update(word for line in ldd.splitlines() for word in line.split() if word.startswith("/"))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for inside, outside in [*binaries.items(), *((lib, lib) for lib in sorted(libraries))]:
+            tar.add(os.path.realpath(outside), arcname=inside.lstrip("/"))
+        for inside, text in (files or {}).items():
+            info = tarfile.TarInfo(inside.lstrip("/"))
+            info.size, info.mode = len(text.encode()), 0o755
+            tar.addfile(info, io.BytesIO(text.encode()))
+    subprocess.run([DOCKER, *(["-H", docker_host] if docker_host else []), "import",
+                    *(["-c", f"CMD {json.dumps(command)}"] if command else []), "-", tag],
+                   input=buf.getvalue(), capture_output=True, check=True, timeout=120)
+
 
 def requirements() -> list[str]:
     with open(REPO / "pyproject.toml", "rb") as f:

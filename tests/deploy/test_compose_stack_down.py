@@ -10,11 +10,9 @@ answers. The container runs the host's `sleep` from an imported image: no regist
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ import pytest
 from tests.conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "infra"))  # the check's modules import each other by bare name
-from compose_engine import DOCKER, compose_command, docker_ok
+from compose_engine import DOCKER, compose_command, docker_ok, host_image
 from compose_stack import Stack
 
 
@@ -32,15 +30,8 @@ def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def sleep_image(tag: str) -> None:
     """An image holding only the host's `sleep` and the libraries it links."""
-    sleep = Path("/bin/sleep").resolve()
-    libs = [line.split("=>")[-1].split("(")[0].strip() for line in
-            subprocess.run(["ldd", str(sleep)], capture_output=True, text=True, check=True).stdout.splitlines()]
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for path in [str(sleep), *(lib for lib in libs if lib.startswith("/"))]:
-            tar.add(os.path.realpath(path), arcname=path.lstrip("/"))
-        tar.add(str(sleep), arcname="sleep")
-    subprocess.run([DOCKER, "import", "-", tag], input=buf.getvalue(), capture_output=True, check=True, timeout=120)
+    sleep = str(Path("/bin/sleep").resolve())
+    host_image(tag, {sleep: sleep, "/sleep": sleep})
 
 
 @pytest.fixture

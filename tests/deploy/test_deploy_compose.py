@@ -14,7 +14,10 @@ from typing import Any
 
 import yaml
 
+from halfmoon.deploy.nats_auth import ROLE_USERS
 from halfmoon.deploy.topology import SERVICES
+from halfmoon.protocol.permissions import PLANNER
+from halfmoon.runtime import ServiceConfig
 from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import (
     COMPOSE_FILE,
@@ -30,6 +33,7 @@ SCALE = {"prefill": 2, "decode": 3, "transfer": 2, "gateway": 3}
 # read by infra/entrypoint.py: turned into HALFMOON_NVME_DIR, and into this role's (or gateway slot's) credentials
 ENTRYPOINT_ONLY = {"HALFMOON_NVME_ROOT", "HALFMOON_SECRETS_DIR", "HALFMOON_SECRETS_ROLE", "HALFMOON_GATEWAY_SLOTS"}
 JOBS = {"models": "test", "secrets": "halfmoon", "jetstream": "halfmoon"}  # one-shot jobs on the Halfmoon image, and what they run
+OPTIONAL = {"planner": ["python", "-m", "halfmoon.services.planner"]}  # services a compose profile of their name turns on
 
 
 def check_compose_schema(*files: Path) -> subprocess.CompletedProcess[str]:
@@ -65,7 +69,7 @@ class TestSameServicesAsHalfmoonUp:
 
     def test_nothing_else_runs_halfmoon_code(self, compose: dict[str, Any]) -> None:
         topology = {spec.name for spec in SERVICES}
-        jobs = set(halfmoon_services(compose)) - topology
+        jobs = set(halfmoon_services(compose)) - topology - set(OPTIONAL)
         assert jobs == set(JOBS), "one-shot jobs on the Halfmoon image"
         for name in jobs:
             svc = compose["services"][name]
@@ -74,7 +78,13 @@ class TestSameServicesAsHalfmoonUp:
         runs_python = {
             n for n, s in compose["services"].items() if str((s.get("command") or [""])[0]).startswith("python")
         }
-        assert runs_python == topology
+        assert runs_python == topology | set(OPTIONAL)
+
+    def test_optional_services_run_only_under_their_profile(self, compose: dict[str, Any]) -> None:
+        for name, svc in compose["services"].items():
+            assert svc.get("profiles", []) == ([name] if name in OPTIONAL else []), name
+            if name in OPTIONAL:
+                assert svc["command"] == OPTIONAL[name]
 
     def test_one_image_built_from_infra(self, compose: dict[str, Any]) -> None:
         builds = {str(svc["build"]) for svc in halfmoon_services(compose).values()}
@@ -88,7 +98,7 @@ class TestModulesStart:
     sets is one the service reads (a typo would otherwise be silently ignored)."""
 
     def test_help_exits_zero_and_knows_every_variable(self, compose: dict[str, Any]) -> None:
-        topology = {spec.name for spec in SERVICES}
+        topology = {spec.name for spec in SERVICES} | set(OPTIONAL)
         procs = {
             name: subprocess.Popen(
                 [sys.executable, *svc["command"][1:], "--help"],
@@ -222,5 +232,38 @@ class TestSecrets:
             assert needs["condition"] == "service_completed_successfully"
         assert "/secrets/nats-server.conf" in compose["services"]["nats"]["command"]
         assert "-s3.config=/secrets/s3.json" in compose["services"]["s3"]["command"]
+        planner = compose["services"]["planner"]
+        assert role_of(planner["command"]) == PLANNER and PLANNER in ROLE_USERS, "`halfmoon secrets` writes planner.env"
+        assert "secrets:/secrets:ro" in planner["volumes"] and "HALFMOON_SECRETS_ROLE" not in planner["environment"]
         job = compose["services"]["secrets"]
         assert "--if-missing" in job["command"] and job["volumes"] == ["secrets:/secrets"]
+
+
+def seconds(duration: str) -> float:
+    return float(duration.removesuffix("s"))
+
+
+class TestPlanner:
+    """The optional planner sizes the engine services of its own project through the Docker socket, and
+    gives a replica it drains the time compose gives it."""
+
+    def test_it_reaches_the_docker_api_and_names_no_project(self, compose: dict[str, Any]) -> None:
+        planner = compose["services"]["planner"]
+        env = env_of(planner)
+        assert env["HALFMOON_ACTUATOR"] == "docker" and "HALFMOON_COMPOSE_PROJECT" not in env  # its own project's
+        assert "/var/run/docker.sock:/var/run/docker.sock" in planner["volumes"]
+        assert planner["user"] == "root", "the socket is root's (root on the host either way)"
+        assert planner["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert {"prefill", "decode"} <= set(planner["depends_on"]), "it starts with the engines it sizes running"
+
+    def test_a_drained_replica_gets_compose_s_grace_period_and_the_planner_waits_for_it(
+            self, compose: dict[str, Any]) -> None:
+        planner = compose["services"]["planner"]
+        env = env_of(planner)
+        for engine in ("prefill", "decode"):
+            svc = compose["services"][engine]
+            assert seconds(svc["stop_grace_period"]) == float(env["HALFMOON_ENGINE_STOP_TIMEOUT_S"])
+            drain = float(env_of(svc).get("HALFMOON_DRAIN_TIMEOUT_S", ServiceConfig.drain_timeout_s))
+            assert float(env["HALFMOON_ENGINE_STOP_TIMEOUT_S"]) > drain, "SIGKILL before the engine's own drain ends"
+        assert float(env["HALFMOON_ENGINE_STOP_TIMEOUT_S"]) < float(env["HALFMOON_DRAIN_TIMEOUT_S"])
+        assert seconds(planner["stop_grace_period"]) > float(env["HALFMOON_DRAIN_TIMEOUT_S"])

@@ -219,8 +219,8 @@ class TestPlannerOverlay:
         planner = named(k8s_planner, "Deployment", "planner")
         assert container(planner)["args"] == ["python", "-m", "halfmoon.services.planner"]
         assert container(planner)["image"] == container(named(k8s_planner, "Deployment", "decode"))["image"]
-        assert env(planner)["HALFMOON_PLANNER_ACTUATOR"] == "kubernetes"
-        assert env(planner)["HALFMOON_SECRETS_ROLE"] == "admin"  # the entrypoint loads admin.env
+        assert env(planner)["HALFMOON_ACTUATOR"] == "kubernetes"
+        assert "HALFMOON_SECRETS_ROLE" not in env(planner)  # the entrypoint loads planner.env: NATS as the planner
         pod = planner["spec"]["template"]["spec"]
         assert next(v for v in pod["volumes"] if v["name"] == "secrets")["secret"]["secretName"] == "halfmoon-secrets"
         assert container(planner)["envFrom"] == [{"configMapRef": {"name": "halfmoon-env"}}]

@@ -176,3 +176,12 @@ class TestInCluster:
     def test_outside_a_pod_it_says_so(self, service_account: Path) -> None:
         with pytest.raises(RuntimeError, match="KUBERNETES_SERVICE_HOST"):
             KubernetesActuator.in_cluster(ENGINE_WORKLOADS, service_account=service_account, environ={})
+
+
+class TestThePlannerService:
+    def test_kubernetes_is_an_actuator_it_builds_and_outside_a_pod_it_says_why_not(self) -> None:
+        from halfmoon.services.planner.service import ACTUATORS, PlannerServiceConfig
+
+        config = PlannerServiceConfig(actuator="kubernetes", nats_url="nats://127.0.0.1:4222")
+        with pytest.raises(RuntimeError, match="KUBERNETES_SERVICE_HOST"):
+            ACTUATORS[config.actuator](config)

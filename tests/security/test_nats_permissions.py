@@ -1,6 +1,7 @@
 """NATS: nobody connects without credentials, and a role's credentials publish only what that
 role sends: a gateway cannot submit to decode, end a stream, or declare an instance down; one gateway's
-credentials cannot submit in another's name, nor read its streams or its replies."""
+credentials cannot submit in another's name, nor read its streams or its replies; the planner's only listen
+to heartbeats and placements."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
-from halfmoon.protocol.permissions import gateway_user, inbox_prefix
+from halfmoon.protocol.permissions import PLANNER, gateway_user, inbox_prefix
 from halfmoon.protocol.registry import InstanceDown, Role
 from halfmoon.protocol.subjects import Subjects
 from tests.security.conftest import bearer
@@ -150,3 +151,49 @@ class TestForgedInstanceDownIsIgnored:
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 24
 
+
+
+PLANNER_MAY_NOT = {  # (publish?, subject)
+    "schedule a request": (True, SUBJECTS.schedule),
+    "heartbeat as decode": (True, SUBJECTS.heartbeat_from(Role.DECODE.value)),
+    "note a placement": (True, SUBJECTS.placed),
+    "read a gateway's token streams": (False, SUBJECTS.streams_of(VICTIM)),
+    "read the schedule requests": (False, SUBJECTS.schedule),
+}
+
+
+class TestPlannerCredentialsOnlyListen:
+    async def test_it_hears_the_heartbeats(self, secure_cluster: LocalCluster) -> None:
+        errors: list[Exception] = []
+        planner = await connect(secure_cluster, PLANNER, errors)
+        beats: list[str] = []
+
+        async def on_beat(msg) -> None:  # type: ignore[no-untyped-def]
+            beats.append(codecs.HEARTBEAT.decode(msg.data).instance_id)
+
+        try:
+            await planner.subscribe(SUBJECTS.heartbeat, cb=on_beat)
+            await planner.subscribe(SUBJECTS.placed)
+            await planner.flush()
+            end = time.monotonic() + 30
+            while not beats and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        finally:
+            await planner.close()
+        assert beats and errors == []
+
+    @pytest.mark.parametrize("what", sorted(PLANNER_MAY_NOT))
+    async def test_it_may_not_publish_nor_read_anything_else(self, secure_cluster: LocalCluster, what: str) -> None:
+        publish, subject = PLANNER_MAY_NOT[what]
+        errors: list[Exception] = []
+        planner = await connect(secure_cluster, PLANNER, errors)
+        try:
+            if publish:
+                await planner.publish(subject, b"forged")
+            else:
+                await planner.subscribe(subject)
+            await planner.flush()
+            await refusal(errors)
+        finally:
+            await planner.close()
+        assert_refused(errors, subject)

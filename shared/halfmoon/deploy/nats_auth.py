@@ -18,6 +18,7 @@ from pathlib import Path
 from halfmoon.protocol.permissions import (
     ADMIN,
     KV_CLIENT,
+    PLANNER,
     gateway_of_user,
     gateway_user,
     inbox_prefix,
@@ -26,7 +27,7 @@ from halfmoon.protocol.permissions import (
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.subjects import Subjects
 
-ROLES: tuple[str, ...] = (*(r.value for r in Role), KV_CLIENT, ADMIN)
+ROLES: tuple[str, ...] = (*(r.value for r in Role), KV_CLIENT, PLANNER, ADMIN)
 ROLE_USERS = tuple(r for r in ROLES if r != Role.GATEWAY.value)  # gateways have a user per instance
 
 
@@ -76,7 +77,8 @@ class NatsAuth:
     def user(self, user: str) -> dict:
         perms = user_permissions(Subjects(self.namespace), user)
         return {"user": user, "password": self.password(user), "permissions": {
-            "publish": {"allow": list(perms.publish)},
+            # NOTE: an empty allow-list is no restriction to nats-server; a user that publishes nothing is denied all
+            "publish": {"allow": list(perms.publish)} if perms.publish else {"deny": [">"]},
             "subscribe": {"allow": list(perms.subscribe)},
             **({"allow_responses": True} if perms.responds else {}),
         }}

@@ -1,11 +1,13 @@
-"""The online planner of a local deployment (`halfmoon up --planner`): every interval it reads what the
-deployment reported, forecasts the next interval (sim/forecast.py), asks the simulator for the counts that
-meet the SLOs at that load (sim/planner.py) and applies them through an :class:`Actuator`.
+"""The online planner: every interval it reads what the deployment reported, forecasts the next interval
+(sim/forecast.py), asks the simulator for the counts that meet the SLOs at that load (sim/planner.py) and
+applies them through an :class:`Actuator`.
 
-It runs inside the launcher, not as a process of its own: the local actuator is the launcher's process
-table, and the launcher's supervision loop (the one thread that starts and restarts processes) also
-applies the planner's counts, so nothing races on it and no NATS subject or role is needed to ask the
-launcher for instances. Its NATS reading runs in a thread of its own, as the operator (docs/PLANNER.md).
+Locally (`halfmoon up --planner`) it runs inside the launcher, not as a process of its own: the local
+actuator is the launcher's process table, and the launcher's supervision loop (the one thread that starts
+and restarts processes) also applies the planner's counts, so nothing races on it and no NATS subject or
+role is needed to ask the launcher for instances. A compose deployment runs it as a service of its own
+(services/halfmoon/services/planner) over the Docker API (deploy/docker_actuator.py). Either way its NATS
+reading runs in a thread of its own, as the ``planner`` user, which may only listen (docs/PLANNER.md).
 """
 
 from __future__ import annotations
@@ -16,18 +18,21 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import nats
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.policy.state import SERVING_SLO, SLO
 from halfmoon.protocol import codecs
+from halfmoon.protocol.permissions import PLANNER
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.sim.config import SimConfig
@@ -45,23 +50,30 @@ RECENT_REQUESTS = 100_000  # request ids remembered so a request placed again (a
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """``profile``: the cost profile (name or file, docs/SIMULATION.md) of the machines the engines run
-    on; the SLOs and target are what the pools are sized to; ``max_instances`` bounds the engines."""
+    """What the pools are sized to, and how often; a planner service's config has these fields too."""
 
-    interval_s: float = 5.0
-    profile: str = DEFAULT_PROFILE
-    ttft_slo_s: float = SERVING_SLO.ttft_s
-    tbt_slo_s: float = SERVING_SLO.tbt_s
-    target: float = 0.9
-    max_instances: int = 4
-    horizon_s: float = 30.0
-    headroom: float = 0.25
-    cooldown_intervals: int = 3
-    smoothing: Smoothing = field(default_factory=Smoothing)
+    interval_s: float = field(default=5.0, metadata={"help": "seconds between the planner's decisions"})
+    profile: str = field(default=DEFAULT_PROFILE, metadata={
+        "help": "cost profile (name or JSON file, docs/SIMULATION.md) of the machines the engines run on"})
+    ttft_slo_s: float = field(default=SERVING_SLO.ttft_s, metadata={"help": "TTFT the pools are sized for"})
+    tbt_slo_s: float = field(default=SERVING_SLO.tbt_s, metadata={"help": "TBT the pools are sized for"})
+    target: float = field(default=0.9, metadata={"help": "share of requests to serve within both SLOs"})
+    max_instances: int = field(default=4, metadata={"help": "engine instances at most (at least 2)"})
+    horizon_s: float = field(default=30.0, metadata={"help": "seconds of forecast load simulated per decision"})
+    headroom: float = field(default=0.25, metadata={
+        "help": "extra load (a share) one instance fewer must carry before a scale-down"})
+    cooldown_intervals: int = field(default=3, metadata={"help": "intervals after a change before a scale-down"})
+    smoothing_alpha: float = field(default=Smoothing.alpha, metadata={"help": "Holt's level weight"})
+    smoothing_beta: float = field(default=Smoothing.beta, metadata={"help": "Holt's trend weight"})
+
+    @property
+    def smoothing(self) -> Smoothing:
+        return Smoothing(self.smoothing_alpha, self.smoothing_beta)
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+        self.smoothing  # noqa: B018 - validates the weights
         self.scaling(AGGREGATED, 1)  # validates the rest
 
     def scaling(self, mode: str, block_size: int) -> ScalingSettings:
@@ -89,6 +101,9 @@ class Actuator(ABC):
 
     @abstractmethod
     def scale_to(self, role: Role, count: int) -> list[str]: ...
+
+    def close(self, timeout_s: float | None = None) -> None:  # noqa: B027 - most have nothing to end
+        """Give the drains still under way up to ``timeout_s`` to finish, then let go."""
 
 
 class LocalActuator(Actuator):
@@ -130,10 +145,10 @@ class Report(NamedTuple):
 
 class Watch:
     """Reads heartbeats and the conductors' ``Placed`` notes off NATS in a thread of its own; ``take`` hands
-    over what came since the last call."""
+    over what came since the last call. ``connect`` makes its connection, in that thread's event loop."""
 
-    def __init__(self, nats_url: str, subjects: Subjects, connect_options: Mapping[str, str]) -> None:
-        self.nats_url, self.subjects, self.connect_options = nats_url, subjects, dict(connect_options)
+    def __init__(self, connect: Callable[[], Awaitable[Client]], subjects: Subjects) -> None:
+        self.connect, self.subjects = connect, subjects
         self._lock = threading.Lock()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._counts = [0, 0, 0, 0]  # requests, prompt, output, reused tokens
@@ -148,7 +163,7 @@ class Watch:
     def start(self, timeout: float = 15.0) -> None:
         self._thread.start()
         if not self._ready.wait(timeout):
-            raise TimeoutError(f"the planner could not subscribe on {self.nats_url} within {timeout}s")
+            raise TimeoutError(f"the planner could not subscribe to NATS within {timeout}s")
         if self._failure is not None:
             raise self._failure
 
@@ -172,7 +187,7 @@ class Watch:
 
     async def _watch(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=-1, **self.connect_options)
+        nc = await self.connect()
         try:
             await nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
             await nc.subscribe(self.subjects.placed, cb=self._on_placed)
@@ -286,28 +301,17 @@ class Planner:
         return changed
 
 
-class LocalPlanner:
-    """A :class:`Planner` over a started :class:`LocalCluster`: reads NATS as the operator, writes its
-    decisions to ``logs/planner.log`` and its spans to the cluster's span file. ``close`` when done."""
+class RunningPlanner:
+    """A :class:`Planner` with its watch started and its spans' provider, as the launcher and the planner
+    service run it: ``tick`` as often as you like (it decides every ``interval_s``) and never raises, ``close``
+    when done."""
 
-    def __init__(self, cluster: LocalCluster, config: PlannerConfig,
+    def __init__(self, config: PlannerConfig, actuator: Actuator, watch: Watch, provider: TracerProvider,
                  report: Callable[[str], None] = lambda _line: None) -> None:
-        assert cluster.nats_url is not None, "start the cluster first"
-        options = cluster.nats_auth.connect_options() if cluster.nats_auth is not None else {}
-        self.watch = Watch(cluster.nats_url, Subjects(cluster.namespace), options)
-        self.provider = setup_tracing("planner", "planner", trace_file=str(cluster.trace_file))
-        self.log_file = cluster.log_file("planner")
-        self.planner = Planner(config, LocalActuator(cluster), self.watch, load_profile(config.profile),
-                               self.provider.get_tracer("halfmoon.planner"), self._line(report))
+        self.watch, self.provider = watch, provider
+        self.planner = Planner(config, actuator, watch, load_profile(config.profile),
+                               provider.get_tracer("halfmoon.planner"), report)
         self.watch.start()
-
-    def _line(self, report: Callable[[str], None]) -> Callable[[str], None]:
-        def both(line: str) -> None:
-            with Path(self.log_file).open("a") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
-            report(line)
-
-        return both
 
     def tick(self, now: float | None = None) -> Decision | None:
         try:
@@ -318,7 +322,33 @@ class LocalPlanner:
             self.planner.report(f"failed, the pools stay as they are: {exc!r}")
             return None
 
+    def run(self, stop: threading.Event, period_s: float = 1.0) -> None:
+        """Tick every ``period_s`` until ``stop`` is set (a process of its own; the launcher ticks it itself)."""
+        while not stop.wait(period_s):
+            self.tick()
+
     def close(self) -> None:
         self.watch.stop()
         self.provider.shutdown()  # flushes the last spans
 
+
+class LocalPlanner(RunningPlanner):
+    """Over a started :class:`LocalCluster`: reads NATS as the ``planner`` user, writes its decisions to
+    ``logs/planner.log`` and its spans to the cluster's span file."""
+
+    def __init__(self, cluster: LocalCluster, config: PlannerConfig,
+                 report: Callable[[str], None] = lambda _line: None) -> None:
+        url = cluster.nats_url
+        assert url is not None, "start the cluster first"
+        options = cluster.nats_auth.connect_options(PLANNER) if cluster.nats_auth is not None else {}
+        self.log_file = cluster.log_file("planner")
+
+        def both(line: str) -> None:
+            with Path(self.log_file).open("a") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+            report(line)
+
+        watch = Watch(lambda: nats.connect(url, connect_timeout=5, max_reconnect_attempts=-1, **options),
+                      Subjects(cluster.namespace))
+        super().__init__(config, LocalActuator(cluster), watch,
+                         setup_tracing("planner", "planner", trace_file=str(cluster.trace_file)), both)

@@ -21,6 +21,9 @@ ADMIN = "admin"  # the operator: the launcher's readiness watch, taps and tests;
 # An engine outside Halfmoon's services that uses the pool (vLLM with connectors/vllm.py): the pool
 # protocol and its replies, nothing else (no heartbeats, no work, no streams)
 KV_CLIENT = "kv-client"
+# The online planner of a compose or Kubernetes deployment: it reads the engines' heartbeats and the
+# conductors' placements, and publishes nothing (it acts through the platform's API, not NATS)
+PLANNER = "planner"
 
 
 class Permissions(NamedTuple):
@@ -89,7 +92,7 @@ def gateway_permissions(subjects: Subjects, instance_id: str) -> Permissions:
 
 
 def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
-    """The allow-lists of one role (``Role``, ``ADMIN`` or ``KV_CLIENT``); a gateway's are its instance's
+    """The allow-lists of one role (``Role``, ``ADMIN``, ``KV_CLIENT`` or ``PLANNER``); a gateway's are its instance's
     (``gateway_permissions``)."""
     if role == Role.GATEWAY:
         raise ValueError("each gateway instance has a user of its own: gateway_permissions(subjects, instance_id)")
@@ -99,6 +102,8 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
     pool = tuple(s.cache(op) for op in ("lookup", "release", "remove", "corrupt", "put_start", "put_end"))
     if role == KV_CLIENT:
         return Permissions(publish=pool, subscribe=(f"{inbox_prefix(KV_CLIENT)}.>",), responds=False)
+    if role == PLANNER:
+        return Permissions(publish=(), subscribe=(s.heartbeat, s.placed), responds=False)
     role = Role(role)
     own = (s.heartbeat_from(role.value), s.down_from(role.value))
     inbox = (f"{inbox_prefix(role.value)}.>",)
