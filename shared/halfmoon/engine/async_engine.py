@@ -111,8 +111,7 @@ class AsyncEngine(Engine):
         if self._on_step is not None:
             decoding = sum(1 for out in outputs if out.num_output_tokens > 1)
             self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs), decoding,
-                                     stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens,
-                                     stats.running + stats.waiting))
+                                     stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens))
         for out in outputs:
             self._deliver(out.request_id, out)
             if out.finished:

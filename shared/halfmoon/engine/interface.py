@@ -126,9 +126,8 @@ class EngineStats(NamedTuple):
 
 class StepTiming(NamedTuple):
     """One engine step: when it ended, how long it took, how many sequences it advanced, how many of
-    those were decoding (past their first token), how many KV blocks were in use after it, how many
-    tokens it computed (more than ``num_decoding``: prompt tokens shared the step), and how many requests
-    the engine held after it (running or waiting)."""
+    those were decoding (past their first token), how many KV blocks were in use after it, and how many
+    tokens it computed (more than ``num_decoding``: prompt tokens shared the step)."""
 
     ended: float
     seconds: float
@@ -136,7 +135,6 @@ class StepTiming(NamedTuple):
     num_decoding: int = 0
     kv_blocks: int = 0
     num_tokens: int = 0
-    num_requests: int = 0
 
     @property
     def shared_with_prefill(self) -> bool:

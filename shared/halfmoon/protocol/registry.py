@@ -81,9 +81,6 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     # of the decoding steps of the last window, the share a prompt chunk shared: a decoding sequence's mean
     # time between tokens mixes both kinds in this proportion (None until it decoded)
     shared_step_fraction: float | None = None
-    # the decoding steps of the last window, both kinds, stalls capped; its ``batch`` counts the requests the
-    # engine held (running or waiting): what sets the scale of the conductor's TBT predictions
-    recent_steps: StepSample | None = None
 
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:

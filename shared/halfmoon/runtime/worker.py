@@ -41,9 +41,6 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 
 LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
-# a decoding step longer than this many times the window's median counts as that many: one stall (a NATS
-# outage the step waited out, a neighbour's burst) would otherwise set the predicted TBT for a whole window
-STALL_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -106,15 +103,12 @@ class LoadMeter:
         self._step_s = RecentSamples(window_s)
         self._shared = RecentSamples(window_s)  # 1.0 for each decoding step a prompt chunk shared, else 0.0
         self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
-        self._decoding: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # those of the window
-        self.window_s = window_s
 
     def on_step(self, timing: StepTiming) -> None:
         if timing.num_outputs:
             self._step_s.add(timing.ended, timing.seconds)
         if timing.num_decoding:
             self._unreported.append(timing)
-            self._decoding.append(timing)
             self._shared.add(timing.ended, float(timing.shared_with_prefill))
 
     def take_steps(self) -> tuple[StepSample | None, StepSample | None]:
@@ -135,22 +129,6 @@ class LoadMeter:
                           kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
                           seconds=sum(t.seconds for t in steps) / n)
 
-    def recent_steps(self, now: float) -> StepSample | None:
-        """The decoding steps of the last window, both kinds, as one sample: the time between tokens the
-        decoding sequences saw lately (a step over ``STALL_FACTOR`` times the window's median counted as
-        that), against the requests the engine held, running or waiting (``batch``): the count the conductor
-        predicts a newcomer's steps at, so the two sides of its scale are in one unit."""
-        while self._decoding and self._decoding[0].ended < now - self.window_s:
-            self._decoding.popleft()
-        steps = tuple(self._decoding)
-        if not steps:
-            return None
-        n = len(steps)
-        cap = STALL_FACTOR * sorted(t.seconds for t in steps)[n // 2]
-        return StepSample(steps=n, batch=sum(t.num_requests for t in steps) / n,
-                          kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
-                          seconds=sum(min(t.seconds, cap) for t in steps) / n)
-
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)
 
@@ -163,8 +141,7 @@ class LoadMeter:
         return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
                     free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                     ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
-                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)),
-                    recent_steps=self.recent_steps(now))
+                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)))
 
 
 def _mean(values: tuple[float, ...]) -> float | None:

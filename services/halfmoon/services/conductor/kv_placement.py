@@ -68,9 +68,7 @@ class KVCentricPlacement(PlacementPolicy):
         aggregated = view.role is Role.AGGREGATED
         steps, shared = view.load.steps, view.load.shared_steps
         if self.pools_steps:
-            # the window's steps, not one heartbeat's: a heartbeat holds a handful of steps, and whether one
-            # of them carried a prompt chunk swung the scale (and the predicted TBT) by several times
-            steps, shared = view.load.recent_steps or pooled_steps(steps, shared), None
+            steps, shared = pooled_steps(steps, shared), None
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent,
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
