@@ -22,6 +22,7 @@ from halfmoon.cli.sim import DEFAULT_TRACE
 from halfmoon.policy.state import SLO
 from halfmoon.sim.config import SimConfig
 from halfmoon.sim.engine import SimResult
+from halfmoon.sim.metrics import REJECTED_EARLY
 from halfmoon.sim.profile import Profile, load_profile
 from halfmoon.sim.run import simulate
 from halfmoon.sim.trace import TraceRequest, load_trace
@@ -80,21 +81,26 @@ def bins_table(label: str, result: SimResult, trace: list[TraceRequest]) -> None
     out = result.outcomes
     length = np.array([r.input_length for r in trace])
     cached = np.where(out.blocks > 0, out.hit_blocks / np.maximum(out.blocks, 1), 0.0)
-    served = out.status == 0
     print(f"#### {label}: who won, by prompt length and cached share where served\n")
-    print("| prompt tokens | cached | requests | served whole | attainment whole | attainment handed off |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| prompt tokens | cached | requests | served whole | handed off | rejected | attainment whole "
+          "| attainment handed off |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for lo, hi in LENGTHS:
         for clo, chi in CACHED:
             mask = (length >= lo) & (length < hi) & (cached >= clo) & (cached < chi)
             if not mask.any():
                 continue
-            whole, handed = mask & result.whole, mask & ~result.whole & served
+            whole = mask & result.whole
+            handed = mask & ~result.whole & (out.status != REJECTED_EARLY)
+
             def cell(m: np.ndarray) -> str:
                 return f"{attainment(result, m):.1%}" if m.any() else "-"
+
             upper = f"{hi:,}" if hi < 10**9 else "max"
-            print(f"| {lo:,}-{upper} | {clo:.0%}-{min(chi, 1.0):.0%} | {int(mask.sum()):,} "
-                  f"| {result.whole[mask].mean():.1%} | {cell(whole)} | {cell(handed)} |")
+            n = int(mask.sum())
+            print(f"| {lo:,}-{upper} | {clo:.0%}-{min(chi, 1.0):.0%} | {n:,} | {whole.sum() / n:.1%} "
+                  f"| {handed.sum() / n:.1%} | {(mask & (out.status == REJECTED_EARLY)).sum() / n:.1%} "
+                  f"| {cell(whole)} | {cell(handed)} |")
     print()
 
 
