@@ -28,7 +28,7 @@ class Deployment:
     def __init__(self, cost, batch: int = 8, slo: SLO = SLOS) -> None:
         decode = SloAwareDecode(cost.decode, slo)
         self.scheduler = KVCentricScheduler(LocalCacheAwarePrefill(cost, slo), EarlyRejection(decode), slo)
-        self.policy = PerRequestDisaggregation(decode, cost.transfer, slo, handoff_overhead_s=0.02)
+        self.policy = PerRequestDisaggregation(decode, cost, slo, handoff_overhead_s=0.02)
         self.prefill = [PrefillInstanceState("p0", 0.0)]
         self.decode = [decoding("d0", batch, batch * 500)]
         self.aggregated = [decoding("a0", batch, batch * 500)]
@@ -38,8 +38,8 @@ class Deployment:
         request = RouteRequest(tuple(f"{key_prefix}{i}" for i in range(prompt_tokens // BLOCK)), prompt_tokens, BLOCK)
         handoff = self.scheduler.schedule(request, self.prefill, self.decode, self.index, 0.0)
         whole = self.scheduler.schedule(request, [PrefillInstanceState("a0", 0.0)], self.aggregated, self.index, 0.0)
-        return self.policy.choose(self.policy.handoff(handoff, self.decode, prompt_tokens),
-                                  self.policy.whole(whole, self.aggregated, prompt_tokens))
+        return self.policy.choose(self.policy.handoff(handoff, self.decode, request),
+                                  self.policy.whole(whole, self.aggregated, request))
 
 
 class TestByCost:
@@ -51,6 +51,12 @@ class TestByCost:
         long = deployment.serve(1000)
         assert long.serving is Serving.HANDOFF
         assert long.whole.cost_s == pytest.approx(1.0 * 9) and long.handoff.cost_s == pytest.approx(1.021)
+
+    def test_serving_whole_the_first_token_waits_for_the_steps_the_chunks_ride_on(self, cost):
+        # 1,000 new tokens in chunks of 512: two steps of the batch of 8 over 4,000 tokens, 22 ms each
+        long = Deployment(cost).serve(1000)
+        assert long.whole.ttft_s == pytest.approx(1.0 + 2 * 0.022) and long.handoff.ttft_s == pytest.approx(1.0)
+        assert Deployment(cost, batch=0).serve(1000).whole.ttft_s == pytest.approx(1.0)
 
     def test_a_long_prompt_the_aggregated_instance_holds_is_served_whole(self, cost):
         deployment = Deployment(cost)
@@ -96,7 +102,7 @@ class TestBySlo:
         idle_slow = ServingOption(1.0, 0.3, 0.01, idle=True)
         strict = self.policy(cost)
         assert strict.choose(None, idle_slow).serving is None
-        lenient = PerRequestDisaggregation(SloAwareDecode(cost.decode, SLOS, idle_qualifies=True), cost.transfer, SLOS)
+        lenient = PerRequestDisaggregation(SloAwareDecode(cost.decode, SLOS, idle_qualifies=True), cost, SLOS)
         assert lenient.choose(None, idle_slow).serving is Serving.WHOLE
 
     def test_a_busy_aggregated_instance_over_the_tbt_slo_hands_off_even_a_short_prompt(self, cost):
@@ -105,10 +111,21 @@ class TestBySlo:
         deployment.aggregated = [decoding("a0", 60, 30_000)]
         assert deployment.serve(2).serving is Serving.HANDOFF
 
+    def test_a_prompt_whose_chunks_would_slow_the_batch_past_the_tbt_slo_is_handed_off_even_when_cheaper(self, cost):
+        deployment = Deployment(cost)
+        deployment.policy.handoff_overhead_s = 100.0  # the hand-off is dearer than anything
+        chosen = deployment.serve(1000)
+        # the batch's step with the last 512-token chunk (on top of 488 tokens): 22 ms + 512 ms
+        assert chosen.whole.tbt_s == pytest.approx(0.022 + 0.512) and chosen.whole.cost_s < chosen.handoff.cost_s
+        assert chosen.serving is Serving.HANDOFF
+        assert deployment.serve(40).serving is Serving.WHOLE  # 22 + 40 ms a step
+
     def test_ties_serve_whole(self, cost):
         option = ServingOption(1.0, 0.05, 0.5)
         assert self.policy(cost).choose(option, option).serving is Serving.WHOLE
 
-    def test_a_negative_overhead_is_refused(self, cost):
+    def test_a_negative_overhead_and_an_empty_chunk_are_refused(self, cost):
         with pytest.raises(ValueError, match="handoff_overhead_s"):
-            PerRequestDisaggregation(SloAwareDecode(cost.decode), cost.transfer, handoff_overhead_s=-1.0)
+            PerRequestDisaggregation(SloAwareDecode(cost.decode), cost, handoff_overhead_s=-1.0)
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            PerRequestDisaggregation(SloAwareDecode(cost.decode), cost, chunk_tokens=0)

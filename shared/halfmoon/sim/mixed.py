@@ -5,9 +5,7 @@ The Conductor decides as the live one does where a pair and aggregated instances
 serving over the aggregated nodes, and ``PerRequestDisaggregation`` takes the cheaper within the SLOs.
 An aggregated node is the coupled baseline's ``chunked`` node (each step decodes the batch and prefills
 one chunk of a waiting prompt) with a prefix cache in its HBM, as the live aggregated instance reuses
-its own cache; it runs on this simulation's clock, event heap and outcomes. Serving whole is judged by
-the TBT of the node's steps that carry a chunk (``SloAwareDecode``'s ``shared_cost``: the step plus the
-chunk's prefill), which its decoding sequences see while a prompt is prefilled there.
+its own cache; it runs on this simulation's clock, event heap and outcomes.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from halfmoon.policy.admission import make_admission
-from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.disaggregation import PerRequestDisaggregation, Serving
 from halfmoon.policy.prefill import make_prefill_policy
@@ -62,15 +59,11 @@ class MixedSim(DisaggregatedSim):
         nodes = dataclasses.replace(config, mode="coupled", prefill_nodes=config.aggregated_nodes, decode_nodes=0,
                                     aggregated_nodes=0, coupled_variant="chunked", cpp_stages=0)
         self.aggregated = _AggregatedNodes(self, nodes, profile, trace)
-        # an aggregated node's TBT is judged by its steps that carry a prompt chunk (decode instances run none)
-        c0, c1, c2 = self.cost.decode.coef
-        shared = DecodeCostModel((c0 + self.cost.prefill.predict(config.chunk_tokens, 0), c1, c2))
-        decode = SloAwareDecode(self.cost.decode, config.slo, shared_cost=shared)
         self.whole_scheduler = KVCentricScheduler(
             make_prefill_policy("local-cache-aware", self.cost, config.slo),
-            make_admission(config.admission, decode), config.slo)
-        self.disaggregation = PerRequestDisaggregation(decode, self.cost.transfer, config.slo,
-                                                       config.handoff_overhead_s)
+            make_admission(config.admission, SloAwareDecode(self.cost.decode, config.slo)), config.slo)
+        self.disaggregation = PerRequestDisaggregation(self.decode_policy, self.cost, config.slo,
+                                                       config.handoff_overhead_s, config.chunk_tokens)
         self.whole = np.zeros(len(trace), dtype=bool)
 
     def _dispatch(self, kind: int, a: int, b: int) -> None:
@@ -88,14 +81,15 @@ class MixedSim(DisaggregatedSim):
         whole_states = nodes.decode_states()
         whole = self.whole_scheduler.schedule(route, nodes.prefill_states(), whole_states, nodes.index, self.now)
         policy = self.disaggregation
-        chosen = policy.choose(policy.handoff(handoff, [self._decode_state(n) for n in self.decode], route.prompt_tokens),
-                               policy.whole(whole, whole_states, route.prompt_tokens))
+        chosen = policy.choose(policy.handoff(handoff, [self._decode_state(n) for n in self.decode], route),
+                               policy.whole(whole, whole_states, route))
         if chosen.serving is Serving.HANDOFF:
             self._hand_off(rid, route, handoff)
         elif chosen.serving is Serving.WHOLE:
-            assert whole.prefill is not None, "an accepted decision carries its prefill choice"
+            assert whole.prefill is not None and chosen.whole is not None
             self.whole[rid] = True
-            nodes.enqueue(whole.prefill.instance_id, rid, whole.prefill.prefill_s)
+            # the node's queue counts the decoding steps the prompt's chunks ride on as well as its prefill
+            nodes.enqueue(whole.prefill.instance_id, rid, chosen.whole.ttft_s - whole.prefill.queue_s)
         else:
             self.reject(rid, late=False)
 

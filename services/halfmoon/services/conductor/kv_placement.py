@@ -55,7 +55,7 @@ class KVCentricPlacement(PlacementPolicy):
         if self.spec is None:
             self.spec, self.scheduler = spec, self.make_scheduler(spec)
             self.disaggregation = PerRequestDisaggregation(
-                self.scheduler.admission.decode, self.scheduler.prefill.cost.transfer, self.scheduler.slo,
+                self.scheduler.admission.decode, self.scheduler.prefill.cost, self.scheduler.slo,
                 self.handoff_overhead_s)
         else:
             self.spec.check_shares_blocks_with(spec, instance_id)
@@ -109,15 +109,18 @@ class KVCentricPlacement(PlacementPolicy):
                                           self.index, now)
         whole = self.scheduler.schedule(route, [self._prefill_state(v) for v in aggregated], whole_states,
                                         self.index, now)
-        chosen = self.disaggregation.choose(self.disaggregation.handoff(handoff, decode_states, route.prompt_tokens),
-                                            self.disaggregation.whole(whole, whole_states, route.prompt_tokens))
+        chosen = self.disaggregation.choose(self.disaggregation.handoff(handoff, decode_states, route),
+                                            self.disaggregation.whole(whole, whole_states, route))
         handoff_cost = chosen.handoff.cost_s if chosen.handoff else None
         whole_cost = chosen.whole.cost_s if chosen.whole else None
         if chosen.serving is Serving.WHOLE:
-            assert chosen.whole is not None
+            assert chosen.whole is not None and whole.prefill is not None
             placement = self._placement(whole, aggregated)
             assert isinstance(placement, Placement)
-            return placement._replace(decode=placement.prefill, predicted_tbt_ms=chosen.whole.tbt_s * 1000,
+            # its work there: the prompt's transfer and prefill, and the decoding steps its chunks ride on
+            return placement._replace(decode=placement.prefill, predicted_ttft_ms=chosen.whole.ttft_s * 1000,
+                                      prefill_s=chosen.whole.ttft_s - whole.prefill.queue_s,
+                                      predicted_tbt_ms=chosen.whole.tbt_s * 1000,
                                       handoff_cost_s=handoff_cost, whole_cost_s=whole_cost)
         if chosen.serving is Serving.HANDOFF:
             placement = self._placement(handoff, decode)
