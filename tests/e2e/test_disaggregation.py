@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from transformers import AutoTokenizer
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
+from halfmoon.telemetry.jsonl import read_spans
 from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
 from tests.e2e.test_conductor import restart_conductor
 
@@ -90,6 +92,21 @@ async def decoding_on_the_aggregated_instance(client: httpx.AsyncClient, name: s
         yield
 
 
+def schedule_attributes(cluster: LocalCluster, request_id: str, deadline_s: float = 30.0) -> dict:
+    """The conductor's schedule span of the request's trace, from the span file (polled: each service
+    exports its spans in its own batches)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        spans = read_spans(cluster.trace_file) if cluster.trace_file.exists() else []
+        roots = [s for s in spans if s["service"] == "gateway" and s["attributes"].get("halfmoon.request_id") == request_id]
+        scheduled = [s for s in spans if roots and s["trace_id"] == roots[0]["trace_id"]
+                     and s["name"] == "conductor.schedule"]
+        if scheduled:
+            return scheduled[0]["attributes"]
+        time.sleep(0.2)
+    raise AssertionError(f"no conductor.schedule span for {request_id}")
+
+
 async def complete(client: httpx.AsyncClient, name: str, prompt: list[int]) -> tuple[str, str]:
     """(request id, text) of a greedy completion."""
     reply = await client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -114,6 +131,12 @@ class TestPerRequestDisaggregation:
         assert [placements[rid] for rid, _ in long_served] == [("prefill-0", "decode-0")] * 2
         assert [text for _, text in short_served] == [reference_text(tiny_model_dir, p, MAX_TOKENS) for p in shorts]
         assert [text for _, text in long_served] == [reference_text(tiny_model_dir, p, MAX_TOKENS) for p in longs]
+        # the schedule span records the choice and both predicted costs
+        for (rid, _), serving in [*((s, "whole") for s in short_served), *((s, "handoff") for s in long_served)]:
+            attributes = schedule_attributes(cluster, rid)
+            assert attributes["halfmoon.serving"] == serving, attributes
+            cheaper, dearer = ("whole", "handoff") if serving == "whole" else ("handoff", "whole")
+            assert attributes[f"halfmoon.cost.{cheaper}_s"] < attributes[f"halfmoon.cost.{dearer}_s"], attributes
 
         # the same long prompts served whole: a conductor told that a hand-off costs 1,000 s never hands off
         await asyncio.to_thread(restart_conductor, cluster, {"HALFMOON_HANDOFF_OVERHEAD_S": "1000"})
