@@ -227,6 +227,20 @@ class TestPerRequestDisaggregation:
         assert (long.prefill, long.decode, long.whole) == ("p0", "d0", False)
         assert long.whole_cost_s == pytest.approx(2.0 * 5) and long.handoff_cost_s < long.whole_cost_s
 
+    def test_neither_option_within_the_slos_is_a_rejection_naming_both(self):
+        # the prefill instance holds 100 s of work (TTFT SLO 60 s); serving whole, the batch of 4 would take
+        # 12 ms + 512 ms steps with the prompt's last chunk in them (TBT SLO 0.3 s)
+        policy = build_placement(PolicySettings(prefill_tokens_per_s=1000.0, ttft_slo_s=60.0, tbt_slo_s=0.3)).policy
+        policy.adopt(TestCalibrationSetting.SPEC, "p0")
+        prefill, decode, aggregated = self.views()
+        prefill = [prefill[0]._replace(outstanding=Outstanding(1, 100.0, 1000))]
+        request = ScheduleRequest(request_id="r", model="m", prompt_len=2000, prompt_token_ids=tuple(range(3, 2003)),
+                                  sampling=SamplingParams(), deadline=0.0)
+        refused = place_pair(policy, request, prefill, decode, aggregated, now=0.0)
+        assert isinstance(refused, Rejection) and refused.reason is RejectReason.OVERLOADED, refused
+        assert refused.message.startswith("no_option_within_slo") and "hand-off rejected" in refused.message
+        assert "whole TTFT" in refused.message
+
     def test_before_the_kv_spec_the_least_loaded_choice_stands(self):
         placed = self.place(build_placement(self.SETTINGS).policy, 2000)
         assert placed.handoff_cost_s is None and placed.whole_cost_s is None

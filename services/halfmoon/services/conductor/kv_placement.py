@@ -117,8 +117,9 @@ class KVCentricPlacement(PlacementPolicy):
             assert chosen.whole is not None and whole.prefill is not None
             placement = self._placement(whole, aggregated)
             assert isinstance(placement, Placement)
-            # its work there: the prompt's transfer and prefill, and the decoding steps its chunks ride on
-            return placement._replace(decode=placement.prefill, predicted_ttft_ms=chosen.whole.ttft_s * 1000,
+            # its work there: the prompt's transfer and prefill, and the decoding steps its chunks ride on; no
+            # pipeline (that is a hand-off's)
+            return placement._replace(decode=placement.prefill, pipeline=(), predicted_ttft_ms=chosen.whole.ttft_s * 1000,
                                       prefill_s=chosen.whole.ttft_s - whole.prefill.queue_s,
                                       predicted_tbt_ms=chosen.whole.tbt_s * 1000,
                                       handoff_cost_s=handoff_cost, whole_cost_s=whole_cost)
@@ -128,8 +129,8 @@ class KVCentricPlacement(PlacementPolicy):
             return placement._replace(handoff_cost_s=handoff_cost, whole_cost_s=whole_cost)
         if not (handoff.accepted or whole.accepted):
             return self._placement(handoff, decode)  # the scheduler's own reason
-        return Rejection(RejectReason.OVERLOADED, "slo: neither the hand-off nor serving whole is predicted within "
-                         f"the SLOs (hand-off {_figures(chosen.handoff)}, whole {_figures(chosen.whole)})")
+        return Rejection(RejectReason.OVERLOADED, "no_option_within_slo: neither the hand-off nor serving whole is "
+                         f"predicted within the SLOs (hand-off {_figures(chosen.handoff)}, whole {_figures(chosen.whole)})")
 
     def _placement(self, decision: ScheduleDecision, decode: Sequence[InstanceView]) -> Placement | Rejection:
         if not decision.accepted:

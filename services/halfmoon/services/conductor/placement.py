@@ -95,7 +95,10 @@ class LeastLoaded(PlacementPolicy):
         d = min(decode, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
         return Placement(p.instance_id, d.instance_id)
 
-    def place_mixed(self, request, prefill, decode, aggregated, now=0.0):
+    def place_mixed(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        aggregated: Sequence[InstanceView], now: float = 0.0,
+    ) -> Placement | Rejection:
         """Whole on the least loaded aggregated instance when it holds fewer requests than the least loaded
         decode instance (decoding is where both options spend the request's life), else handed off."""
         a = min(aggregated, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
