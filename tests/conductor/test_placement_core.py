@@ -185,14 +185,69 @@ class TestAggregatedPlacement:
         aggregated = table.candidates(Role.AGGREGATED)
         assert place_pair(LeastLoaded(), REQUEST, [], [], aggregated, now=0.0) == Placement("a1", "a1")
 
-    def test_a_live_pair_is_preferred_and_nothing_live_is_rejected(self):
+    def test_least_loaded_serves_whole_where_the_aggregated_instance_holds_less_and_nothing_live_is_rejected(self):
         table = InstanceTable(timeout_s=1.0)
-        for beat in (hb("p0"), hb("d0", role=Role.DECODE), hb("a0", role=Role.AGGREGATED)):
+        for beat in (hb("p0"), hb("d0", role=Role.DECODE), hb("a0", role=Role.AGGREGATED, running=1)):
             table.observe(beat, 0.0)
         views = [table.candidates(role) for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED)]
         assert place_pair(LeastLoaded(), REQUEST, *views, now=0.0) == Placement("p0", "d0")
+        table.observe(hb("d0", role=Role.DECODE, running=2), 0.0)
+        views = [table.candidates(role) for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED)]
+        assert place_pair(LeastLoaded(), REQUEST, *views, now=0.0) == Placement("a0", "a0")
         result = place_pair(LeastLoaded(), REQUEST, [], [], [], now=0.0)
         assert isinstance(result, Rejection) and result.reason is RejectReason.NO_PREFILL_INSTANCE
+
+
+class TestPerRequestDisaggregation:
+    """With a pair and an aggregated instance live, the KV-centric placement hands off or serves whole by
+    predicted cost (policy/disaggregation.py): here 1 ms a prompt token, a 20 ms hand-off, a batch of 4."""
+
+    SETTINGS = PolicySettings(prefill_tokens_per_s=1000.0, ttft_slo_s=60.0, tbt_slo_s=5.0, handoff_overhead_s=0.02)
+
+    def views(self) -> list[list[InstanceView]]:
+        load = Load(running=4, total_kv_blocks=1000, free_kv_blocks=900)
+        return [[InstanceView("p0", Role.PREFILL, "p0", Load(), None)],
+                [InstanceView("d0", Role.DECODE, "d0", load, None)],
+                [InstanceView("a0", Role.AGGREGATED, "a0", load, None)]]
+
+    def place(self, policy, prompt_len: int) -> Placement:
+        request = ScheduleRequest(request_id="r", model="m", prompt_len=prompt_len,
+                                  prompt_token_ids=tuple(range(3, 3 + prompt_len)), sampling=SamplingParams(),
+                                  deadline=0.0)
+        placed = place_pair(policy, request, *self.views(), now=0.0)
+        assert isinstance(placed, Placement), placed
+        return placed
+
+    def test_short_prompts_are_served_whole_and_long_ones_handed_off(self):
+        policy = build_placement(self.SETTINGS).policy
+        policy.adopt(TestCalibrationSetting.SPEC, "p0")
+        short, long = self.place(policy, 3), self.place(policy, 2000)
+        assert (short.prefill, short.decode, short.whole) == ("a0", "a0", True)
+        assert short.whole_cost_s == pytest.approx(0.003 * 5) and short.handoff_cost_s > short.whole_cost_s
+        assert (long.prefill, long.decode, long.whole) == ("p0", "d0", False)
+        assert long.whole_cost_s == pytest.approx(2.0 * 5) and long.handoff_cost_s < long.whole_cost_s
+
+    def test_neither_option_within_the_slos_is_a_rejection_naming_both(self):
+        # the prefill instance holds 100 s of work (TTFT SLO 60 s); serving whole, the batch of 4 would take
+        # 12 ms + 512 ms steps with the prompt's last chunk in them (TBT SLO 0.3 s)
+        policy = build_placement(PolicySettings(prefill_tokens_per_s=1000.0, ttft_slo_s=60.0, tbt_slo_s=0.3)).policy
+        policy.adopt(TestCalibrationSetting.SPEC, "p0")
+        prefill, decode, aggregated = self.views()
+        prefill = [prefill[0]._replace(outstanding=Outstanding(1, 100.0, 1000))]
+        request = ScheduleRequest(request_id="r", model="m", prompt_len=2000, prompt_token_ids=tuple(range(3, 2003)),
+                                  sampling=SamplingParams(), deadline=0.0)
+        refused = place_pair(policy, request, prefill, decode, aggregated, now=0.0)
+        assert isinstance(refused, Rejection) and refused.reason is RejectReason.OVERLOADED, refused
+        assert refused.message.startswith("no_option_within_slo") and "hand-off rejected" in refused.message
+        assert "whole TTFT" in refused.message
+
+    def test_before_the_kv_spec_the_least_loaded_choice_stands(self):
+        placed = self.place(build_placement(self.SETTINGS).policy, 2000)
+        assert placed.handoff_cost_s is None and placed.whole_cost_s is None
+
+    def test_a_negative_overhead_is_refused(self):
+        with pytest.raises(ValueError, match="handoff_overhead_s"):
+            PolicySettings(handoff_overhead_s=-0.1).check_policy()
 
     def test_an_aggregated_placement_holds_its_prefill_work_only_until_the_first_token(self):
         placed = Placed(conductor="c0", prefill_instance="a0", decode_instance="a0", request_id="r", prefill_s=0.5,

@@ -23,6 +23,15 @@ class TestSimCommand:
         assert summary["completed"] + summary["rejected_early"] + summary["rejected_late"] == 300
         assert summary["config"]["pool_blocks"] is None and summary["hit_rate"] > 0
 
+    def test_the_mixed_layout_reports_the_requests_served_whole(self, tmp_path):
+        out = tmp_path / "summary.json"
+        args = parse(["--trace", str(TRACE), "--limit", "300", "--mode", "mixed", "--prefill-nodes", "2",
+                      "--decode-nodes", "1", "--aggregated-nodes", "1", "--json", str(out)])
+        assert args.func(args) == 0
+        summary = json.loads(out.read_text())
+        assert summary["config"]["aggregated_nodes"] == 1 and 0 < summary["served_whole"] < 300
+        assert summary["completed"] + summary["rejected_early"] + summary["rejected_late"] == 300
+
     def test_coupled_prefix_defaults_to_a_cache_aware_router(self):
         args = parse(["--mode", "coupled", "--coupled-variant", "prefix", "--nodes", "4"])
         config = sim_cli.build_config(args, dram_tokens_per_node=3_000_000)

@@ -27,16 +27,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from halfmoon.policy.admission import ADMISSION_POLICIES
     from halfmoon.policy.eviction import EVICTION_POLICIES
     from halfmoon.policy.prefill import PREFILL_POLICIES
-    from halfmoon.sim.config import COUPLED_VARIANTS
+    from halfmoon.sim.config import COUPLED_VARIANTS, MODES
 
     p = subparsers.add_parser("sim", help="trace-driven cluster simulation", description=__doc__)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake format)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--profile", default="llama3-70b-8xa800", help="bundled profile name or a profile JSON path")
-    p.add_argument("--mode", choices=("disaggregated", "coupled"), default="disaggregated")
+    p.add_argument("--mode", choices=MODES, default="disaggregated",
+                   help="mixed: the prefill and decode pools plus --aggregated-nodes, each request handed off "
+                        "or served whole by predicted cost")
     p.add_argument("--prefill-nodes", type=int, default=8)
     p.add_argument("--decode-nodes", type=int, default=8)
     p.add_argument("--nodes", type=int, default=16, help="coupled mode: number of prefill+decode nodes")
+    p.add_argument("--aggregated-nodes", type=int, default=1, help="mixed mode: nodes that prefill and decode")
+    p.add_argument("--handoff-overhead", type=float, default=0.02, metavar="SECONDS",
+                   help="mixed mode: the fixed cost of a hand-off, weighed against serving whole")
     p.add_argument("--prefill-policy", choices=sorted(PREFILL_POLICIES), default="global-cache-aware")
     p.add_argument("--admission", choices=sorted(ADMISSION_POLICIES), default="none")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru")
@@ -86,6 +91,7 @@ def build_config(args: argparse.Namespace, dram_tokens_per_node: int):
         coupled_variant=args.coupled_variant, coupled_router=router, chunk_tokens=args.chunk_tokens,
         cpp_stages=args.cpp, cpp_chunk_tokens=args.cpp_chunk_tokens, cpp_min_tokens=args.cpp_min_tokens,
         cpp_hop_bytes_per_token=args.cpp_hop_bytes, cpp_min_single_ttft_s=args.cpp_when_slower_than,
+        aggregated_nodes=args.aggregated_nodes if args.mode == "mixed" else 0, handoff_overhead_s=args.handoff_overhead,
     )
 
 
@@ -95,6 +101,7 @@ def summary_dict(result, scale: float | None) -> dict:
     out.update(
         replicas=[r._asdict() for r in result.replicas], pulled_blocks=result.pulled_blocks,
         wasted_prefill_s=result.wasted_prefill_s, pipelined=result.pipelined, sim_seconds=result.sim_seconds,
+        served_whole=None if result.whole is None else int(result.whole.sum()),
         wall_seconds=result.wall_seconds, requests_per_wall_s=s.requests / max(result.wall_seconds, 1e-9),
         config={k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v)
                 for k, v in dataclasses.asdict(result.config).items()},
@@ -122,6 +129,8 @@ def _table(result, scale: float | None):
     ]
     if result.config.cpp_stages:
         rows.append((f"prefilled by a {result.config.cpp_stages}-stage CPP pipeline", str(result.pipelined)))
+    if result.whole is not None:
+        rows.append(("served whole on an aggregated node", f"{int(result.whole.sum())} ({result.whole.mean():.1%})"))
     rows += [(f"effective capacity, TBT {name} ({thr})", f"{share:.1%}")
              for (name, share), thr in zip(s.capacity.items(), ("100 ms", "200 ms", "300 ms"))]
     rows += [(f"replicas of #{r.rank} hottest block (mean / peak)", f"{r.mean_replicas:.2f} / {r.peak_replicas}")

@@ -11,6 +11,7 @@ from halfmoon.policy.prefill import PREFILL_POLICIES
 from halfmoon.policy.state import SLO
 
 COUPLED_VARIANTS = ("plain", "prefix", "chunked")
+MODES = ("disaggregated", "coupled", "mixed")
 
 
 class SimConfigError(ValueError):
@@ -19,8 +20,11 @@ class SimConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SimConfig:
-    """``mode`` is ``disaggregated`` (``prefill_nodes`` + ``decode_nodes``, the Halfmoon design) or
-    ``coupled`` (``prefill_nodes + decode_nodes`` nodes that each prefill and decode, vLLM-like).
+    """``mode`` is ``disaggregated`` (``prefill_nodes`` + ``decode_nodes``, the Halfmoon design),
+    ``coupled`` (``prefill_nodes + decode_nodes`` nodes that each prefill and decode, vLLM-like), or
+    ``mixed``: the disaggregated pools plus ``aggregated_nodes`` nodes that each prefill (chunked, with a
+    prefix cache in HBM) and decode, the Conductor handing each request off or serving it whole by
+    predicted cost (policy/disaggregation.py; ``handoff_overhead_s`` is its fixed cost of a hand-off).
 
     ``pool_blocks`` is the KVCache pool capacity in blocks, split evenly over the nodes that
     cache (prefill nodes, or every coupled node); None means unbounded. ``time_scale`` > 1
@@ -52,12 +56,17 @@ class SimConfig:
     cpp_min_tokens: int = 32768
     cpp_hop_bytes_per_token: int = 16384
     cpp_min_single_ttft_s: float = 0.0
+    aggregated_nodes: int = 0
+    handoff_overhead_s: float = 0.02
 
     def __post_init__(self) -> None:
         checks = [
-            (self.mode in ("disaggregated", "coupled"), f"mode must be disaggregated or coupled, got {self.mode!r}"),
+            (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
             (self.prefill_nodes >= 1, "prefill_nodes must be >= 1"),
-            (self.decode_nodes >= (1 if self.mode == "disaggregated" else 0), "decode_nodes must be >= 1"),
+            (self.decode_nodes >= (0 if self.mode == "coupled" else 1), "decode_nodes must be >= 1"),
+            ((self.aggregated_nodes >= 1) == (self.mode == "mixed"), "aggregated_nodes must be >= 1 in mixed mode "
+             "and 0 otherwise"),
+            (self.handoff_overhead_s >= 0, "handoff_overhead_s must be >= 0"),
             (self.prefill_policy in PREFILL_POLICIES, f"unknown prefill policy {self.prefill_policy!r}"),
             (self.coupled_router in PREFILL_POLICIES, f"unknown coupled router {self.coupled_router!r}"),
             (self.admission in ADMISSION_POLICIES, f"unknown admission policy {self.admission!r}"),
@@ -71,7 +80,7 @@ class SimConfig:
             (self.expected_decode_s > 0, "expected_decode_s must be > 0"),
             (self.cpp_stages == 0 or 2 <= self.cpp_stages <= self.prefill_nodes,
              "cpp_stages must be 0 (off) or between 2 and the number of prefill nodes"),
-            (self.cpp_stages == 0 or self.mode == "disaggregated", "CPP needs the disaggregated mode"),
+            (self.cpp_stages == 0 or self.mode != "coupled", "CPP needs prefill nodes (disaggregated or mixed mode)"),
             (self.cpp_chunk_tokens >= 1 and self.cpp_min_tokens >= 1 and self.cpp_hop_bytes_per_token >= 0
              and self.cpp_min_single_ttft_s >= 0,
              "CPP sizes must be positive"),
@@ -82,7 +91,7 @@ class SimConfig:
 
     @property
     def total_nodes(self) -> int:
-        return self.prefill_nodes + self.decode_nodes
+        return self.prefill_nodes + self.decode_nodes + self.aggregated_nodes
 
     def cpp_settings(self) -> CppSettings | None:
         if not self.cpp_stages:

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from halfmoon.policy.prefill import make_prefill_policy
-from halfmoon.policy.state import PrefillInstanceState, RecentSamples, RouteRequest
+from halfmoon.policy.state import BlockIndex, PrefillInstanceState, RecentSamples, RouteRequest
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
@@ -62,18 +62,29 @@ class CoupledSim(SimBase):
         elif self.nodes[a].version == b:
             self._epoch_end(self.nodes[a])
 
-    def _arrive(self, rid: int) -> None:
-        req = self.trace[rid]
+    def prefill_states(self) -> list[PrefillInstanceState]:
         # queued tokens include the running batch's context: the tie-breaker that spreads decode load
-        states = [
+        return [
             PrefillInstanceState(n.id, n.pending_s, n.batch.context + n.waiting_tokens, n.recent_ttft.values(self.now))
             for n in self.nodes
         ]
-        index = self.cache.index if self.cache is not None else self._empty_index
-        choice = self.router.choose(RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size), states, index)
-        node = self.nodes[int(choice.instance_id[1:])]
-        node.pending_s += choice.prefill_s
-        self._predicted[rid] = choice.prefill_s
+
+    @property
+    def index(self) -> BlockIndex:
+        return self.cache.index if self.cache is not None else self._empty_index
+
+    def _arrive(self, rid: int) -> None:
+        req = self.trace[rid]
+        route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+        choice = self.router.choose(route, self.prefill_states(), self.index)
+        self.enqueue(choice.instance_id, rid, choice.prefill_s)
+
+    def enqueue(self, node_id: str, rid: int, predicted_prefill_s: float) -> None:
+        """Queue request ``rid`` on node ``node_id`` to prefill (predicted to take ``predicted_prefill_s``), then decode."""
+        req = self.trace[rid]
+        node = self.nodes[int(node_id[1:])]
+        node.pending_s += predicted_prefill_s
+        self._predicted[rid] = predicted_prefill_s
         node.waiting.append(rid)
         node.waiting_tokens += req.input_length
         if node.kind == PREFILLING:

@@ -11,7 +11,7 @@ from halfmoon.policy.cpp import CppPolicy
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.ledger import Cleared, Stage, WorkLedger
 from halfmoon.policy.prefill import make_prefill_policy
-from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.scheduler import KVCentricScheduler, ScheduleDecision
 from halfmoon.policy.state import (
     DecodeInstanceState,
     DecodeWork,
@@ -100,19 +100,32 @@ class DisaggregatedSim(SimBase):
             )
         return node.state
 
-    def _arrive(self, rid: int) -> None:
-        req, now = self.trace[rid], self.now
-        sched_req = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+    def _route(self, rid: int) -> RouteRequest:
+        req = self.trace[rid]
+        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+
+    def _schedule(self, sched_req: RouteRequest) -> ScheduleDecision:
+        """The Conductor's decision for a hand-off over the prefill and decode pools."""
+        now = self.now
         pstates = [
             PrefillInstanceState(n.id, max(0.0, n.busy_until - now), self.ledger.outstanding(n.id).tokens,
                                  n.recent_ttft.values(now))
             for n in self.prefill
         ]
         dstates = [self._decode_state(n) for n in self.decode]
-        decision = self.scheduler.schedule(sched_req, pstates, dstates, self.cache.index, now)
+        return self.scheduler.schedule(sched_req, pstates, dstates, self.cache.index, now)
+
+    def _arrive(self, rid: int) -> None:
+        sched_req = self._route(rid)
+        decision = self._schedule(sched_req)
         if not decision.accepted:
             self.reject(rid, late=False)
             return
+        self._hand_off(rid, sched_req, decision)
+
+    def _hand_off(self, rid: int, sched_req: RouteRequest, decision: ScheduleDecision) -> None:
+        """Prefill on the decision's prefill node (or pipeline), decode where it planned or at hand-off."""
+        req, now = self.trace[rid], self.now
         choice = decision.prefill
         assert choice is not None, "an accepted decision carries its prefill choice"
         node = self._prefill_by_id[choice.instance_id]

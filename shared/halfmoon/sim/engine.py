@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from halfmoon.sim.batch import DecodeBatch, Member
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
@@ -36,6 +38,7 @@ class SimResult(NamedTuple):
     wall_seconds: float
     events: int
     pipelined: int = 0  # requests prefilled by a CPP pipeline
+    whole: np.ndarray | None = None  # mixed layout: per request, True where an aggregated node served it whole
 
 
 class SimBase:

@@ -9,12 +9,13 @@ from halfmoon.sim.config import SimConfig
 from halfmoon.sim.coupled import CoupledSim
 from halfmoon.sim.disagg import DisaggregatedSim
 from halfmoon.sim.engine import Progress, SimResult
+from halfmoon.sim.mixed import MixedSim
 from halfmoon.sim.profile import Profile
 from halfmoon.sim.trace import TraceRequest
 
 
 def simulate(config: SimConfig, profile: Profile, trace: Sequence[TraceRequest], progress: Progress | None = None) -> SimResult:
-    cls = DisaggregatedSim if config.mode == "disaggregated" else CoupledSim
+    cls = {"disaggregated": DisaggregatedSim, "coupled": CoupledSim, "mixed": MixedSim}[config.mode]
     return cls(config, profile, trace).run(progress)
 
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 
 from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.calibration import TTFTCalibration
-from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.disaggregation import PerRequestDisaggregation, Serving, ServingOption
+from halfmoon.policy.scheduler import KVCentricScheduler, ScheduleDecision
 from halfmoon.policy.state import DecodeInstanceState, MeasuredStep, PrefillInstanceState, RouteRequest
 from halfmoon.protocol.registry import Role, StepSample, pooled_steps
 from halfmoon.protocol.scheduling import RejectReason, ScheduleRequest
@@ -26,11 +27,18 @@ class KVCentricPlacement(PlacementPolicy):
     A prefill instance's queue wait is the predicted prefill work of the placements the conductor's
     ledger holds for it, plus, for requests it reports beyond those, their mean; a decode instance's
     context is its used KV blocks (heartbeat) in tokens.
+
+    Where a pair and aggregated instances are both live (``place_mixed``), the scheduler decides for each
+    (the aggregated instances as both pools) and :class:`PerRequestDisaggregation` picks the cheaper within
+    the SLOs; ``handoff_overhead_s`` is its fixed cost of a hand-off.
     """
 
     def __init__(self, make_scheduler: Callable[[KVSpec], KVCentricScheduler], index: LiveBlockIndex,
-                 calibration: TTFTCalibration | None = None, pools_steps: bool = True) -> None:
+                 calibration: TTFTCalibration | None = None, pools_steps: bool = True,
+                 handoff_overhead_s: float = 0.02) -> None:
         self.make_scheduler = make_scheduler
+        self.handoff_overhead_s = handoff_overhead_s
+        self.disaggregation: PerRequestDisaggregation | None = None
         self.pools_steps = pools_steps  # one cost model learns steps with and without prefill chunks alike
         self.index = index
         self.calibration = calibration
@@ -46,6 +54,9 @@ class KVCentricPlacement(PlacementPolicy):
     def adopt(self, spec: KVSpec, instance_id: str) -> None:
         if self.spec is None:
             self.spec, self.scheduler = spec, self.make_scheduler(spec)
+            self.disaggregation = PerRequestDisaggregation(
+                self.scheduler.admission.decode, self.scheduler.prefill.cost, self.scheduler.slo,
+                self.handoff_overhead_s)
         else:
             self.spec.check_shares_blocks_with(spec, instance_id)
 
@@ -85,6 +96,43 @@ class KVCentricPlacement(PlacementPolicy):
             return self._before_spec.place(request, prefill, decode, now)
         decision = self.scheduler.schedule(self.route(request), [self._prefill_state(v) for v in prefill],
                                            [self._decode_state(v) for v in decode], self.index, now)
+        return self._placement(decision, decode)
+
+    def place_mixed(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+                    aggregated: Sequence[InstanceView], now: float = 0.0) -> Placement | Rejection:
+        if self.scheduler is None or self.disaggregation is None:
+            return self._before_spec.place_mixed(request, prefill, decode, aggregated, now)
+        route = self.route(request)
+        decode_states = [self._decode_state(v) for v in decode]
+        whole_states = [self._decode_state(v) for v in aggregated]
+        handoff = self.scheduler.schedule(route, [self._prefill_state(v) for v in prefill], decode_states,
+                                          self.index, now)
+        whole = self.scheduler.schedule(route, [self._prefill_state(v) for v in aggregated], whole_states,
+                                        self.index, now)
+        chosen = self.disaggregation.choose(self.disaggregation.handoff(handoff, decode_states, route),
+                                            self.disaggregation.whole(whole, whole_states, route))
+        handoff_cost = chosen.handoff.cost_s if chosen.handoff else None
+        whole_cost = chosen.whole.cost_s if chosen.whole else None
+        if chosen.serving is Serving.WHOLE:
+            assert chosen.whole is not None and whole.prefill is not None
+            placement = self._placement(whole, aggregated)
+            assert isinstance(placement, Placement)
+            # its work there: the prompt's transfer and prefill, and the decoding steps its chunks ride on; no
+            # pipeline (that is a hand-off's)
+            return placement._replace(decode=placement.prefill, pipeline=(), predicted_ttft_ms=chosen.whole.ttft_s * 1000,
+                                      prefill_s=chosen.whole.ttft_s - whole.prefill.queue_s,
+                                      predicted_tbt_ms=chosen.whole.tbt_s * 1000,
+                                      handoff_cost_s=handoff_cost, whole_cost_s=whole_cost)
+        if chosen.serving is Serving.HANDOFF:
+            placement = self._placement(handoff, decode)
+            assert isinstance(placement, Placement)
+            return placement._replace(handoff_cost_s=handoff_cost, whole_cost_s=whole_cost)
+        if not (handoff.accepted or whole.accepted):
+            return self._placement(handoff, decode)  # the scheduler's own reason
+        return Rejection(RejectReason.OVERLOADED, "no_option_within_slo: neither the hand-off nor serving whole is "
+                         f"predicted within the SLOs (hand-off {_figures(chosen.handoff)}, whole {_figures(chosen.whole)})")
+
+    def _placement(self, decision: ScheduleDecision, decode: Sequence[InstanceView]) -> Placement | Rejection:
         if not decision.accepted:
             figures = [f"TTFT {decision.prefill.ttft_s:.2f}s"] if decision.prefill else []
             if decision.decode is not None:  # the nearest miss of a decode rejection
@@ -99,6 +147,12 @@ class KVCentricPlacement(PlacementPolicy):
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
                          chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,
                          decision.decode.predicted_tbt_s * 1000 if decision.decode else None)
+
+
+def _figures(option: ServingOption | None) -> str:
+    if option is None:
+        return "rejected"
+    return f"TTFT {option.ttft_s:.2f}s, TBT {option.tbt_s:.3f}s"
 
 
 def measured_step(sample: StepSample | None) -> MeasuredStep | None:

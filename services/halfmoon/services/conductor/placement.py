@@ -25,6 +25,14 @@ class Placement(NamedTuple):
     pipeline: tuple[str, ...] = ()  # CPP: the prefill instances running the later layers with ``prefill``
     model_ttft_ms: float | None = None  # the cost model's TTFT before calibration (what calibration learns from)
     predicted_tbt_ms: float | None = None  # the decode instance's predicted step time with this request in it
+    # both a pair and aggregated instances were live: the predicted cost of each option (policy/disaggregation.py)
+    handoff_cost_s: float | None = None
+    whole_cost_s: float | None = None
+
+    @property
+    def whole(self) -> bool:
+        """One instance prefills and decodes it (an aggregated instance)."""
+        return self.prefill == self.decode
 
 
 class Rejection(NamedTuple):
@@ -62,6 +70,14 @@ class PlacementPolicy(ABC):
         now: float = 0.0,
     ) -> Placement | Rejection: ...
 
+    @abstractmethod
+    def place_mixed(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        aggregated: Sequence[InstanceView], now: float = 0.0,
+    ) -> Placement | Rejection:
+        """A prefill/decode pair and aggregated instances are all live: hand the request off to a pair, or
+        serve it whole on one aggregated instance (``Placement.whole``)."""
+
 
 class LeastLoaded(PlacementPolicy):
     """Fewest pending requests (reported, or placed and not done); decode ties go to more free KV blocks,
@@ -79,12 +95,26 @@ class LeastLoaded(PlacementPolicy):
         d = min(decode, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
         return Placement(p.instance_id, d.instance_id)
 
+    def place_mixed(
+        self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
+        aggregated: Sequence[InstanceView], now: float = 0.0,
+    ) -> Placement | Rejection:
+        """Whole on the least loaded aggregated instance when it holds fewer requests than the least loaded
+        decode instance (decoding is where both options spend the request's life), else handed off."""
+        a = min(aggregated, key=lambda v: (v.pending, -v.load.free_kv_blocks, v.instance_id))
+        if a.pending < min(v.pending for v in decode):
+            return Placement(a.instance_id, a.instance_id)
+        return self.place(request, prefill, decode, now)
+
 
 def place_pair(policy: PlacementPolicy, request: ScheduleRequest, prefill: Sequence[InstanceView],
                decode: Sequence[InstanceView], aggregated: Sequence[InstanceView], now: float) -> Placement | Rejection:
-    """A prefill/decode pair when both pools have live instances; otherwise, when aggregated instances
-    are live, one of them for both phases (its own decode, whatever the policy's decode choice)."""
+    """A prefill/decode pair when both pools have live instances and no aggregated one is; one aggregated
+    instance for both phases (its own decode, whatever the policy's decode choice) when no pair is; the
+    policy's choice between the two when both are."""
     if aggregated and not (prefill and decode):
         choice = policy.place(request, aggregated, aggregated, now)
         return choice._replace(decode=choice.prefill) if isinstance(choice, Placement) else choice
+    if aggregated:
+        return policy.place_mixed(request, prefill, decode, aggregated, now)
     return policy.place(request, prefill, decode, now)

@@ -43,6 +43,9 @@ class PolicySettings:
         "help": "judge an aggregated instance's TBT also by its decoding steps that carried a prefill chunk, "
                 "learned apart from those that did not (with learn_decode_cost)"})
     transfer_bytes_per_s: float = field(default=2e9, metadata={"help": "pool-to-instance KV bandwidth"})
+    handoff_overhead_s: float = field(default=0.02, metadata={
+        "help": "fixed cost of handing a request off from a prefill to a decode instance, weighed against "
+                "serving it whole where aggregated instances run beside a pair (policy/disaggregation.py)"})
     ttft_calibration_s: float = field(default=0.0, metadata={
         "help": "calibrate predicted TTFTs to those delivered in the last this many seconds, e.g. 120 "
                 "(0: off, the default; docs/BENCHMARKS.md, Predictions and admission)"})
@@ -62,6 +65,8 @@ class PolicySettings:
         SLO(self.ttft_slo_s, self.tbt_slo_s)
         if min(self.prefill_tokens_per_s, self.decode_step_s, self.transfer_bytes_per_s) <= 0:
             raise ValueError("cost priors must be positive")
+        if self.handoff_overhead_s < 0:
+            raise ValueError(f"handoff_overhead_s must be >= 0, got {self.handoff_overhead_s}")
         if self.ttft_calibration_s < 0:
             raise ValueError(f"ttft_calibration_s must be >= 0, got {self.ttft_calibration_s}")
         if self.decode_step_per_seq_s < 0:
@@ -114,6 +119,7 @@ def build_placement(settings: PolicySettings) -> BuiltPlacement:
                                   CppPolicy(cost, settings.cpp_settings()) if settings.cpp_stages else None,
                                   calibration)
 
-    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration, pools_steps=shared_fitter is None),
+    return BuiltPlacement(KVCentricPlacement(make_scheduler, index, calibration, pools_steps=shared_fitter is None,
+                                             handoff_overhead_s=settings.handoff_overhead_s),
                           index, fitter, decode_fitter,
                           shared_fitter)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.kv_spec import KVSpecMismatch
@@ -254,6 +255,8 @@ class ConductorService(Service[ConductorConfig]):
         choice = place_pair(self.policy, request, prefill, decode, aggregated, now=time.time())
         if not isinstance(choice, Placement):
             return self._reject(request, choice.reason, choice.message, choice.retry_after_s)
+        if aggregated and prefill and decode:
+            self._record_serving(request, choice)
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
         placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
                         request_id=request.request_id, prefill_s=choice.prefill_s, prompt_tokens=request.prompt_len,
@@ -276,6 +279,19 @@ class ConductorService(Service[ConductorConfig]):
             prefill_incarnation=self._incarnation(choice.prefill),
             decode_incarnation=self._incarnation(choice.decode),
         )
+
+    def _record_serving(self, request: ScheduleRequest, choice: Placement) -> None:
+        """Pairs and aggregated instances are both live: which the request got, and what each was predicted
+        to cost (absent: that option was rejected, or the policy does not predict costs)."""
+        serving = "whole" if choice.whole else "handoff"
+        costs = {name: value for name, value in (("handoff", choice.handoff_cost_s), ("whole", choice.whole_cost_s))
+                 if value is not None}
+        trace.get_current_span().set_attributes({
+            "halfmoon.serving": serving, "halfmoon.prefill_instance": choice.prefill,
+            **{f"halfmoon.cost.{name}_s": value for name, value in costs.items()}})
+        self.log.debug("hand-off or whole", extra={"request_id": request.request_id, "serving": serving,
+                                                    "instance": choice.prefill,
+                                                    **{f"{name}_cost_s": value for name, value in costs.items()}})
 
     def _incarnation(self, instance_id: str) -> str:
         view = self.table.get(instance_id)
