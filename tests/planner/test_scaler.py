@@ -107,6 +107,29 @@ class TestWithTheSimulator:
         assert all(r.input_length == 40 and len(r.hash_ids) == 3 and r.hash_ids[0] == 0 for r in trace)
         assert len({h for r in trace for h in r.hash_ids}) == 1 + 2 * 20  # one shared block, the rest own
 
+    def test_a_backlog_arrives_first_all_at_once(self):
+        trace = forecast_trace(IntervalLoad(2.0, 40.0, 16.0, 0.5), 10.0, block_size=16, backlog=5)
+        assert len(trace) == 25 and [r.arrival_s for r in trace[:6]] == [0.0] * 6
+        assert trace[6].arrival_s == pytest.approx(0.5)
+        assert len({h for r in trace for h in r.hash_ids}) == 1 + 2 * 25  # the waiting ones' prompts are their own
+
+    def test_a_backlog_keeps_the_instances_a_quiet_rate_would_drain(self, capped_profile):
+        # the rate has fallen, but the deployment holds requests it has not started: one instance fewer must
+        # also work those off, and at this profile's two requests per instance it cannot
+        scaling = self.scaling()
+
+        def evaluate_at(forecast: IntervalLoad, backlog: int = 0):
+            trace = forecast_trace(forecast, scaling.horizon_s, scaling.plan.base.block_size, backlog)
+            return simulator(capped_profile, trace, scaling.plan)
+
+        quiet = IntervalLoad(0.5, 40.0, 16.0, 0.3)
+        assert Scaler(scaling).decide(Layout(AGGREGATED, 3), quiet, evaluate_at).action == "down"
+        held = Scaler(scaling).decide(Layout(AGGREGATED, 3), quiet, lambda f: evaluate_at(f, 12), backlog=12)
+        assert held.action in ("hold", "up") and held.target.prefill >= 3, held.reason
+        idle_rate = IntervalLoad(0.0, 40.0, 16.0, 0.3)  # nothing new arrives; what waits still must be served
+        busy = Scaler(scaling).decide(Layout(AGGREGATED, 1), idle_rate, lambda f: evaluate_at(f, 12), backlog=12)
+        assert busy.action == "up", busy.reason
+
     def test_scales_up_under_load_and_down_after(self, capped_profile):
         scaling = self.scaling()
         scaler = Scaler(scaling)

@@ -135,6 +135,7 @@ class Report(NamedTuple):
     reused_tokens: int
     tbt_ms: dict[str, float]  # engine instance -> its recent mean time between tokens
     block_size: int | None  # the engines' KV block size (from their KV spec), None before a heartbeat
+    backlog: int = 0  # requests the engines hold and have not started (their latest heartbeats' queues)
 
     def load(self, seconds: float) -> IntervalLoad:
         if not self.requests:
@@ -153,6 +154,7 @@ class Watch:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._counts = [0, 0, 0, 0]  # requests, prompt, output, reused tokens
         self._tbt_ms: dict[str, float] = {}
+        self._queued: dict[str, int] = {}  # engine instance -> requests waiting there, its latest heartbeat
         self._block_size: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -176,7 +178,8 @@ class Watch:
         with self._lock:
             requests, prompt, output, reused = self._counts
             self._counts = [0, 0, 0, 0]
-            return Report(requests, prompt, output, reused, dict(self._tbt_ms), self._block_size)
+            return Report(requests, prompt, output, reused, dict(self._tbt_ms), self._block_size,
+                          sum(self._queued.values()))
 
     def _run(self) -> None:
         try:
@@ -208,6 +211,10 @@ class Watch:
                 self._tbt_ms[beat.instance_id] = beat.load.tbt_ms
             else:
                 self._tbt_ms.pop(beat.instance_id, None)
+            if beat.leaving is None:
+                self._queued[beat.instance_id] = beat.load.queue_len
+            else:  # what a leaving instance holds it finishes or hands back; a new one counts it then
+                self._queued.pop(beat.instance_id, None)
 
     async def _on_placed(self, msg: Msg) -> None:
         placed = codecs.PLACED.decode(msg.data)
@@ -267,22 +274,24 @@ class Planner:
         forecast = self.forecaster.forecast()
 
         def evaluate_at(load: IntervalLoad) -> Evaluate:
-            return simulator(self.profile, forecast_trace(load, scaling.horizon_s, seen.block_size or 1), scaling.plan)
+            return simulator(self.profile, forecast_trace(load, scaling.horizon_s, seen.block_size or 1, seen.backlog),
+                             scaling.plan)
 
         current = self.layout()
         with self.tracer.start_as_current_span("planner.decide") as span:
             started = time.perf_counter()
-            decision = self.scaler.decide(current, forecast, evaluate_at)
+            decision = self.scaler.decide(current, forecast, evaluate_at, seen.backlog)
             changed = self._apply(current, decision.target)
             worst = max(seen.tbt_ms.values(), default=None)
             measured = ("no TBT measured" if worst is None else
                         f"measured TBT up to {worst:.0f} ms (SLO {self.config.tbt_slo_s * 1000:g} ms)")
             line = (f"{decision.action} {current.label} -> {decision.target.label}: {decision.reason}; "
-                    f"{seen.requests} requests in the last {seconds:.1f} s, {measured}"
+                    f"{seen.requests} requests in the last {seconds:.1f} s, {seen.backlog} waiting, {measured}"
                     + (f"; {', '.join(changed)}" if changed else ""))
             span.set_attributes({"planner.action": decision.action, "planner.current": current.label,
                                  "planner.target": decision.target.label, "planner.reason": decision.reason,
-                                 "planner.requests": seen.requests, "planner.changed": changed,
+                                 "planner.requests": seen.requests, "planner.backlog": seen.backlog,
+                                 "planner.changed": changed,
                                  "planner.decide_s": time.perf_counter() - started,
                                  **({} if forecast is None else {f"planner.forecast.{k}": v
                                                                  for k, v in forecast._asdict().items()})})

@@ -66,17 +66,20 @@ class Decision(NamedTuple):
     reason: str
 
 
-def forecast_trace(load: IntervalLoad, horizon_s: float, block_size: int) -> list[TraceRequest]:
+def forecast_trace(load: IntervalLoad, horizon_s: float, block_size: int, backlog: int = 0) -> list[TraceRequest]:
     """``horizon_s`` of ``load`` as a trace: arrivals evenly spaced at the forecast rate (a rate is all a
     forecast knows; the headroom covers bursts), every prompt of the mean length, its first ``reuse``
-    share of blocks common to all (the cached prefix), the rest its own."""
+    share of blocks common to all (the cached prefix), the rest its own. ``backlog`` requests, waiting in the
+    deployment now, arrive first, all at once: a deployment that fell behind must also work off its queue,
+    and one sized for the arrival rate alone never does (its TTFTs stay as long as the queue it started with)."""
     count = math.floor(load.arrival_rps * horizon_s)
     prompt, output = max(1, round(load.prompt_tokens)), max(1, round(load.output_tokens))
     blocks = -(-prompt // block_size)
     shared = min(blocks, math.floor(load.reuse * prompt / block_size))
-    return [TraceRequest(i / load.arrival_rps, prompt, output,
+    arrivals = [0.0] * backlog + [i / load.arrival_rps for i in range(count)]
+    return [TraceRequest(at, prompt, output,
                          (*range(shared), *range(blocks + i * blocks + shared, blocks + (i + 1) * blocks)))
-            for i in range(count)]
+            for i, at in enumerate(arrivals)]
 
 
 def _describe(load: IntervalLoad) -> str:
@@ -91,7 +94,9 @@ class Scaler:
         self.settings = settings
         self.since_change = settings.cooldown_intervals  # a fresh planner may step down at once
 
-    def decide(self, current: Layout, forecast: IntervalLoad | None, evaluate_at: EvaluateAt) -> Decision:
+    def decide(self, current: Layout, forecast: IntervalLoad | None, evaluate_at: EvaluateAt,
+               backlog: int = 0) -> Decision:
+        """``backlog``: requests waiting in the deployment now, which ``evaluate_at`` simulates first."""
         s = self.settings
         if current.mode != s.mode:
             raise PlanError(f"the deployment is {current.mode}, the planner plans {s.mode}")
@@ -99,7 +104,7 @@ class Scaler:
         if forecast is None:
             return Decision(current, "hold", "no request seen yet: nothing to forecast from")
         expected = forecast.arrival_rps * s.horizon_s
-        if expected < 1:
+        if expected < 1 and not backlog:
             return self._down(current, f"forecast {forecast.arrival_rps:.3f} req/s: under one request in the next "
                                        f"{s.horizon_s:g} s", None)
         evaluate = evaluate_at(forecast)
