@@ -26,6 +26,7 @@ from halfmoon.protocol import (
     codecs,
 )
 from halfmoon.protocol.registry import Leaving, StepSample
+from halfmoon.protocol.scheduling import Readiness, ReadinessRequest, Rejected
 from halfmoon.runtime import ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
@@ -183,6 +184,29 @@ class TestRejectsWithoutInstances:
     async def test_deadline_already_passed(self, conductor, nc, namespace):
         reply = await schedule(nc, namespace, schedule_request(deadline_in=-1))
         assert isinstance(reply, ScheduleRejected) and reply.reason is RejectReason.DEADLINE
+
+
+class TestNotesRejections:
+    async def test_each_rejected_request_is_noted_for_the_planner_and_a_readiness_probe_is_not(
+            self, conductor, nc, namespace):
+        notes: list[Rejected] = []
+
+        async def on_note(msg):
+            notes.append(codecs.REJECTED.decode(msg.data))
+
+        subjects = Subjects(namespace)
+        await nc.subscribe(subjects.rejected, cb=on_note)
+        await nc.flush()
+        probe = await request(nc, subjects.schedule, ReadinessRequest(), codecs.READINESS_REPLY, timeout=5)
+        assert isinstance(probe, Readiness) and not probe.ready
+        for req in (schedule_request("r-none"), schedule_request("r-late", deadline_in=-1)):
+            assert isinstance(await schedule(nc, namespace, req), ScheduleRejected)
+        await wait_until(lambda: len(notes) >= 2, what="two rejection notes")
+        assert notes == [  # in order: a note the probe had sent would have come first
+            Rejected(conductor="conductor-0", request_id="r-none", reason=RejectReason.NO_PREFILL_INSTANCE,
+                     prompt_tokens=5, max_tokens=4),
+            Rejected(conductor="conductor-0", request_id="r-late", reason=RejectReason.DEADLINE,
+                     prompt_tokens=5, max_tokens=4)]
 
 
 class TestDropsSilentInstances:

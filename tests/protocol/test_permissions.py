@@ -7,6 +7,7 @@ import pytest
 
 from halfmoon.deploy.nats_auth import ROLE_USERS, NatsAuth
 from halfmoon.protocol.permissions import (
+    PLANNER,
     gateway_of_user,
     gateway_permissions,
     gateway_user,
@@ -59,6 +60,14 @@ class TestGatewayPermissions:
         assert nats_user(Role.GATEWAY, "gateway-2") == "gateway-gateway-2"
         assert nats_user(Role.DECODE, "decode-2") == "decode"
         assert user_permissions(S, "gateway-gateway-2") == gateway_permissions(S, "gateway-2")
+
+
+class TestRejectionNotes:
+    def test_conductors_publish_them_and_only_the_planner_reads_them(self) -> None:
+        users = {user: user_permissions(S, user) for user in (*ROLE_USERS, gateway_user("gateway-0"))}
+        assert {user for user, p in users.items() if allowed(p.publish, S.rejected)} == {"admin", "conductor"}
+        assert {user for user, p in users.items() if allowed(p.subscribe, S.rejected)} == {"admin", PLANNER}
+        assert S.rejected == "t.v1.conductor.rejected" and S.rejected != S.placed
 
 
 class TestNatsAuth:

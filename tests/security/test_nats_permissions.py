@@ -1,7 +1,7 @@
 """NATS: nobody connects without credentials, and a role's credentials publish only what that
 role sends: a gateway cannot submit to decode, end a stream, or declare an instance down; one gateway's
 credentials cannot submit in another's name, nor read its streams or its replies; the planner's only listen
-to heartbeats and placements."""
+to heartbeats, placements and rejections, which the conductor's publish."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.permissions import PLANNER, gateway_user, inbox_prefix
 from halfmoon.protocol.registry import InstanceDown, Role
+from halfmoon.protocol.scheduling import Rejected, RejectReason
 from halfmoon.protocol.subjects import Subjects
 from tests.security.conftest import bearer
 
@@ -52,6 +53,7 @@ FORGED = {
     "a decode heartbeat": SUBJECTS.heartbeat_from(Role.DECODE.value),
     "a pipeline stage's chunk": SUBJECTS.prefill_stage("prefill-0"),
     "a prefill submit in another gateway's name": SUBJECTS.prefill_submit("prefill-0", VICTIM),
+    "a rejection note": SUBJECTS.rejected,
 }
 
 
@@ -157,6 +159,7 @@ PLANNER_MAY_NOT = {  # (publish?, subject)
     "schedule a request": (True, SUBJECTS.schedule),
     "heartbeat as decode": (True, SUBJECTS.heartbeat_from(Role.DECODE.value)),
     "note a placement": (True, SUBJECTS.placed),
+    "note a rejection": (True, SUBJECTS.rejected),
     "read a gateway's token streams": (False, SUBJECTS.streams_of(VICTIM)),
     "read the schedule requests": (False, SUBJECTS.schedule),
 }
@@ -174,6 +177,7 @@ class TestPlannerCredentialsOnlyListen:
         try:
             await planner.subscribe(SUBJECTS.heartbeat, cb=on_beat)
             await planner.subscribe(SUBJECTS.placed)
+            await planner.subscribe(SUBJECTS.rejected)
             await planner.flush()
             end = time.monotonic() + 30
             while not beats and time.monotonic() < end:
@@ -197,3 +201,29 @@ class TestPlannerCredentialsOnlyListen:
         finally:
             await planner.close()
         assert_refused(errors, subject)
+
+
+class TestConductorCredentialsNoteRejections:
+    async def test_a_rejection_the_conductor_notes_reaches_the_planner(self, secure_cluster: LocalCluster) -> None:
+        errors: list[Exception] = []
+        conductor = await connect(secure_cluster, Role.CONDUCTOR.value, errors)
+        planner = await connect(secure_cluster, PLANNER, errors)
+        note = Rejected(conductor="conductor-x", request_id="cmpl-noted", reason=RejectReason.OVERLOADED,
+                        prompt_tokens=12, max_tokens=8)
+        heard: list[Rejected] = []
+
+        async def on_note(msg) -> None:  # type: ignore[no-untyped-def]
+            heard.append(codecs.REJECTED.decode(msg.data))
+
+        try:
+            await planner.subscribe(SUBJECTS.rejected, cb=on_note)
+            await planner.flush()
+            await conductor.publish(SUBJECTS.rejected, codecs.REJECTED.encode(note))
+            await conductor.flush()
+            end = time.monotonic() + 10
+            while note not in heard and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        finally:
+            await conductor.close()
+            await planner.close()
+        assert note in heard and errors == []

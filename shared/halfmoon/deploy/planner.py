@@ -45,7 +45,7 @@ from halfmoon.telemetry.tracing import setup_tracing
 log = logging.getLogger("halfmoon.planner")
 
 ENGINE_ROLES = (Role.PREFILL, Role.DECODE, Role.AGGREGATED)
-RECENT_REQUESTS = 100_000  # request ids remembered so a request placed again (a retry) counts once
+RECENT_REQUESTS = 100_000  # request ids remembered so a request rejected or placed again (a retry) counts once
 
 
 @dataclass(frozen=True)
@@ -127,32 +127,54 @@ class LocalActuator(Actuator):
 
 
 class Report(NamedTuple):
-    """One interval of what the deployment reported: placements, and the engines' latest heartbeats."""
+    """One interval of what the deployment reported: its requests (placed, or rejected and not placed before),
+    and the engines' latest heartbeats."""
 
     requests: int
+    rejected: int  # of ``requests``, those heard of first as rejected (placed later or not)
     prompt_tokens: int
     output_tokens: int  # requested (max_tokens): the most each request may produce
-    reused_tokens: int
+    placed_prompt_tokens: int  # the prompt tokens of the interval's placements, whose reuse is known
+    reused_tokens: int  # of ``placed_prompt_tokens``
     tbt_ms: dict[str, float]  # engine instance -> its recent mean time between tokens
     block_size: int | None  # the engines' KV block size (from their KV spec), None before a heartbeat
     backlog: int = 0  # requests the engines hold and have not started (their latest heartbeats' queues)
 
     def load(self, seconds: float) -> IntervalLoad:
+        """The interval's load; its reuse is the placements' (a rejected request's would-be reuse is not
+        known), 0 when every request was turned away: an overload is planned for as if nothing were cached."""
         if not self.requests:
             return IntervalLoad(0.0, 0.0, 0.0, 0.0)
         return IntervalLoad(self.requests / seconds, self.prompt_tokens / self.requests,
-                            self.output_tokens / self.requests, self.reused_tokens / max(1, self.prompt_tokens))
+                            self.output_tokens / self.requests,
+                            self.reused_tokens / max(1, self.placed_prompt_tokens))
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    placed_prompt_tokens: int = 0
+    reused_tokens: int = 0
 
 
 class Watch:
-    """Reads heartbeats and the conductors' ``Placed`` notes off NATS in a thread of its own; ``take`` hands
-    over what came since the last call. ``connect`` makes its connection, in that thread's event loop."""
+    """Reads heartbeats and the conductors' ``Placed`` and ``Rejected`` notes off NATS in a thread of its own;
+    ``take`` hands over what came since the last call. ``connect`` makes its connection, in that thread's
+    event loop.
+
+    A request counts once, in the interval it was first heard of, however often it was rejected (the
+    gateway retries under the same request id) or placed (a migration places it again): unplaced demand
+    is load too, and placements alone hide an overload. Its placement, if it comes, still tells its reuse.
+    """
 
     def __init__(self, connect: Callable[[], Awaitable[Client]], subjects: Subjects) -> None:
         self.connect, self.subjects = connect, subjects
         self._lock = threading.Lock()
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._counts = [0, 0, 0, 0]  # requests, prompt, output, reused tokens
+        self._placed: OrderedDict[str, bool] = OrderedDict()  # request id -> placed yet (else: rejected so far)
+        self._counts = _Counts()
         self._tbt_ms: dict[str, float] = {}
         self._queued: dict[str, int] = {}  # engine instance -> requests waiting there, its latest heartbeat
         self._block_size: int | None = None
@@ -176,10 +198,9 @@ class Watch:
 
     def take(self) -> Report:
         with self._lock:
-            requests, prompt, output, reused = self._counts
-            self._counts = [0, 0, 0, 0]
-            return Report(requests, prompt, output, reused, dict(self._tbt_ms), self._block_size,
-                          sum(self._queued.values()))
+            c, self._counts = self._counts, _Counts()
+            return Report(c.requests, c.rejected, c.prompt_tokens, c.output_tokens, c.placed_prompt_tokens,
+                          c.reused_tokens, dict(self._tbt_ms), self._block_size, sum(self._queued.values()))
 
     def _run(self) -> None:
         try:
@@ -194,6 +215,7 @@ class Watch:
         try:
             await nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
             await nc.subscribe(self.subjects.placed, cb=self._on_placed)
+            await nc.subscribe(self.subjects.rejected, cb=self._on_rejected)
             await nc.flush()
             self._ready.set()
             await self._stop.wait()
@@ -219,13 +241,30 @@ class Watch:
     async def _on_placed(self, msg: Msg) -> None:
         placed = codecs.PLACED.decode(msg.data)
         with self._lock:
-            if placed.request_id in self._seen:
+            if self._placed.get(placed.request_id):
                 return
-            self._seen[placed.request_id] = None
-            if len(self._seen) > RECENT_REQUESTS:
-                self._seen.popitem(last=False)
-            for i, value in enumerate((1, placed.prompt_tokens, placed.max_tokens, placed.reused_tokens)):
-                self._counts[i] += value
+            if placed.request_id not in self._placed:
+                self._count_request(placed.request_id, placed.prompt_tokens, placed.max_tokens)
+            self._placed[placed.request_id] = True
+            self._counts.placed_prompt_tokens += placed.prompt_tokens
+            self._counts.reused_tokens += placed.reused_tokens
+
+    async def _on_rejected(self, msg: Msg) -> None:
+        rejected = codecs.REJECTED.decode(msg.data)
+        with self._lock:
+            if rejected.request_id in self._placed:
+                return
+            self._count_request(rejected.request_id, rejected.prompt_tokens, rejected.max_tokens)
+            self._placed[rejected.request_id] = False
+            self._counts.rejected += 1
+
+    def _count_request(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        """A request heard of for the first time (the caller holds the lock)."""
+        if len(self._placed) >= RECENT_REQUESTS:
+            self._placed.popitem(last=False)
+        self._counts.requests += 1
+        self._counts.prompt_tokens += prompt_tokens
+        self._counts.output_tokens += max_tokens
 
 
 def deployment_mode(counts: Mapping[Role, int]) -> str:
@@ -286,11 +325,13 @@ class Planner:
             measured = ("no TBT measured" if worst is None else
                         f"measured TBT up to {worst:.0f} ms (SLO {self.config.tbt_slo_s * 1000:g} ms)")
             line = (f"{decision.action} {current.label} -> {decision.target.label}: {decision.reason}; "
-                    f"{seen.requests} requests in the last {seconds:.1f} s, {seen.backlog} waiting, {measured}"
+                    f"{seen.requests} requests in the last {seconds:.1f} s ({seen.rejected} rejected), "
+                    f"{seen.backlog} waiting, {measured}"
                     + (f"; {', '.join(changed)}" if changed else ""))
             span.set_attributes({"planner.action": decision.action, "planner.current": current.label,
                                  "planner.target": decision.target.label, "planner.reason": decision.reason,
-                                 "planner.requests": seen.requests, "planner.backlog": seen.backlog,
+                                 "planner.requests": seen.requests, "planner.rejected": seen.rejected,
+                                 "planner.backlog": seen.backlog,
                                  "planner.changed": changed,
                                  "planner.decide_s": time.perf_counter() - started,
                                  **({} if forecast is None else {f"planner.forecast.{k}": v

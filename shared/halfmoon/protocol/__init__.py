@@ -3,7 +3,14 @@
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message, ProtocolError, RemoteError
 from halfmoon.protocol.registry import Heartbeat, InstanceDown, KernelReport, Leaving, Load, Role, StepSample
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.protocol.scheduling import Placed, RejectReason, ScheduleAccepted, ScheduleRejected, ScheduleRequest
+from halfmoon.protocol.scheduling import (
+    Placed,
+    Rejected,
+    RejectReason,
+    ScheduleAccepted,
+    ScheduleRejected,
+    ScheduleRequest,
+)
 from halfmoon.protocol.stream import ErrorEvent, FinishReason, ResumeRequest, StreamEvent, TokenEvent, Usage
 from halfmoon.protocol.subjects import PROTOCOL_VERSION, Subjects, check_token
 from halfmoon.protocol.work import (
@@ -40,6 +47,7 @@ __all__ = [
     "PrefillRequest",
     "ProtocolError",
     "RejectReason",
+    "Rejected",
     "RemoteError",
     "ResumeRequest",
     "Role",

@@ -29,6 +29,7 @@ from halfmoon.protocol.scheduling import (
                                   Placed,
                                   Readiness,
                                   ReadinessRequest,
+                                  Rejected,
                                   ScheduleAccepted,
                                   ScheduleRejected,
                                   ScheduleRequest,
@@ -51,6 +52,7 @@ CANCEL: Codec[CancelRequest] = Codec(CancelRequest)
 WORK_DONE: Codec[WorkDone] = Codec(WorkDone)
 RESUME: Codec[ResumeRequest] = Codec(ResumeRequest)
 PLACED: Codec[Placed] = Codec(Placed)
+REJECTED: Codec[Rejected] = Codec(Rejected)
 STREAM: Codec[TokenEvent | ErrorEvent] = Codec(TokenEvent | ErrorEvent)
 HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
 DOWN: Codec[InstanceDown] = Codec(InstanceDown)

@@ -22,7 +22,7 @@ ADMIN = "admin"  # the operator: the launcher's readiness watch, taps and tests;
 # protocol and its replies, nothing else (no heartbeats, no work, no streams)
 KV_CLIENT = "kv-client"
 # The online planner of a compose or Kubernetes deployment: it reads the engines' heartbeats and the
-# conductors' placements, and publishes nothing (it acts through the platform's API, not NATS)
+# conductors' placements and rejections, and publishes nothing (it acts through the platform's API, not NATS)
 PLANNER = "planner"
 
 
@@ -103,13 +103,13 @@ def role_permissions(subjects: Subjects, role: Role | str) -> Permissions:
     if role == KV_CLIENT:
         return Permissions(publish=pool, subscribe=(f"{inbox_prefix(KV_CLIENT)}.>",), responds=False)
     if role == PLANNER:
-        return Permissions(publish=(), subscribe=(s.heartbeat, s.placed), responds=False)
+        return Permissions(publish=(), subscribe=(s.heartbeat, s.placed, s.rejected), responds=False)
     role = Role(role)
     own = (s.heartbeat_from(role.value), s.down_from(role.value))
     inbox = (f"{inbox_prefix(role.value)}.>",)
     engine_listens = (s.heartbeat, s.down, s.cancel, s.resume_any)  # transfer nodes' whereabouts; cancellations
     if role is Role.CONDUCTOR:
-        return Permissions(publish=(*own, s.kv_snapshot, s.placed),
+        return Permissions(publish=(*own, s.kv_snapshot, s.placed, s.rejected),
                            subscribe=(s.schedule, s.heartbeat, s.down, s.kv_events, s.placed, s.work_done, s.cancel,
                                       *inbox), responds=True)
     if role is Role.PREFILL:  # prefill instances of one pipeline (CPP) pass a chunk's hidden states on

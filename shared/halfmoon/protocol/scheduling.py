@@ -85,6 +85,21 @@ class RejectReason(StrEnum):
     DEADLINE = "deadline"
 
 
+class Rejected(Message, frozen=True, kw_only=True, tag="rejection"):
+    """Conductor ``conductor`` turned ``request_id`` away (its ScheduleRejected said ``reason``): demand no
+    placement shows, for the planner's forecast. A requester retries under the same ``request_id``, so
+    one request may be noted several times, and placed after."""
+
+    conductor: str
+    request_id: str
+    reason: RejectReason
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_token(self.request_id, "request_id")
+
+
 # Nobody of a role is live: an absence that supervision repairs in seconds, unlike overload, so a requester
 # may wait for an instance within its deadline instead of failing at once.
 ABSENT_ROLE = frozenset({RejectReason.NO_PREFILL_INSTANCE, RejectReason.NO_DECODE_INSTANCE})

@@ -120,6 +120,11 @@ class Subjects:
         return f"{self.root}.conductor.placed"
 
     @property
+    def rejected(self) -> str:
+        """Pub/sub: Rejected, every conductor's rejections of schedule requests, for the planner."""
+        return f"{self.root}.conductor.rejected"
+
+    @property
     def cancel(self) -> str:
         """Pub/sub: CancelRequest, heard by every prefill and decode instance."""
         return f"{self.root}.request.cancel"

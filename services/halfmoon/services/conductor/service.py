@@ -22,6 +22,7 @@ from halfmoon.protocol.scheduling import (
     Placed,
     Readiness,
     ReadinessRequest,
+    Rejected,
     RejectReason,
     ScheduleAccepted,
     ScheduleRejected,
@@ -247,14 +248,14 @@ class ConductorService(Service[ConductorConfig]):
         if isinstance(request, ReadinessRequest):
             return self._readiness()
         if self.draining:
-            return self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
+            return await self._reject(request, RejectReason.OVERLOADED, "conductor is shutting down")
         if request.deadline <= time.time():
-            return self._reject(request, RejectReason.DEADLINE, "deadline passed before scheduling")
+            return await self._reject(request, RejectReason.DEADLINE, "deadline passed before scheduling")
         prefill, decode, aggregated = (self._candidates(role, request.exclude)
                                        for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED))
         choice = place_pair(self.policy, request, prefill, decode, aggregated, now=time.time())
         if not isinstance(choice, Placement):
-            return self._reject(request, choice.reason, choice.message, choice.retry_after_s)
+            return await self._reject(request, choice.reason, choice.message, choice.retry_after_s)
         if aggregated and prefill and decode:
             self._record_serving(request, choice)
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
@@ -304,9 +305,14 @@ class ConductorService(Service[ConductorConfig]):
         return Readiness(conductor=self.instance_id, ready=ready, prefill=prefill, decode=decode,
                          aggregated=aggregated)
 
-    def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,
-                retry_after_s: float | None = None) -> ScheduleRejected:
+    async def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,
+                      retry_after_s: float | None = None) -> ScheduleRejected:
         self.log.info("rejected", extra={"request_id": request.request_id, "reason": reason.value, "why": message})
+        # NOTE: every reason is demand left unserved, which the planner must see (placements alone hide an
+        # overload). Like Placed, the note never waits: nats-py buffers it while NATS is away.
+        await self.publish(self.subjects.rejected, Rejected(
+            conductor=self.instance_id, request_id=request.request_id, reason=reason,
+            prompt_tokens=request.prompt_len, max_tokens=request.sampling.max_tokens))
         retry = self.config.retry_after_s if retry_after_s is None else retry_after_s
         return ScheduleRejected(request_id=request.request_id, reason=reason, message=message, retry_after_s=retry)
 
