@@ -51,8 +51,16 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            if x.shape[0] == 1:
+                # oneDNN takes another kernel for one row, which sums a long row (1,536 inputs: SmolLM2's MLP
+                # down projection) in another order on AVX-512 CPUs: a row must round the same whatever
+                # shares its call (exact migration rests on it), so one row goes in as two
+                return self._packed(x.expand(2, -1))[:1]
+            return self._packed(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 class HFAttention(Protocol):
