@@ -138,12 +138,12 @@ class TestLedgerAcrossConductors:
                             prefill_s=0.5, prompt_tokens=10)
             for ledger in (a, b):  # c0 places, c1 hears the Placed note
                 ledger.place(placed.request_id, placement_stages(placed, now=0.0), now=0.0)
-        assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(4, 2.0, 40)
+        assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(4, 2.0, 40, 4)
         for ledger in (a, b):
             ledger.done("r0", "p0", Cleared.COMPLETED, now=0.5)  # WorkDone reaches every conductor
             ledger.end("r1", now=0.5)  # so does a cancellation
             ledger.reconcile("p0", held=1, now=2.0)  # r2 never reached p0
-        assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(1, 0.5, 10)
+        assert a.outstanding("p0") == b.outstanding("p0") == Outstanding(1, 0.5, 10, 1)
         assert a.stages("r3") == b.stages("r3")
 
     def test_placed_note_sets_the_deadlines(self):
@@ -227,13 +227,32 @@ class TestPerRequestDisaggregation:
         assert (long.prefill, long.decode, long.whole) == ("p0", "d0", False)
         assert long.whole_cost_s == pytest.approx(2.0 * 5) and long.handoff_cost_s < long.whole_cost_s
 
+    def test_an_aggregated_instance_holding_a_prompt_counts_it_once_in_its_batch(self):
+        # the ledger holds two entries (prefill, decode) of a request placed whole until its first token: the
+        # batch its TBT is predicted for counts requests, so three prompts waiting there weigh as three decoding
+        policy = build_placement(self.SETTINGS).policy
+        policy.adopt(TestCalibrationSetting.SPEC, "a0")
+        aggregated = [InstanceView("a0", Role.AGGREGATED, "a0", Load(total_kv_blocks=1000, free_kv_blocks=1000), None)]
+        both, decoding = WorkLedger(), WorkLedger()
+        for i in range(3):
+            placed = Placed(conductor="c0", prefill_instance="a0", decode_instance="a0", request_id=f"r{i}",
+                            prefill_s=0.5, prompt_tokens=10)
+            both.place(placed.request_id, placement_stages(placed, now=0.0), now=0.0)
+            decoding.place(placed.request_id, placement_stages(placed, now=0.0)[1:], now=0.0)
+        request = ScheduleRequest(request_id="r", model="m", prompt_len=10, prompt_token_ids=tuple(range(3, 13)),
+                                  sampling=SamplingParams(), deadline=0.0)
+        predicted = [place_pair(policy, request, [], [], [v._replace(outstanding=ledger.outstanding("a0"))
+                                                          for v in aggregated], now=0.0).predicted_tbt_ms
+                     for ledger in (both, decoding)]
+        assert predicted[0] is not None and predicted[0] == predicted[1]
+
     def test_neither_option_within_the_slos_is_a_rejection_naming_both(self):
         # the prefill instance holds 100 s of work (TTFT SLO 60 s); serving whole, the batch of 4 would take
         # 12 ms + 512 ms steps with the prompt's last chunk in them (TBT SLO 0.3 s)
         policy = build_placement(PolicySettings(prefill_tokens_per_s=1000.0, ttft_slo_s=60.0, tbt_slo_s=0.3)).policy
         policy.adopt(TestCalibrationSetting.SPEC, "p0")
         prefill, decode, aggregated = self.views()
-        prefill = [prefill[0]._replace(outstanding=Outstanding(1, 100.0, 1000))]
+        prefill = [prefill[0]._replace(outstanding=Outstanding(1, 100.0, 1000, 1))]
         request = ScheduleRequest(request_id="r", model="m", prompt_len=2000, prompt_token_ids=tuple(range(3, 2003)),
                                   sampling=SamplingParams(), deadline=0.0)
         refused = place_pair(policy, request, prefill, decode, aggregated, now=0.0)
@@ -258,7 +277,7 @@ class TestPerRequestDisaggregation:
         ledger = WorkLedger(grace_s=1.0)
         ledger.place("r", (prefill, decode), 10.0)
         ledger.done("r", "a0", Cleared.COMPLETED, 11.0)  # the aggregated instance's first token
-        assert ledger.outstanding("a0") == Outstanding(1, 0.0, placed.prompt_tokens)
+        assert ledger.outstanding("a0") == Outstanding(1, 0.0, placed.prompt_tokens, 1)
 
 
 class TestPipelinePlacement:
@@ -268,7 +287,7 @@ class TestPipelinePlacement:
         ledger = WorkLedger(grace_s=1.0)
         ledger.place("r", placement_stages(placed, now=10.0), 10.0)
         assert [(s.instance_id, s.order) for s in ledger.stages("r")] == [("p0", 0), ("p1", 0), ("d0", 1)]
-        assert ledger.outstanding("p1") == Outstanding(1, 0.5, 0)
+        assert ledger.outstanding("p1") == Outstanding(1, 0.5, 0, 1)
         ledger.done("r", "p1", Cleared.COMPLETED, 11.0)  # the stage's WorkDone
         ledger.done("r", "p0", Cleared.COMPLETED, 11.0)
         assert [s.instance_id for s in ledger.stages("r")] == ["d0"]

@@ -24,8 +24,8 @@ def ledger_with(*rids: str, grace_s: float = 1.0, now: float = 0.0) -> WorkLedge
 class TestPlacing:
     def test_each_instance_holds_its_stage(self):
         ledger = ledger_with("a", "b")
-        assert ledger.outstanding("p0") == Outstanding(2, 4.0, 200)
-        assert ledger.outstanding("d0") == Outstanding(2, 0.0, 200)
+        assert ledger.outstanding("p0") == Outstanding(2, 4.0, 200, 2)
+        assert ledger.outstanding("d0") == Outstanding(2, 0.0, 200, 2)
         assert ledger.outstanding("elsewhere") == Outstanding()
         assert len(ledger) == 4
 
@@ -101,7 +101,7 @@ class TestReconcile:
         # at 2.5 only "old" and "mid" are past the grace; the instance holds one: "old" goes
         assert ledger.reconcile("p0", held=1, now=2.5) == 1
         assert [s.instance_id for s in ledger.stages("old")] == ["d0"]  # decode is due now
-        assert ledger.outstanding("p0") == Outstanding(2, 5.0, 200)
+        assert ledger.outstanding("p0") == Outstanding(2, 5.0, 200, 2)
 
     def test_an_idle_instance_clears_everything_due_long_enough(self):
         ledger = ledger_with(*(f"r{i}" for i in range(40)))
@@ -127,9 +127,10 @@ class TestSameInstanceBothStages:
     def test_one_instance_serving_both_stages_reports_each_part(self):
         ledger = WorkLedger()
         ledger.place("a", placement("x", "x"), now=0.0)
-        assert ledger.outstanding("x").count == 2
+        assert (ledger.outstanding("x").count, ledger.outstanding("x").requests) == (2, 1)  # one request here
         assert ledger.done("a", "x", Cleared.COMPLETED, now=1.0) == 1  # prefill over: its work leaves
         assert [s.order for s in ledger.stages("a")] == [1]
+        assert (ledger.outstanding("x").count, ledger.outstanding("x").requests) == (1, 1)
         assert ledger.done("a", "x", Cleared.COMPLETED, now=2.0) == 1
         assert len(ledger) == 0
 
@@ -147,7 +148,7 @@ class TestTotalsStayExact:
             now, rid, iid = step * 0.01, rng.choice(rids), rng.choice(instances)
             op = rng.randrange(6)
             if op == 0:
-                ledger.place(rid, placement(rng.choice(instances[:2]), rng.choice(instances[2:]), rng.random(),
+                ledger.place(rid, placement(rng.choice(instances[:2]), rng.choice(instances), rng.random(),
                                             rng.randrange(1, 50), now + rng.random() * 5), now)
             elif op == 1:
                 ledger.done(rid, iid, rng.choice(list(Cleared)), now)
@@ -163,5 +164,6 @@ class TestTotalsStayExact:
                 stages = [s for r in rids for s in ledger.stages(r) if s.instance_id == inst]
                 held = ledger.outstanding(inst)
                 assert (held.count, held.tokens) == (len(stages), sum(s.tokens for s in stages))
+                assert held.requests == sum(any(s.instance_id == inst for s in ledger.stages(r)) for r in rids)
                 assert held.work_s == pytest.approx(sum(s.work_s for s in stages))
         assert len(ledger) == sum(len(ledger.stages(r)) for r in rids)

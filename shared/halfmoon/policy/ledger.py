@@ -48,11 +48,13 @@ class Stage(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Outstanding:
-    """What the ledger holds for one instance."""
+    """What the ledger holds for one instance: ``count`` entries, of ``requests`` requests (an instance
+    serving both stages of a request holds two entries of it until its prefill is done)."""
 
     count: int = 0
     work_s: float = 0.0
     tokens: int = 0
+    requests: int = 0
 
 
 @dataclass(slots=True)
@@ -86,9 +88,10 @@ class WorkLedger:
         self._drop(self._requests.get(request_id, ()), Cleared.REPLACED, now)
         entries = [_Entry(request_id, stage) for stage in sorted(stages, key=lambda s: s.order)]
         self._requests[request_id] = entries
-        for entry in entries:
+        for i, entry in enumerate(entries):
             self._instances.setdefault(entry.stage.instance_id, {})[entry.key] = entry
-            self._count(entry.stage, 1)
+            first_here = all(e.stage.instance_id != entry.stage.instance_id for e in entries[:i])
+            self._count(entry.stage, 1, first_here)
         self._advance(request_id, now)
 
     def done(self, request_id: Hashable, instance_id: str, how: Cleared, now: float) -> int:
@@ -152,7 +155,7 @@ class WorkLedger:
                 self._requests.pop(rid, None)
             on_instance = self._instances.get(iid, {})
             if on_instance.pop(entry.key, None) is not None:
-                self._count(entry.stage, -1)
+                self._count(entry.stage, -1, all(e.stage.instance_id != iid for e in remaining))
             if not on_instance:
                 self._instances.pop(iid, None)
             touched.add(rid)
@@ -161,14 +164,16 @@ class WorkLedger:
         self.cleared[how] += len(gone)
         return len(gone)
 
-    def _count(self, stage: Stage, sign: int) -> None:
+    def _count(self, stage: Stage, sign: int, request_too: bool) -> None:
+        """``request_too``: the entry is its request's only one on the instance."""
         held = self._totals.get(stage.instance_id, Outstanding())
         count = held.count + sign
         if count == 0:  # exactly nothing: no rounding residue of the work sums
             self._totals.pop(stage.instance_id, None)
             return
         self._totals[stage.instance_id] = Outstanding(count, held.work_s + sign * stage.work_s,
-                                                      held.tokens + sign * stage.tokens)
+                                                      held.tokens + sign * stage.tokens,
+                                                      held.requests + (sign if request_too else 0))
 
     def _advance(self, request_id: Hashable, now: float) -> None:
         """Mark the first outstanding stage of a request due (from ``now`` if it was not yet)."""

@@ -68,14 +68,14 @@ class KVCentricPlacement(PlacementPolicy):
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
         placed = view.outstanding
         waiting = view.pending
-        scale = waiting / placed.count if placed.count else 0.0  # requests it reports beyond the ledger's: the mean
+        scale = waiting / placed.requests if placed.requests else 0.0  # requests it reports beyond the ledger's: the mean
         recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
         return PrefillInstanceState(view.instance_id, placed.work_s * scale, round(placed.tokens * scale), recent)
 
     def _decode_state(self, view: InstanceView) -> DecodeInstanceState:
         used = view.load.total_kv_blocks - view.load.free_kv_blocks
         recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
-        batch = max(view.load.running, view.outstanding.count)
+        batch = max(view.load.running, view.outstanding.requests)
         aggregated = view.role is Role.AGGREGATED
         steps, shared = view.load.steps, view.load.shared_steps
         if self.pools_steps:
@@ -142,7 +142,7 @@ class KVCentricPlacement(PlacementPolicy):
         assert decision.prefill is not None
         chosen = decision.prefill
         decode_id = decision.decode.instance_id if decision.decode else min(
-            decode, key=lambda v: (max(v.load.running, v.outstanding.count), v.instance_id)).instance_id
+            decode, key=lambda v: (max(v.load.running, v.outstanding.requests), v.instance_id)).instance_id
         pipeline = decision.pipeline.stages[1:] if decision.pipeline else ()
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
                          chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,

@@ -24,7 +24,7 @@ class InstanceView(NamedTuple):
     def pending(self) -> int:
         """Requests here: those it reports, or those placed here and not done, whichever is more
         (placed work may not have arrived yet; reported work may predate this conductor)."""
-        return max(self.load.queue_len + self.load.running, self.outstanding.count)
+        return max(self.load.queue_len + self.load.running, self.outstanding.requests)
 
 
 @dataclass(slots=True)

@@ -145,7 +145,7 @@ class ConductorService(Service[ConductorConfig]):
         metrics.conductor_outstanding_work.clear()
         for iid in {*self.ledger.instances(), *self.table.ids()}:
             held = self.ledger.outstanding(iid)
-            metrics.conductor_outstanding.labels(iid).set(held.count)
+            metrics.conductor_outstanding.labels(iid).set(held.requests)
             metrics.conductor_outstanding_work.labels(iid).set(held.work_s)
         for how, total in self.ledger.cleared.items():
             metrics.ledger_cleared.labels(how.value).set(total)
