@@ -158,9 +158,10 @@ class TestDecodeLoadSpreads:
         assert busy("d1", 0, 0).load_at(50.0) == (0, 0)  # known to be idle
 
 
-class TestPredictionsTakeTheInstancesOwnScale:
-    """One cost model serves every instance; each instance's latest steps set the scale of its predictions
-    (a model three times too slow rejected requests whose tokens came well within the SLO)."""
+class TestPredictionsStartFromTheInstancesOwnSteps:
+    """One cost model serves every instance; each instance's latest steps correct its predictions
+    (a model three times too slow rejected requests whose tokens came well within the SLO): a faster one
+    scales the model down, a slower one adds its excess to it."""
 
     MODEL = DecodeCostModel((0.03, 0.015, 0.0))  # 150 ms for 8, where the instance below steps in 50 ms
 
@@ -175,14 +176,14 @@ class TestPredictionsTakeTheInstancesOwnScale:
     def test_a_slowed_instance_is_judged_slower(self):
         decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=0.1))
         state = DecodeInstanceState("d0", 3, 0, 10**6, measured=MeasuredStep(3, 0, 0.075))  # 3x the model
-        assert decode.predicted_tbt(state, 100) == pytest.approx(3 * 0.03)
+        assert decode.predicted_tbt(state, 100) == pytest.approx(0.075 + 0.005)
 
-    def test_prefill_chunks_scale_by_the_steps_they_shared(self):
+    def test_prefill_chunks_are_judged_by_the_steps_they_shared(self):
         decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2),
                                 shared_cost=DecodeCostModel((0.05, 0.005, 0.0)))
         state = DecodeInstanceState("a0", 2, 0, 10**6, interleaves_prefill=True,
                                     measured=MeasuredStep(2, 0, 0.02), measured_shared=MeasuredStep(2, 0, 0.12))
-        # decode-only at batch 3: 0.025 * (0.02 / 0.02); with this prompt's chunk at batch 2: 0.06 * 2
+        # decode-only at batch 3: 0.025 as modelled; with this prompt's chunk at batch 2: 0.06 + (0.12 - 0.06)
         assert decode.predicted_tbt(state, 100) == pytest.approx(0.12)
 
     def test_rare_slow_prefill_steps_count_by_how_often_they_come(self):
@@ -199,13 +200,13 @@ class TestPredictionsTakeTheInstancesOwnScale:
         assert decode.choose([rare], 100) is not None
         assert decode.choose([state._replace(shared_step_fraction=0.5)], 100) is None  # half the steps: 0.07 s
 
-    def test_an_instance_without_steps_takes_its_peers_scale(self):
+    def test_an_instance_without_steps_takes_its_peers_correction(self):
         # The machine runs 3x slower than the model: judged by the bare model, the idle instance looked
         # 3x faster than the busy one and drew every request until its own steps came in.
         decode = SloAwareDecode(DecodeCostModel((0.01, 0.005, 0.0)), SLO(ttft_s=30.0, tbt_s=1.0))
         busy_one = DecodeInstanceState("d0", 1, 0, 10**6, measured=MeasuredStep(1, 0, 0.045))  # 3x the model
         idle_one = DecodeInstanceState("d1", 0, 0, 10**6)
-        assert decode.predicted_tbt(idle_one, 100, peers=[busy_one, idle_one]) == pytest.approx(3 * 0.015)
+        assert decode.predicted_tbt(idle_one, 100, peers=[busy_one, idle_one]) == pytest.approx(0.015 + 0.03)
         assert decode.predicted_tbt(idle_one, 100) == pytest.approx(0.015)  # no peer measured: the model
         choice = decode.choose([busy_one, idle_one], 100)
         assert choice is not None and choice.instance_id == "d1"  # still the lighter batch
@@ -214,12 +215,21 @@ class TestPredictionsTakeTheInstancesOwnScale:
         pool = [busy_one, as_busy]
         assert decode.predicted_tbt(as_busy, 100, peers=pool) == pytest.approx(decode.predicted_tbt(busy_one, 100, peers=pool))
 
-    def test_instances_share_the_load_whatever_their_scales(self):
+    def test_instances_share_the_load_whatever_their_corrections(self):
         # a model flat in the batch, and two instances whose latest steps differ by half (noise on shared
-        # cores): weighed by their scales, the faster one took nearly every request
+        # cores): weighed by their own steps, the faster one took nearly every request
         decode = SloAwareDecode(DecodeCostModel((0.01, 0.0001, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
         fast = DecodeInstanceState("d0", 2, 0, 10**6, measured=MeasuredStep(2, 0, 0.008))
         slow = DecodeInstanceState("d1", 1, 0, 10**6, measured=MeasuredStep(1, 0, 0.012))
         choice = decode.choose([fast, slow], 100)
         assert choice is not None and choice.instance_id == "d1"  # the lighter batch, though slower
-        assert choice.predicted_tbt_s == pytest.approx(decode.predicted_tbt(slow, 100))  # reported at its scale
+        assert choice.predicted_tbt_s == pytest.approx(decode.predicted_tbt(slow, 100))  # reported from its steps
+
+    def test_steps_measured_at_a_small_batch_are_not_multiplied_into_a_large_one(self):
+        # A model fitted with no fixed cost (15 ms a sequence) and an instance whose one-sequence steps took
+        # 60 ms (mostly fixed cost): as a ratio (4x), carried to a batch of nine, 0.54 s was predicted and
+        # the request refused; the model's growth added to what was measured is 0.18 s
+        decode = SloAwareDecode(DecodeCostModel((0.0, 0.015, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        state = DecodeInstanceState("d0", 8, 0, 10**6, measured=MeasuredStep(1, 0, 0.06))
+        choice = decode.choose([state], 100)
+        assert choice is not None and choice.predicted_tbt_s == pytest.approx(0.06 + 8 * 0.015)

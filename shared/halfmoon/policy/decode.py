@@ -14,33 +14,50 @@ class DecodeChoice(NamedTuple):
     predicted_tbt_s: float
 
 
-def step_scale(cost: DecodeCostModel, measured: MeasuredStep | None) -> float | None:
-    """How an instance's own latest steps compared with the model's prediction for them (None: none lately)."""
+class StepCorrection(NamedTuple):
+    """How an instance's steps compare with the model: a prediction becomes ``predicted * factor + excess``."""
+
+    factor: float = 1.0
+    excess: float = 0.0
+
+    def apply(self, predicted: float) -> float:
+        return predicted * self.factor + self.excess
+
+
+def step_correction(cost: DecodeCostModel, measured: MeasuredStep | None) -> StepCorrection | None:
+    """What an instance's own latest steps say of the model (None: no steps lately). Faster than the model,
+    every prediction shrinks in proportion: a model soured by a slow spell is too steep as well as too
+    slow. Slower, the excess is added, not multiplied: a ratio learned where the model predicts little (a
+    step of one sequence, mostly fixed cost the model put in its slope) and carried to a batch of nine
+    turned tens of milliseconds of error into seconds."""
     if measured is None or measured.batch <= 0:
         return None
     expected = cost.predict(measured.batch, measured.context_tokens)
-    return measured.seconds / expected if expected > 0 else None
+    if measured.seconds < expected:
+        return StepCorrection(factor=measured.seconds / expected)
+    return StepCorrection(excess=measured.seconds - expected)
 
 
-def peer_scale(cost: DecodeCostModel, measured: Sequence[MeasuredStep | None]) -> float | None:
-    """The median scale of the instances that measured steps lately: what an instance without steps of its
-    own is judged by. Judged by the bare model instead, an idle instance looked faster than every busy one
-    whenever the machine ran slower than the model, and drew every request until its own steps came in."""
-    scales = sorted(scale for m in measured if (scale := step_scale(cost, m)) is not None)
-    return scales[len(scales) // 2] if scales else None
+def peer_correction(cost: DecodeCostModel, measured: Sequence[MeasuredStep | None]) -> StepCorrection | None:
+    """The median correction of the instances that measured steps lately: what an instance without steps of
+    its own is judged by. Judged by the bare model instead, an idle instance looked faster than every busy
+    one whenever the machine ran slower than the model, and drew every request until its own steps came in."""
+    corrections = [c for m in measured if (c := step_correction(cost, m)) is not None]
+    if not corrections:
+        return None
+    middle = len(corrections) // 2
+    return StepCorrection(sorted(c.factor for c in corrections)[middle], sorted(c.excess for c in corrections)[middle])
 
 
 def anchored(cost: DecodeCostModel, measured: MeasuredStep | None, batch: float, context_tokens: float,
-             peers: float | None = None) -> float:
-    """The step time of ``batch`` sequences over ``context_tokens``: the model's, scaled by how the
-    instance's own latest steps compared with the model's prediction for them (``peers``' scale when it
-    has none). One model serves every instance, and an instance's steps slow with whatever else shares its
-    cores; what it measured now is the truer scale, the model the shape (how the step grows with the batch
-    and its context)."""
+             peers: StepCorrection | None = None) -> float:
+    """The step time of ``batch`` sequences over ``context_tokens``: the model's, corrected by how the
+    instance's own latest steps compared with it (by ``peers``' correction when it has none). One model
+    serves every instance, and an instance's steps slow with whatever else shares its cores; what it
+    measured now is the truer level, the model the growth from there."""
     predicted = cost.predict(batch, context_tokens)
-    scale = step_scale(cost, measured)
-    scale = peers if scale is None else scale
-    return predicted if scale is None else predicted * scale
+    correction = step_correction(cost, measured) or peers
+    return predicted if correction is None else correction.apply(predicted)
 
 
 class SloAwareDecode:
@@ -51,7 +68,7 @@ class SloAwareDecode:
     instances share the load (the paper's rule: balance among those that meet the TBT SLO):
     the least loaded wins, load being the recent TBT-SLO violation rate plus the model's step time
     for its batch with the request as a share of the SLO (summed, so a lagging violation signal
-    cannot herd; the instance's own scale decides whether it qualifies, not its share), then the batch
+    cannot herd; the instance's own steps decide whether it qualifies, not its share), then the batch
     size, so instances a flat cost model cannot tell apart take turns instead of the first
     by id taking everything.
     ``at=None`` judges the batch running now; a time judges the work expected to be running
@@ -78,20 +95,20 @@ class SloAwareDecode:
 
     def predicted_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None,
                       peers: Sequence[DecodeInstanceState] = ()) -> float:
-        """``peers``: the instances ``inst`` is compared with; their scale stands in for one it has not measured."""
-        return self._predicted(inst, context_tokens, at, self._peer_scales(peers))
+        """``peers``: the instances ``inst`` is compared with; their correction stands in for one it has not measured."""
+        return self._predicted(inst, context_tokens, at, self._peer_corrections(peers))
 
-    def _peer_scales(self, peers: Sequence[DecodeInstanceState]) -> tuple[float | None, float | None]:
-        """The peers' scales of decode-only steps and of steps shared with prefill: once per decision."""
+    def _peer_corrections(self, peers: Sequence[DecodeInstanceState]) -> tuple[StepCorrection | None, StepCorrection | None]:
+        """The peers' corrections of decode-only steps and of steps shared with prefill: once per decision."""
         shared = (None if self.shared_cost is None
-                  else peer_scale(self.shared_cost, [p.measured_shared for p in peers]))
-        return peer_scale(self.cost, [p.measured for p in peers]), shared
+                  else peer_correction(self.shared_cost, [p.measured_shared for p in peers]))
+        return peer_correction(self.cost, [p.measured for p in peers]), shared
 
     def _predicted(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
-                   peers: tuple[float | None, float | None], own_scale: bool = True) -> float:
-        """``own_scale=False`` with no peer scales: the model's shape alone."""
+                   peers: tuple[StepCorrection | None, StepCorrection | None], own_steps: bool = True) -> float:
+        """``own_steps=False`` with no peer corrections: the model alone."""
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        measured, measured_shared = (inst.measured, inst.measured_shared) if own_scale else (None, None)
+        measured, measured_shared = (inst.measured, inst.measured_shared) if own_steps else (None, None)
         tbt = anchored(self.cost, measured, batch + 1, context + context_tokens, peers[0])
         if self.shared_cost is not None and inst.interleaves_prefill:
             shared = anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1])
@@ -107,7 +124,7 @@ class SloAwareDecode:
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
     ) -> DecodeChoice | None:
         limit = self.headroom * self.slo.tbt_s
-        peers = self._peer_scales(instances)
+        peers = self._peer_corrections(instances)
         best: tuple[float, int, float, str] | None = None
         for inst in instances:
             if not self.fits(inst, context_tokens, at):
@@ -116,10 +133,10 @@ class SloAwareDecode:
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
             if tbt > limit and not (self.idle_qualifies and batch == 0):
                 continue
-            # the share is weighed by the model's shape alone: an instance's scale (its latest steps) is noise
+            # the share is weighed by the model alone: an instance's correction (its latest steps) is noise
             # of a few tens of percent between instances on shared cores, and with a model flat in the batch,
             # weighing it gave the one measured fastest nearly every request
-            shape = self._predicted(inst, context_tokens, at, (None, None), own_scale=False)
+            shape = self._predicted(inst, context_tokens, at, (None, None), own_steps=False)
             load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + shape / self.slo.tbt_s
             key = (round(load, 6), batch, tbt, inst.id)
             if best is None or key < best:
@@ -131,7 +148,7 @@ class SloAwareDecode:
     ) -> DecodeChoice | None:
         """The instance with the lowest predicted TBT among those the request fits, qualifying or not:
         what a rejection reports (None when it fits none)."""
-        peers = self._peer_scales(instances)
+        peers = self._peer_corrections(instances)
         predicted = [(self._predicted(inst, context_tokens, at, peers), inst.id) for inst in instances
                      if self.fits(inst, context_tokens, at)]
         if not predicted:

@@ -78,7 +78,7 @@ class DecodeInstanceState(NamedTuple):
     now), so the load now stands for the load later. ``interleaves_prefill``: the instance also
     prefills what it decodes (aggregated), in chunks that share its decoding steps.
     ``measured`` / ``measured_shared``: the instance's latest decoding steps without and with a prefill
-    chunk in them (None: none lately), which set the scale of its predictions. ``shared_step_fraction``: of
+    chunk in them (None: none lately), which set the level of its predictions. ``shared_step_fraction``: of
     its recent decoding steps, the share a prefill chunk shared (None: not measured)."""
 
     id: str
