@@ -394,6 +394,21 @@ class TestLearnedDecodeCost:
         assert isinstance(placed, Placement), placed
         assert placed.predicted_tbt_ms is not None and 40 < placed.predicted_tbt_ms < 60
 
+    def test_predictions_start_from_the_window_not_from_one_heartbeats_steps(self):
+        # the last heartbeat's steps were one step a 2,048-token prompt chunk shared (6 s); over the window its
+        # decoding sequences saw 0.2 s between tokens, and that is what the request is judged by
+        built = build_placement(PolicySettings(tbt_slo_s=0.25))
+        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
+        view = self.aggregated(running=4, used_blocks=100)[0]
+        spike = StepSample(steps=1, batch=4, kv_tokens=1600, seconds=6.0)
+        one_beat = view._replace(load=msgspec.structs.replace(view.load, shared_steps=spike))
+        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], [one_beat], now=0.0), Rejection)
+        window = StepSample(steps=60, batch=4, kv_tokens=1600, seconds=0.2)
+        windowed = one_beat._replace(load=msgspec.structs.replace(one_beat.load, window_steps=window))
+        placed = place_pair(built.policy, self.REQUEST, [], [], [windowed], now=0.0)
+        assert isinstance(placed, Placement), placed
+        assert placed.predicted_tbt_ms is not None and 200 <= placed.predicted_tbt_ms < 250
+
     def test_least_loaded_placement_learns_nothing_and_learning_decode_can_be_off(self):
         built = build_placement(PolicySettings(placement="least-loaded"))
         assert built.prefill_cost is None and built.decode_cost is None

@@ -38,6 +38,40 @@ class TestStepSamples:
         assert (shared.batch, shared.kv_tokens, shared.seconds) == pytest.approx((3.0, 25 * 16, 0.4))
 
 
+class TestWindowSteps:
+    """What TBT predictions start from: the window's decoding steps, as the gaps a decoding sequence saw."""
+
+    @staticmethod
+    def at(ended: float, seconds: float, decoding: int = 4, tokens: int = 4) -> StepTiming:
+        return StepTiming(ended=ended, seconds=seconds, num_outputs=decoding, num_decoding=decoding, kv_blocks=8,
+                          num_tokens=tokens)
+
+    def test_one_stalled_step_does_not_set_it(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        for i, seconds in enumerate([0.1, 0.12, 10.0, 0.11, 0.1]):  # the third waited out a NATS outage
+            meter.on_step(self.at(100.0 + i, seconds))
+        window = meter.window_steps(now=105.0)
+        assert window is not None and window.steps == 5
+        assert (window.batch, window.kv_tokens, window.seconds) == pytest.approx((4.0, 8 * 16, 0.11))
+
+    def test_steps_a_prompt_chunk_shared_add_their_excess_in_their_share(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        for i in range(9):
+            meter.on_step(self.at(100.0 + i * 0.1, 0.15))
+        meter.on_step(self.at(101.0, 6.0, tokens=2052))  # a 2,048-token chunk shared one step
+        window = meter.window_steps(now=101.0)
+        assert window is not None and window.seconds == pytest.approx(0.15 + (6.0 - 0.15) / 10)
+
+    def test_it_forgets(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(self.at(100.0, 0.5))
+        meter.on_step(self.at(100.0, 0.3, decoding=0, tokens=512))  # no decoding sequence: no gap anyone saw
+        assert meter.window_steps(now=105.0) is not None
+        assert meter.window_steps(now=111.0) is None
+        load = meter.load(EngineStats(running=0, waiting=0, free_blocks=1, total_blocks=1), 0, 0, now=111.0)
+        assert load.window_steps is None
+
+
 class TestRecentLoad:
     """The TTFT and TBT a heartbeat reports are means over the last window, and forget."""
 

@@ -81,6 +81,9 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     # of the decoding steps of the last window, the share a prompt chunk shared: a decoding sequence's mean
     # time between tokens mixes both kinds in this proportion (None until it decoded)
     shared_step_fraction: float | None = None
+    # the decoding steps of the last window, as the time between tokens a decoding sequence saw (robust to a
+    # stalled step; runtime/worker.py LoadMeter.window_steps): what TBT predictions start from
+    window_steps: StepSample | None = None
 
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:

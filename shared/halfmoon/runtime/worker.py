@@ -103,12 +103,15 @@ class LoadMeter:
         self._step_s = RecentSamples(window_s)
         self._shared = RecentSamples(window_s)  # 1.0 for each decoding step a prompt chunk shared, else 0.0
         self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
+        self._window_s = window_s
+        self._decoding: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # those of the window
 
     def on_step(self, timing: StepTiming) -> None:
         if timing.num_outputs:
             self._step_s.add(timing.ended, timing.seconds)
         if timing.num_decoding:
             self._unreported.append(timing)
+            self._decoding.append(timing)
             self._shared.add(timing.ended, float(timing.shared_with_prefill))
 
     def take_steps(self) -> tuple[StepSample | None, StepSample | None]:
@@ -129,6 +132,29 @@ class LoadMeter:
                           kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
                           seconds=sum(t.seconds for t in steps) / n)
 
+    def window_steps(self, now: float) -> StepSample | None:
+        """The decoding steps of the last window as the time between tokens a decoding sequence saw: the
+        median of those that computed no prompt tokens, plus what those a prompt chunk shared took beyond it
+        (their mean) in the share of steps they were (None: none in the window). The median, because one
+        step stalled by something outside (a NATS outage held one for 10 s) says nothing of the next ones;
+        the shared steps' mean, because their length is the prompts' (a chunk of 2,048 tokens took 6 s
+        where a decode-only step took 0.15 s), and the mix, because a stream's mean gap is that mix. One
+        heartbeat's steps alone swung from 0.15 s to 6 s with whether a chunk fell in them."""
+        steps = self._decoding
+        while steps and steps[0].ended < now - self._window_s:
+            steps.popleft()
+        window = tuple(steps)
+        if not window:
+            return None
+        alone = sorted(t.seconds for t in window if not t.shared_with_prefill)
+        shared = [t.seconds for t in window if t.shared_with_prefill]
+        typical = alone[(len(alone) - 1) // 2] if alone else sum(shared) / len(shared)  # the lower median
+        excess = sum(shared) / len(shared) - typical if shared and alone else 0.0
+        n = len(window)
+        return StepSample(steps=n, batch=sum(t.num_decoding for t in window) / n,
+                          kv_tokens=sum(t.kv_blocks for t in window) * self.block_size / n,
+                          seconds=typical + max(0.0, excess) * len(shared) / n)
+
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)
 
@@ -141,7 +167,8 @@ class LoadMeter:
         return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
                     free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                     ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
-                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)))
+                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)),
+                    window_steps=self.window_steps(now))
 
 
 def _mean(values: tuple[float, ...]) -> float | None:

@@ -79,7 +79,7 @@ class KVCentricPlacement(PlacementPolicy):
         aggregated = view.role is Role.AGGREGATED
         steps, shared = view.load.steps, view.load.shared_steps
         if self.pools_steps:
-            steps, shared = pooled_steps(steps, shared), None
+            steps, shared = view.load.window_steps or pooled_steps(steps, shared), None
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent,
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
