@@ -146,7 +146,9 @@ class TestWaterfallOfARealRequest:
             if hop.span.parent_id is not None:
                 parent = by_id[hop.span.parent_id]
                 assert hop.depth == parent.depth + 1
-                assert parent.offset_ms <= hop.offset_ms <= fall.total_ms
+                # not bounded by the total: the pool's stores of a finished request's blocks may start after
+                # the gateway's span ended (seen under load: 0.8 ms after it)
+                assert parent.offset_ms <= hop.offset_ms
 
 
 class TestSlowest:
