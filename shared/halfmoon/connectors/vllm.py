@@ -31,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,10 +44,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 from halfmoon.connectors.pool_session import CONNECTION_FIELDS, PoolSession, session_config
 from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
 from halfmoon.core.keys import BlockHasher, Namespace
-from halfmoon.core.kv_spec import KVSpec, describe
+from halfmoon.core.kv_spec import describe
 from halfmoon.core.tenants import within_tenant
-from halfmoon.engine.loader import model_fingerprint
+from halfmoon.engine.vllm_engine import KEYS_PARAM, kv_spec_of
 from halfmoon.protocol.cache import LookupResult
+from halfmoon.protocol.permissions import KV_CLIENT
 from halfmoon.protocol.work import BlockLocation
 
 if TYPE_CHECKING:
@@ -60,29 +60,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 DEFAULT_BLOCK_SIZE = 16  # Halfmoon's engine's default (engine/config.py): the pool's blocks are shared with it
-POOL_FIELDS = frozenset({"block_size", "cache_salt"})
+POOL_FIELDS = frozenset({"block_size", "cache_salt", "nats_role"})
 POOL_TIMEOUT_S = 30.0
 log = logging.getLogger("vllm.halfmoon")  # under vLLM's logger, so its handlers print it
-
-
-def kv_spec_of(vllm_config: VllmConfig, block_size: int) -> KVSpec:
-    """What vLLM's KV means in Halfmoon's terms; refuses what the pool's format cannot carry."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError("HalfmoonConnector: tensor and pipeline parallelism are not supported yet (each worker "
-                         "would hold a slice of the heads or layers of every block)")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        raise ValueError(f"HalfmoonConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not a "
-                         "Halfmoon block format; use the model's dtype (--kv-cache-dtype auto)")
-    if model.use_mla:
-        raise ValueError("HalfmoonConnector: MLA caches are not Halfmoon blocks (K and V per head)")
-    directory = Path(model.model)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"HalfmoonConnector: the model fingerprint needs a local model directory, got {model.model!r}")
-    dtype: torch.dtype = model.dtype
-    return KVSpec(model_fingerprint=model_fingerprint(directory, dtype).hex(), block_size=block_size,
-                  dtype=str(dtype).removeprefix("torch."), num_layers=model.get_num_layers(parallel),
-                  num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size())
 
 
 def slots(block_ids: list[int], block_size: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +179,7 @@ class HalfmoonConnector(KVConnectorBase_V1):
                         self._kv_transfer_config.kv_load_failure_policy)
         config = session_config({k: v for k, v in extra.items() if k in CONNECTION_FIELDS})
         name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
-        self.session = PoolSession(config, self.layout, name)
+        self.session = PoolSession(config, self.layout, name, user=str(extra.get("nats_role", KV_CLIENT)))
         log.info("HalfmoonConnector (%s) on %s namespace %s: KV %s", name, config.nats_url, config.namespace,
                  describe(self.spec))
         # scheduler side
@@ -225,7 +205,11 @@ class HalfmoonConnector(KVConnectorBase_V1):
     def _prompt(self, request: Request) -> _Prompt:
         prompt = self._prompts.get(request.request_id)
         if prompt is None:
-            keys = self._hasher(request).keys(list(request.prompt_token_ids or []))
+            given = (request.kv_transfer_params or {}).get(KEYS_PARAM)
+            if given is not None:  # Halfmoon's VllmEngine: its service keyed the blocks (tenant salt included)
+                keys = [bytes.fromhex(key) for key in given][:request.num_prompt_tokens // self.block_size]
+            else:
+                keys = self._hasher(request).keys(list(request.prompt_token_ids or []))
             prompt = self._prompts[request.request_id] = _Prompt(keys)
         return prompt
 

@@ -54,6 +54,15 @@ def nats_server_binary() -> str:
     return found
 
 
+def core_share(index: int, count: int, cores: int) -> str:
+    """Engine ``index`` of ``count``'s cores, as a range: an even split, or one core each, round robin,
+    where there are more engines than cores."""
+    if count > cores:
+        return str(index % cores)
+    first = index * cores // count
+    return f"{first}-{(index + 1) * cores // count - 1}"
+
+
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -102,11 +111,13 @@ class LocalCluster:
                  nats_url: str | None = None, namespace: str = "halfmoon", gateway_port: int = 8000,
                  env: dict[str, str] | None = None, metrics: bool = False, supervised: bool = False,
                  policy: RestartPolicy = DEFAULT_POLICY, events: Callable[[str], None] = lambda _m: None,
-                 spare_gateways: tuple[str, ...] = ()) -> None:
+                 spare_gateways: tuple[str, ...] = (), engine_python: str | None = None) -> None:
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir).resolve()  # services run from the repository root
         self.plan = instances(counts or {})
         self.spare_gateways = spare_gateways  # ids with NATS users for gateways started beside the plan's
+        # the engines' interpreter: one with vLLM where they run it (HALFMOON_ENGINE=vllm) and this one has not
+        self.engine_python = engine_python or sys.executable
         self.specs = {iid: spec for spec, iid in self.plan}
         self.nats_url = nats_url
         self.namespace = namespace
@@ -176,6 +187,13 @@ class LocalCluster:
             # turns and a step ran 13x slower under aiperf (BENCHMARKS, "How does halfmoon up compare
             # with vLLM?"). Passive threads sleep instead.
             env["OMP_WAIT_POLICY"] = "PASSIVE"
+        engine_ids = [iid for s, iid in self.plan if s.name in ENGINE_SERVICES]
+        vllm = {**os.environ, **self.extra_env}.get("HALFMOON_ENGINE") == "vllm"
+        if vllm and instance_id in engine_ids and len(engine_ids) > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM binds its OpenMP threads to the node's cores itself, every engine to the same ones: give
+            # each engine its own share instead
+            env["VLLM_CPU_OMP_THREADS_BIND"] = core_share(engine_ids.index(instance_id), len(engine_ids),
+                                                          os.cpu_count() or 1)
         if self.metrics and spec.name != "gateway":  # the gateway serves /metrics on its API port
             env.update(HALFMOON_METRICS_PORT="-1", HALFMOON_METRICS_HOST="127.0.0.1")  # -1: any free port
         env.update(self.extra_env)
@@ -233,7 +251,8 @@ class LocalCluster:
     def start_instance(self, spec: ServiceSpec, instance_id: str) -> subprocess.Popen[bytes]:
         self.ready_file(instance_id).unlink(missing_ok=True)
         with open(self.log_file(instance_id), "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", spec.module], env=self.env_for(spec, instance_id),
+            python = self.engine_python if spec.name in ENGINE_SERVICES else sys.executable
+            proc = subprocess.Popen([python, "-m", spec.module], env=self.env_for(spec, instance_id),
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[instance_id] = proc
         self.supervision.started(instance_id, time.monotonic())

@@ -1,11 +1,11 @@
 """The engine seam: what every service needs of an engine, and nothing of how one works.
 
-Services, the runtime and the pipeline stages talk to an ``Engine`` only; ``AsyncEngine`` (Halfmoon's
-own ``LLMEngine`` on its thread) implements it, and so can an engine whose workers move KV themselves
-(vLLM's v1 KV connector loads a request's prefix layer by layer and saves its layers as they are
-computed, inside the worker). For that reason the KV a request loads and the KV it stores are described
-by one ``RequestKV`` handed over when the request is added, never by calls into the engine afterwards:
-the source is read and the sink is fed on the engine's side, in layer order.
+Services, the runtime and the pipeline stages talk to an ``Engine`` only. ``AsyncEngine`` (Halfmoon's
+own ``LLMEngine`` on its thread) and ``VllmEngine`` (vLLM's ``AsyncLLM``) implement it. The KV a request
+loads and the KV it stores are described by one ``RequestKV`` handed over when the request is added, never
+by calls into the engine afterwards: the source is read and the sink is fed on the engine's side, in layer
+order. An engine whose workers move KV themselves (vLLM's v1 KV connector, inside its worker processes)
+takes none: it reads and writes the pool by the request's block keys (``Engine.pool_kv``).
 """
 
 from __future__ import annotations
@@ -203,6 +203,13 @@ class Engine(ABC):
     ``hidden_size``, ``dtype`` and ``cached_prefix_blocks`` answer at once, from any thread; the rest
     wait their turn with the engine's work.
     """
+
+    pool_kv: bool = False
+    """True for an engine whose workers move its KV themselves (vLLM with Halfmoon's KV connector): it looks
+    the context's blocks up in the pool and loads them, and stores the full blocks it computes there, under
+    the ``block_keys`` given to ``generate`` (the whole context's). Callers then pass no ``RequestKV``, store
+    nothing for it, and hand a prefill over to decode through the pool alone; ``release``, ``export_kv`` and
+    the pipeline stages are refused with EngineError."""
 
     @property
     @abstractmethod

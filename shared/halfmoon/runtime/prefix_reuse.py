@@ -55,6 +55,8 @@ class PrefixReuse:
         assert worker.engine is not None
         size = worker.config.block_size
         keys = self.block_keys(req)
+        if worker.engine.pool_kv:  # the engine reads the pool itself, under these keys
+            return Prefix(keys, 0, Fetched([], [], None))
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
         # The last token is always computed: its logits give the next output token.
         reusable = keys[: (context - 1) // size]
@@ -82,7 +84,11 @@ class PrefixReuse:
         return Fetched(layers.payloads, first, found.lease_id, layers)
 
     def prompt_keys(self, req: PrefillRequest, keys: list[bytes]) -> list[bytes]:
-        """The keys the engine caches the prompt's full blocks under (none without a local cache)."""
+        """The keys the engine caches the prompt's full blocks under (none without a local cache); an engine
+        that moves its own KV (``pool_kv``) gets the whole context's, which it reads and writes the pool by."""
+        assert self.worker.engine is not None
+        if self.worker.engine.pool_kv:
+            return keys
         return keys[: len(req.prompt_token_ids) // self.worker.config.block_size] if self.local_cache else []
 
     async def publish_cache_events(self, sample: tuple[int, int, float]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import json
 import math
 import time
 from abc import abstractmethod
@@ -40,6 +41,7 @@ from halfmoon.runtime.transfer_nodes import TransferDirectory
 from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 
+ENGINES = ("halfmoon", "vllm")
 LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
 
 
@@ -48,6 +50,12 @@ class WorkerConfig(DataPlaneConfig):
     """A model-serving instance: which model, how its engine is shaped, which transfer node to use."""
 
     model_dir: str = field(default="", metadata={"help": "local model directory (required)"})
+    engine: str = field(default="halfmoon", metadata={
+        "help": "halfmoon (this package's engine) or vllm (vLLM's engine with Halfmoon's KV connector; "
+                "pip install 'halfmoon[vllm]')"})
+    vllm_args: str = field(default="", metadata={
+        "help": "with engine vllm: more of vLLM's engine arguments, a JSON object of AsyncEngineArgs fields "
+                "(e.g. {\"enforce_eager\": true}); those Halfmoon sets from its own settings are refused"})
     dtype: str = field(default="auto", metadata={
         "help": "auto (bfloat16 where the CPU has AVX512-BF16/AMX or the GPU computes it natively, else float32), "
                 "float32, bfloat16 or float16"})
@@ -76,11 +84,29 @@ class WorkerConfig(DataPlaneConfig):
         super().__post_init__()
         if not self.model_dir:
             raise ValueError("a model directory is required (--model-dir or HALFMOON_MODEL_DIR)")
+        if self.engine not in ENGINES:
+            raise ValueError(f"HALFMOON_ENGINE (engine) is {self.engine!r}: one of {', '.join(ENGINES)}")
+        if self.vllm_args and self.engine != "vllm":
+            raise ValueError("HALFMOON_VLLM_ARGS are vLLM's engine arguments: set HALFMOON_ENGINE=vllm too")
+        if self.vllm_args:
+            self.extra_vllm_args()
+        if self.engine == "vllm" and self.tbt_chunking:
+            raise ValueError("HALFMOON_TBT_CHUNKING sizes Halfmoon's engine's steps; vLLM schedules its own "
+                             "(HALFMOON_ENGINE=vllm): turn one of them off")
         if self.tbt_chunking and not (math.isfinite(self.tbt_slo_s) and self.tbt_slo_s > 0):
             raise ValueError(f"HALFMOON_TBT_CHUNKING (tbt_chunking) sizes steps to the TBT SLO, but "
                              f"HALFMOON_TBT_SLO_S (tbt_slo_s) is {self.tbt_slo_s}: set a positive SLO "
                              f"(default {SERVING_SLO.tbt_s}) or turn chunking off")
         self.engine_config()  # validates the engine settings now, not at first use
+
+    def extra_vllm_args(self) -> dict[str, Any]:
+        try:
+            extra = json.loads(self.vllm_args or "{}")
+        except ValueError as exc:
+            raise ValueError(f"HALFMOON_VLLM_ARGS (vllm_args) is not JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise ValueError("HALFMOON_VLLM_ARGS (vllm_args) is a JSON object of vLLM engine arguments")
+        return extra
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -262,12 +288,19 @@ class EngineWorker(Service[WorkerConfig]):
 
     async def start(self) -> None:
         config = self.config.engine_config()
-        self.engine = engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
-        self._memory = await engine.call(LLMEngine.host_memory)
-        # NOTE: after the engine is built: its kernels are loaded (or not) by then, and report() reads that
-        self._kernels = kernels = native.report(config.torch_device.type)
-        METRICS.engine_kernels.labels(self.instance_id, kernels.kind, kernels.isa, kernels.reason).set(1)
-        self.log.info("engine kernels", extra={"kernels": str(kernels)})
+        if self.config.engine == "vllm":
+            from halfmoon.engine.vllm_engine import VllmEngine
+
+            connection = {"nats_url": self.config.nats_url, "namespace": self.config.namespace}
+            self.engine = await VllmEngine.start(config, self.role.value, connection, self.config.extra_vllm_args(),
+                                                 self._on_step)
+        else:
+            self.engine = engine = await AsyncEngine.start(lambda: LLMEngine(config), self._on_step)
+            self._memory = await engine.call(LLMEngine.host_memory)
+            # NOTE: after the engine is built: its kernels are loaded (or not) by then, and report() reads that
+            self._kernels = kernels = native.report(config.torch_device.type)
+            METRICS.engine_kernels.labels(self.instance_id, kernels.kind, kernels.isa, kernels.reason).set(1)
+            self.log.info("engine kernels", extra={"kernels": str(kernels)})
         layout = self.engine.layout.keyed(self.cluster_keys.kv_mac)  # seals and verifies the pool's blocks
         self.endpoints = OneSidedEndpoints(self.config)
         self.transfer = self.endpoints.client(self.cluster_keys)

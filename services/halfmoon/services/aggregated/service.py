@@ -16,6 +16,7 @@ from typing import Any
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.errors import EngineError
+from halfmoon.engine.interface import NO_KV
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
@@ -62,8 +63,9 @@ class AggregatedService(EngineWorker):
     async def _generate(self, req: PrefillRequest, stream: str, prefix: Prefix, started: float) -> None:
         assert self.engine is not None
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
-        saver = GeneratedKV(self, req.request_id, req.tenant_salt, [*req.prompt_token_ids, *req.output_token_ids],
-                            prefix.reused)
+        pooled = self.engine.pool_kv  # the engine stores what it computes in the pool itself
+        saver = None if pooled else GeneratedKV(self, req.request_id, req.tenant_salt,
+                                                [*req.prompt_token_ids, *req.output_token_ids], prefix.reused)
         cached: int | None = None
         with self.tracer.start_as_current_span("aggregated.generate") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
@@ -75,21 +77,24 @@ class AggregatedService(EngineWorker):
                                                       block_keys=self.prefix.prompt_keys(req, prefix.keys),
                                                       # taken on the engine thread: a short answer may end, and
                                                       # its KV be freed, before a later export could run
-                                                      kv=prefix.kv(export_prompt_from=prefix.reused)):
+                                                      kv=NO_KV if pooled else prefix.kv(export_prompt_from=prefix.reused)):
                     first = cached is None
                     if cached is None:
                         cached = out.num_cached_tokens
                         self.record_ttft(time.perf_counter() - started)
                     # the prompt's blocks (out.prompt_kv) go to the pool at once; generated ones in batches
-                    saver.progress(out)
+                    if saver is not None:
+                        saver.progress(out)
                     await self.publish_event(stream, token_event(out, req.sampling, self.instance_id, cached,
                                                                  req.attempt))
                     if first:
                         self.report_prefilled(req.request_id)
                         await self.prefix.publish_cache_events((context - cached, cached, out.compute_s))
             except asyncio.CancelledError:
-                await saver.close(wait=False)
+                if saver is not None:
+                    await saver.close(wait=False)
                 await self.engine.abort(req.request_id)
                 raise
-            await saver.close(wait=True)
+            if saver is not None:
+                await saver.close(wait=True)
             span.set_attribute("halfmoon.tokens_computed", context - (cached or 0))

@@ -12,7 +12,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.interface import RequestKV
+from halfmoon.engine.interface import NO_KV, RequestKV
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode
 from halfmoon.protocol.registry import Role
@@ -47,8 +47,12 @@ class DecodeService(EngineWorker):
         await self.layers.on_progress(msg, extract_context(headers))
 
     async def _serve(self, req: DecodeRequest, stream: str) -> None:
+        assert self.engine is not None
         streamed = await self.layers.take(req.request_id, req.layers_announced)
-        payloads = await self.handoff.receive(req.request_id, req.kv, streamed) if req.kv is not None else []
+        # An engine that moves its own KV (pool_kv) reads the prompt's blocks from the pool by their keys;
+        # the one-off blocks a hand-off may point at (the partial last one) are dropped unread.
+        pooled = req.kv is None or self.engine.pool_kv
+        payloads = [] if pooled or req.kv is None else await self.handoff.receive(req.request_id, req.kv, streamed)
         # the one-off blocks are read: dropping them need not hold up the first step
         dropping = asyncio.create_task(self.handoff.drop(req.request_id, req.kv)) if req.kv is not None else None
         try:
@@ -66,21 +70,27 @@ class DecodeService(EngineWorker):
             span.set_attribute("halfmoon.attempt", req.attempt)
             span.set_attribute("halfmoon.kv_recomputed", req.kv is None)
             produced = 0
-            saver = GeneratedKV(self, req.request_id, req.tenant_salt,
-                                [*req.prompt_token_ids, *req.output_token_ids, req.first_token_id],
-                                # prefill stored the blocks before the first token
-                                (len(req.prompt_token_ids) + len(req.output_token_ids)) // self.config.block_size)
             outputs = [*req.output_token_ids, req.first_token_id]
+            context = [*req.prompt_token_ids, *outputs]
+            pooled = self.engine.pool_kv  # the engine reads and stores the pool's blocks itself, by these keys
+            keys = self.engine.kv_spec.hasher(req.tenant_salt).keys(context) if pooled else []
+            saver = None if pooled else GeneratedKV(self, req.request_id, req.tenant_salt, context,
+                                                    # prefill stored the blocks before the first token
+                                                    (len(context) - 1) // self.config.block_size)
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
-                                                      output_token_ids=outputs, kv=RequestKV(source=payloads)):
+                                                      output_token_ids=outputs, block_keys=keys,
+                                                      kv=NO_KV if pooled else RequestKV(source=payloads)):
                     produced += len(out.new_token_ids)
                     await self.publish_event(stream, token_event(out, req.sampling, self.instance_id,
                                                                  req.cached_tokens, req.attempt))
-                    saver.progress(out)
+                    if saver is not None:
+                        saver.progress(out)
             except asyncio.CancelledError:
-                await saver.close(wait=False)
+                if saver is not None:
+                    await saver.close(wait=False)
                 await self.engine.abort(req.request_id)
                 raise
-            await saver.close(wait=True)
+            if saver is not None:
+                await saver.close(wait=True)
             span.set_attribute("halfmoon.tokens_generated", produced)

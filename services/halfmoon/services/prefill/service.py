@@ -11,7 +11,7 @@ from typing import Any
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.interface import PREFILL_DONE, RequestOutput
+from halfmoon.engine.interface import NO_KV, PREFILL_DONE, RequestOutput
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import ErrorCode, RemoteError
 from halfmoon.protocol.registry import Role
@@ -63,12 +63,16 @@ class PrefillService(EngineWorker):
         if req.pipeline and not req.output_token_ids:  # a migrated request continues on one instance
             await self.pipeline.serve(req, gateway)
             return
+        assert self.engine is not None
         stream = self.subjects.stream(gateway, req.request_id)
         started = time.perf_counter()
         prefix = await self.prefix.fetch(req)
         context = len(req.prompt_token_ids) + len(req.output_token_ids)
-        writer = self.writer(req, prefix)
-        shipping = asyncio.create_task(writer.run(req.tenant))  # its put_start overlaps the compute
+        # An engine that moves its own KV (pool_kv) has stored the prompt's full blocks in the pool by its
+        # first token: the hand-off is that token, and decode's engine reads the blocks by their keys.
+        writer = None if self.engine.pool_kv else self.writer(req, prefix)
+        # its put_start overlaps the compute
+        shipping = asyncio.create_task(writer.run(req.tenant)) if writer is not None else None
         try:
             try:
                 first = await self._compute(req, prefix, writer)
@@ -86,7 +90,10 @@ class PrefillService(EngineWorker):
             if isinstance(layers, PrefixLayers) and not await layers.wait():  # a layer failed: written again
                 await self._store_recomputed(req, prefix)
             try:
-                if first.finish_reason == PREFILL_DONE:
+                if first.finish_reason == PREFILL_DONE and writer is None:
+                    await self.send_to_decode(req, gateway, first, None, 0)
+                elif first.finish_reason == PREFILL_DONE:
+                    assert writer is not None and shipping is not None
                     await self._hand_off(req, gateway, first, writer, shipping)
             finally:  # for the conductor's index, not this request: after the hand-off
                 await self.prefix.publish_cache_events((context - cached, cached, first.compute_s))
@@ -96,10 +103,11 @@ class PrefillService(EngineWorker):
             code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE
             await self.send_error(stream, req.request_id, code, f"hand-off to decode failed: {exc}", req.attempt)
         finally:
-            shipping.cancel()
+            if shipping is not None:
+                shipping.cancel()
             await self.pool.release(prefix.fetched.lease_id)
 
-    async def _compute(self, req: PrefillRequest, prefix: Prefix, writer: LayerWriter) -> RequestOutput:
+    async def _compute(self, req: PrefillRequest, prefix: Prefix, writer: LayerWriter | None) -> RequestOutput:
         assert self.engine is not None
         with self.tracer.start_as_current_span("prefill.compute") as span:
             span.set_attribute("halfmoon.request_id", req.request_id)
@@ -113,7 +121,8 @@ class PrefillService(EngineWorker):
                                                       output_token_ids=req.output_token_ids,
                                                       block_keys=self.prefix.prompt_keys(req, prefix.keys),
                                                       prefill_only=True,
-                                                      kv=prefix.kv(writer.sink, writer.first_block)):
+                                                      kv=NO_KV if writer is None
+                                                      else prefix.kv(writer.sink, writer.first_block)):
                     outputs.append(out)
             except asyncio.CancelledError:
                 await self.engine.abort(req.request_id)

@@ -1,0 +1,290 @@
+"""vLLM's engine behind Halfmoon's ``Engine`` interface: prefill, decode and aggregated instances on vLLM.
+
+vLLM runs in the service's process as its ``AsyncLLM`` (its engine core and worker are child processes of
+it, as in vLLM's own API server), with Halfmoon's KV connector (connectors/vllm.py) loaded into its
+workers. That connector is how this engine's KV moves, so ``pool_kv`` is True: it looks the context's
+full blocks up in the KVCache pool and loads them into vLLM's paged cache layer by layer, and stores every
+full block vLLM computes there as each step ends. The services therefore hand this engine no ``RequestKV``
+and store nothing for it; a prefill-to-decode hand-off is the prompt's blocks in the pool, under the
+request's own keys, which the decode instance's connector finds there.
+
+vLLM is an optional dependency (``pip install 'halfmoon[vllm]'``): this module is imported only when an
+instance runs with ``engine = vllm``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from halfmoon.core.block_format import BlockLayout
+from halfmoon.core.errors import EngineError, InvalidRequestError
+from halfmoon.core.kv_spec import KVSpec
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.interface import (
+    NO_KV,
+    PREFILL_DONE,
+    Engine,
+    EngineStats,
+    RequestKV,
+    RequestOutput,
+    StageChunk,
+    StageResult,
+    StepTiming,
+)
+from halfmoon.engine.loader import model_fingerprint
+from halfmoon.protocol.sampling import SamplingParams
+
+CONNECTOR = "HalfmoonConnector"
+CONNECTOR_MODULE = "halfmoon.connectors.vllm"
+KEYS_PARAM = "halfmoon_block_keys"  # kv_transfer_params: the request's full-block keys, hex, for the connector
+NOT_HERE = ("vLLM's KV moves through its KV connector, inside its workers (Engine.pool_kv): {what} is "
+            "Halfmoon's own engine's")
+
+
+def kv_spec_of(vllm_config: VllmConfig, block_size: int) -> KVSpec:
+    """What vLLM's KV means in Halfmoon's terms; refuses what the pool's format cannot carry."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("HalfmoonConnector: tensor and pipeline parallelism are not supported yet (each worker "
+                         "would hold a slice of the heads or layers of every block)")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError(f"HalfmoonConnector: kv cache dtype {vllm_config.cache_config.cache_dtype} is not a "
+                         "Halfmoon block format; use the model's dtype (--kv-cache-dtype auto)")
+    if model.use_mla:
+        raise ValueError("HalfmoonConnector: MLA caches are not Halfmoon blocks (K and V per head)")
+    directory = Path(model.model)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"HalfmoonConnector: the model fingerprint needs a local model directory, got {model.model!r}")
+    dtype: torch.dtype = model.dtype
+    return KVSpec(model_fingerprint=model_fingerprint(directory, dtype).hex(), block_size=block_size,
+                  dtype=str(dtype).removeprefix("torch."), num_layers=model.get_num_layers(parallel),
+                  num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size())
+
+
+def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, str],
+                extra: Mapping[str, Any] = MappingProxyType({})) -> AsyncEngineArgs:
+    """vLLM's arguments for ``config``: the same model, dtype (``auto`` decided as Halfmoon decides it, so
+    both engines of one cluster write one block format), KV bytes and batch limits, with Halfmoon's connector
+    on the pool's block size, connecting to NATS as ``nats_role``. ``connection``: the connector's settings
+    that are not secret (vLLM logs its configuration); credentials and the cluster secret reach vLLM's child
+    processes as the service's own HALFMOON_* environment. ``extra``: more of vLLM's arguments, none of
+    those set here."""
+    pool: dict[str, Any] = {"block_size": config.block_size, "nats_role": nats_role, **connection}
+    own: dict[str, Any] = dict(
+        model=config.model, dtype=config.resolved_dtype, kv_cache_memory_bytes=config.kv_cache_bytes,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
+        max_model_len=config.max_model_len or None, enable_logging_iteration_details=True,
+        kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+                                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                                            kv_connector_extra_config=pool))
+    taken = sorted(set(extra) & set(own))
+    if taken:
+        raise ValueError(f"vLLM arguments {taken} come from Halfmoon's own settings (HALFMOON_MODEL_DIR, _DTYPE, "
+                         "_KV_CACHE_BYTES, _MAX_NUM_SEQS, _MAX_NUM_BATCHED_TOKENS, _MAX_MODEL_LEN, _BLOCK_SIZE): "
+                         "set those instead")
+    unknown = sorted(set(extra) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
+    if unknown:
+        raise ValueError(f"{unknown} are not vLLM engine arguments (AsyncEngineArgs)")
+    return AsyncEngineArgs(**own, **extra)
+
+
+def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, keys: Seq[bytes]) -> VllmSamplingParams:
+    """vLLM's sampling parameters for the rest of a request that has ``produced`` output tokens already."""
+    remaining = params.max_tokens - produced
+    if remaining < 1:
+        raise InvalidRequestError(f"max_tokens {params.max_tokens} leaves nothing after {produced} output tokens")
+    return VllmSamplingParams(
+        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+        seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos, max_tokens=1 if prefill_only else remaining,
+        logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": {KEYS_PARAM: [key.hex() for key in keys]}})
+
+
+class _StepRecorder(StatLoggerBase):
+    """vLLM's per-iteration statistics, handed to ``sink``: AsyncLLM's output handler calls ``record`` on the
+    event loop once per engine step's outputs."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int, sink: Callable[[Any, Any], None]) -> None:
+        self.sink = sink
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.sink(scheduler_stats, iteration_stats)
+
+    def log_engine_initialized(self) -> None:
+        return None
+
+
+class VllmEngine(Engine):
+    """``Engine`` over vLLM's ``AsyncLLM`` in this process.
+
+    What it does not do, it refuses with an EngineError rather than pretending: KV handed in or out by
+    the service (``pool_kv``: the connector moves it), pipeline stages (CPP), and reports of the local
+    prefix cache (vLLM keeps its own; the conductor learns of its blocks from the pool, where every full
+    block it computes is stored)."""
+
+    pool_kv = True
+    _llm: AsyncLLM
+    _kv_spec: KVSpec
+    _layout: BlockLayout
+
+    def __init__(self, config: EngineConfig, on_step: Callable[[StepTiming], None] | None) -> None:
+        self._config = config
+        self._on_step = on_step
+        self._model_name = Path(config.model).name
+        self._stats = EngineStats(0, 0, 0, 0)
+        self._active: set[str] = set()
+        self._total_blocks = 0
+        self._vllm_block_size = config.block_size
+
+    @classmethod
+    async def start(cls, config: EngineConfig, nats_role: str, connection: Mapping[str, str],
+                    extra_args: Mapping[str, Any], on_step: Callable[[StepTiming], None] | None = None) -> VllmEngine:
+        engine = cls(config, on_step)
+
+        def recorder(vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
+            return _StepRecorder(vllm_config, engine_index, engine._record)
+
+        # NOTE: it builds vLLM's engine core process and its worker, and profiles them: minutes on a CPU
+        engine._llm = llm = AsyncLLM.from_engine_args(engine_args(config, nats_role, connection, extra_args), stat_loggers=[recorder])
+        vllm_config = llm.vllm_config
+        engine._kv_spec = kv_spec_of(vllm_config, config.block_size)
+        engine._layout = BlockLayout.of(engine._kv_spec)
+        engine._total_blocks = vllm_config.cache_config.num_gpu_blocks or 0
+        engine._vllm_block_size = vllm_config.cache_config.block_size
+        engine._stats = EngineStats(0, 0, engine._total_blocks, engine._total_blocks)
+        return engine
+
+    def _record(self, scheduler: Any, iteration: Any) -> None:
+        usage = float(getattr(scheduler, "kv_cache_usage", 0.0))
+        used = round(usage * self._total_blocks)
+        self._stats = EngineStats(scheduler.num_running_reqs, scheduler.num_waiting_reqs,
+                                  self._total_blocks - used, self._total_blocks)
+        details = getattr(scheduler, "iteration_details", None)
+        if self._on_step is None or details is None or details.is_dummy:
+            return
+        decoding = details.num_generation_requests
+        outputs = decoding + (len(iteration.time_to_first_tokens_iter) if iteration is not None else 0)
+        # NOTE: Halfmoon's step timings count pool-sized blocks: vLLM's are converted by the tokens they hold
+        kv_blocks = used * self._vllm_block_size // self._config.block_size
+        self._on_step(StepTiming(ended=time.time(), seconds=details.elapsed_ms / 1000, num_outputs=outputs,
+                                 num_decoding=decoding, kv_blocks=kv_blocks,
+                                 num_tokens=details.num_ctx_tokens + details.num_generation_tokens))
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        return self._kv_spec
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self._layout
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                       output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
+                       kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+        """``block_keys`` are the keys of the whole context's full blocks (prompt and ``output_token_ids``):
+        the connector loads and stores the pool's blocks under them, and vLLM's own prefix cache is salted
+        with the first, so it shares blocks only where the pool would (same tenant, same first block)."""
+        if kv.has_source or kv.sink is not None or kv.export_prompt_from is not None:
+            raise InvalidRequestError(NOT_HERE.format(what="a RequestKV"))
+        if not prompt_token_ids:
+            raise InvalidRequestError("a request needs at least one prompt token")
+        if request_id in self._active:
+            raise InvalidRequestError(f"request {request_id} is already running")
+        context = [*prompt_token_ids, *output_token_ids]
+        sampling = vllm_sampling(params, len(output_token_ids), prefill_only, block_keys)
+        prompt = TokensPrompt(prompt_token_ids=context)
+        if block_keys:
+            prompt["cache_salt"] = block_keys[0].hex()
+        produced = len(output_token_ids)
+        started = time.perf_counter()
+        self._active.add(request_id)
+        try:
+            async for out in self._llm.generate(prompt, sampling, request_id):
+                completion = out.outputs[0]
+                tokens = list(completion.token_ids)
+                produced += len(tokens)
+                logprobs = ([entries[token].logprob for token, entries in zip(tokens, completion.logprobs)]
+                            if params.logprobs and completion.logprobs else [])
+                reason = completion.finish_reason if out.finished else None
+                if prefill_only and reason == "length" and produced < params.max_tokens:
+                    reason = PREFILL_DONE
+                yield RequestOutput(request_id=request_id, new_token_ids=tokens, new_logprobs=logprobs,
+                                    text_delta=completion.text, finished=out.finished, finish_reason=reason,
+                                    num_prompt_tokens=len(prompt_token_ids),
+                                    num_cached_tokens=min(out.num_cached_tokens or 0, len(context)),
+                                    num_output_tokens=produced, compute_s=time.perf_counter() - started)
+        except asyncio.CancelledError:
+            await self._llm.abort(request_id)
+            raise
+        except ValueError as exc:  # vLLM's refusal of the request (too long, a bad parameter)
+            raise InvalidRequestError(f"vLLM refused request {request_id}: {exc}") from exc
+        finally:
+            self._active.discard(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._active:
+            return False
+        await self._llm.abort(request_id)
+        return True
+
+    async def release(self, request_id: str) -> None:
+        raise EngineError(NOT_HERE.format(what="keeping a prefill's KV for its hand-off"))
+
+    async def export_kv(self, request_id: str, first_block: int = 0, end_block: int | None = None) -> list[bytearray]:
+        raise EngineError(NOT_HERE.format(what="exporting a request's KV"))
+
+    def cached_prefix_blocks(self, block_keys: Seq[bytes]) -> int:
+        return 0
+
+    async def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    async def cached_block_keys(self) -> list[bytes]:
+        return []
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._llm.vllm_config.model_config.get_hidden_size())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._llm.vllm_config.model_config.dtype
+
+    async def run_stage(self, chunk: StageChunk) -> StageResult:
+        raise EngineError("vLLM's engine runs no pipeline stages (chunked pipeline-parallel prefill): "
+                          "leave HALFMOON_CPP_STAGES at 1 with HALFMOON_ENGINE=vllm")
+
+    async def stage_payloads(self, request_id: str, layers: range) -> list[bytearray]:
+        raise EngineError("vLLM's engine runs no pipeline stages")
+
+    async def release_stage(self, request_id: str) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
