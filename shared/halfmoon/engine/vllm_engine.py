@@ -89,7 +89,8 @@ def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, s
     own: dict[str, Any] = dict(
         model=config.model, dtype=config.resolved_dtype, kv_cache_memory_bytes=config.kv_cache_bytes,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
-        max_model_len=config.max_model_len or None, enable_logging_iteration_details=True,
+        # vLLM's own stat loggers off (they log every step's details); the step recorder still gets them
+        max_model_len=config.max_model_len or None, enable_logging_iteration_details=True, disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
                                             kv_role="kv_both", kv_load_failure_policy="recompute",
                                             kv_connector_extra_config=pool))

