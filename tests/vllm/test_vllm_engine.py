@@ -198,3 +198,43 @@ def test_an_aggregated_vllm_instance_gives_vllm_alones_greedy_text(started, refe
         cluster.procs[instance].wait(60)
     assert cluster_texts(cluster) == reference_texts
     assert "aggregated.generate" in cluster.trace_file.read_text()
+
+
+def test_sampling_and_engine_arguments_map_halfmoons_settings_onto_vllms() -> None:
+    """What VllmEngine hands vLLM, checked in vLLM's interpreter: the rest of a continued request's tokens,
+    one token for a prefill, the block keys for the connector, and vLLM arguments Halfmoon sets refused."""
+    script = """
+import json
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.vllm_engine import KEYS_PARAM, engine_args, vllm_sampling
+from halfmoon.protocol.sampling import SamplingParams
+params = SamplingParams(max_tokens=10, temperature=0.0, top_k=0, stop=("x",), logprobs=True)
+rest = vllm_sampling(params, 4, False, [b"\\x01" * 16])
+first = vllm_sampling(params, 0, True, [])
+config = EngineConfig(model="/m", dtype="float32", max_num_seqs=7)
+args = engine_args(config, "decode", {"nats_url": "nats://n:1"}, {"enforce_eager": True})
+refused = []
+for extra in ({"max_num_seqs": 3}, {"no_such_argument": 1}):
+    try:
+        engine_args(config, "decode", {}, extra)
+    except ValueError as exc:
+        refused.append(str(exc))
+try:
+    vllm_sampling(params, 10, False, [])
+except ValueError as exc:
+    refused.append(str(exc))
+print(json.dumps({"rest": rest.max_tokens, "top_k": rest.top_k, "logprobs": rest.logprobs, "stop": rest.stop,
+                  "keys": rest.extra_args["kv_transfer_params"][KEYS_PARAM], "first": first.max_tokens,
+                  "eager": args.enforce_eager, "seqs": args.max_num_seqs, "dtype": args.dtype,
+                  "pool": args.kv_transfer_config.kv_connector_extra_config, "refused": refused}))
+"""
+    done = subprocess.run([str(VLLM_PYTHON), "-c", script], env=service_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["rest"] == 6 and got["first"] == 1 and got["top_k"] == 0 and got["logprobs"] == 0
+    assert got["stop"] == ["x"] and got["keys"] == ["01" * 16]
+    assert got["eager"] is True and got["seqs"] == 7 and got["dtype"] == "float32"
+    assert got["pool"] == {"block_size": 16, "nats_role": "decode", "nats_url": "nats://n:1"}
+    assert "['max_num_seqs']" in got["refused"][0] and "HALFMOON_MAX_NUM_SEQS" in got["refused"][0]
+    assert "no_such_argument" in got["refused"][1] and "leaves nothing" in got["refused"][2]

@@ -77,6 +77,11 @@ def kv_spec_of(vllm_config: VllmConfig, block_size: int) -> KVSpec:
                   num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size())
 
 
+SET_BY = {"model": "HALFMOON_MODEL_DIR", "dtype": "HALFMOON_DTYPE", "kv_cache_memory_bytes": "HALFMOON_KV_CACHE_BYTES",
+          "max_num_seqs": "HALFMOON_MAX_NUM_SEQS", "max_num_batched_tokens": "HALFMOON_MAX_NUM_BATCHED_TOKENS",
+          "max_model_len": "HALFMOON_MAX_MODEL_LEN", "kv_transfer_config": "HALFMOON_BLOCK_SIZE and the pool's"}
+
+
 def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, str],
                 extra: Mapping[str, Any] = MappingProxyType({})) -> AsyncEngineArgs:
     """vLLM's arguments for ``config``: the same model, dtype (``auto`` decided as Halfmoon decides it, so
@@ -96,9 +101,8 @@ def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, s
                                             kv_connector_extra_config=pool))
     taken = sorted(set(extra) & set(own))
     if taken:
-        raise ValueError(f"vLLM arguments {taken} come from Halfmoon's own settings (HALFMOON_MODEL_DIR, _DTYPE, "
-                         "_KV_CACHE_BYTES, _MAX_NUM_SEQS, _MAX_NUM_BATCHED_TOKENS, _MAX_MODEL_LEN, _BLOCK_SIZE): "
-                         "set those instead")
+        instead = ", ".join(f"{name}: {SET_BY.get(name, 'Halfmoon itself')}" for name in taken)
+        raise ValueError(f"vLLM arguments {taken} come from Halfmoon's own settings ({instead})")
     unknown = sorted(set(extra) - {f.name for f in dataclasses.fields(AsyncEngineArgs)})
     if unknown:
         raise ValueError(f"{unknown} are not vLLM engine arguments (AsyncEngineArgs)")
@@ -111,7 +115,7 @@ def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, key
     if remaining < 1:
         raise InvalidRequestError(f"max_tokens {params.max_tokens} leaves nothing after {produced} output tokens")
     return VllmSamplingParams(
-        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos, max_tokens=1 if prefill_only else remaining,
         logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.DELTA,
