@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from transformers import AutoTokenizer
 
@@ -147,9 +148,11 @@ def test_a_killed_vllm_decode_instance_loses_no_stream_and_duplicates_no_token(s
                                                                                reference_texts: list[str]) -> None:
     """SIGKILL decode-0 once every stream it serves is past ``KILL_AT``: its streams migrate (the prompt and
     the tokens so far go to prefill again, whose vLLM finds the prompt's blocks in the pool) and end on the
-    other decode instance, with vLLM alone's text and no token twice."""
+    other decode instance, with vLLM alone's text and no token twice; vLLM's engine processes die with it."""
     cluster, _ = started
     victim = "decode-0"
+    engine_processes = psutil.Process(cluster.procs[victim].pid).children(recursive=True)  # vLLM's engine core, worker
+    assert len(engine_processes) >= 2, engine_processes
 
     async def run() -> tuple[list[tuple[str, int, str]], dict[str, int], set[str]]:
         nc = await operator_nats(cluster)
@@ -182,6 +185,8 @@ def test_a_killed_vllm_decode_instance_loses_no_stream_and_duplicates_no_token(s
     assert all(attempts[rid] == 1 for rid in on_victim), attempts  # each of its streams migrated, once
     assert [text for text, _, _ in done] == reference_texts
     assert all(tokens == MAX_TOKENS and finish == "length" for _, tokens, finish in done), done
+    _, alive = psutil.wait_procs(engine_processes, timeout=60)
+    assert not alive, f"vLLM's processes outlived their killed service: {alive}"
 
 
 def test_an_aggregated_vllm_instance_gives_vllm_alones_greedy_text(started, reference_texts: list[str]) -> None:
@@ -235,6 +240,6 @@ print(json.dumps({"rest": rest.max_tokens, "top_k": rest.top_k, "logprobs": rest
     assert got["rest"] == 6 and got["first"] == 1 and got["top_k"] == 0 and got["logprobs"] == 0
     assert got["stop"] == ["x"] and got["keys"] == ["01" * 16]
     assert got["eager"] is True and got["seqs"] == 7 and got["dtype"] == "float32"
-    assert got["pool"] == {"block_size": 16, "nats_role": "decode", "nats_url": "nats://n:1"}
+    assert got["pool"] == {"block_size": 16, "nats_role": "decode", "exit_with_parent": True, "nats_url": "nats://n:1"}
     assert "['max_num_seqs']" in got["refused"][0] and "HALFMOON_MAX_NUM_SEQS" in got["refused"][0]
     assert "no_such_argument" in got["refused"][1] and "leaves nothing" in got["refused"][2]

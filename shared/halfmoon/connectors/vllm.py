@@ -29,7 +29,11 @@ Every prompt block that a step completes is copied out layer by layer as each la
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
+import os
+import signal
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +64,24 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 DEFAULT_BLOCK_SIZE = 16  # Halfmoon's engine's default (engine/config.py): the pool's blocks are shared with it
-POOL_FIELDS = frozenset({"block_size", "cache_salt", "nats_role"})
+POOL_FIELDS = frozenset({"block_size", "cache_salt", "nats_role", "exit_with_parent"})
 POOL_TIMEOUT_S = 30.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 log = logging.getLogger("vllm.halfmoon")  # under vLLM's logger, so its handlers print it
+
+
+def exit_with_parent() -> None:
+    """This process (vLLM's engine core, or its worker) gets SIGTERM when the one that started it exits.
+    Under Halfmoon's services (engine/vllm_engine.py) vLLM's engine core is the service's child, and it
+    does not watch its parent: a SIGKILLed service left it running, holding the model, its KV cache and
+    its NATS connections."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        log.warning("HalfmoonConnector: prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    elif os.getppid() == 1:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def slots(block_ids: list[int], block_size: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +196,8 @@ class HalfmoonConnector(KVConnectorBase_V1):
             log.warning("HalfmoonConnector: kv_load_failure_policy is %r: a pool block that fails its MAC or "
                         "vanishes fails its request; set it to \"recompute\" to recompute it instead",
                         self._kv_transfer_config.kv_load_failure_policy)
+        if extra.get("exit_with_parent"):
+            exit_with_parent()
         config = session_config({k: v for k, v in extra.items() if k in CONNECTION_FIELDS})
         name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
         self.session = PoolSession(config, self.layout, name, user=str(extra.get("nats_role", KV_CLIENT)))

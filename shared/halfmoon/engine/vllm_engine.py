@@ -90,7 +90,8 @@ def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, s
     that are not secret (vLLM logs its configuration); credentials and the cluster secret reach vLLM's child
     processes as the service's own HALFMOON_* environment. ``extra``: more of vLLM's arguments, none of
     those set here."""
-    pool: dict[str, Any] = {"block_size": config.block_size, "nats_role": nats_role, **connection}
+    pool: dict[str, Any] = {"block_size": config.block_size, "nats_role": nats_role, "exit_with_parent": True,
+                            **connection}
     own: dict[str, Any] = dict(
         model=config.model, dtype=config.resolved_dtype, kv_cache_memory_bytes=config.kv_cache_bytes,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_model_len),
