@@ -25,10 +25,11 @@ SLO_IN_PREFILLS = 2.5
 BURST = 20
 # What the conductor accepts is predicted to start within the SLO; other work sharing the CPU can slow it
 # between the prediction and the first token (one accepted prompt came 1% late when a compose stack started
-# next door during the burst, one 47% late while a whole second test suite ran beside it), so first tokens
-# are held to the SLO with this much slack: what this test checks is that the burst is turned away before
-# prefill, not how close the predictions come (benchmarks.peers measures that).
-LATE_SLACK = 1.5
+# next door during the burst, 47% late while a whole second test suite ran beside it, 59% late beside a
+# busy loop and four vLLM processes starting), so first tokens are held to the SLO with this much slack:
+# what this test checks is that the burst is turned away before prefill, not how close the predictions come
+# (benchmarks.peers measures that). Accepting the whole burst would put its last first tokens near 8 SLOs.
+LATE_SLACK = 2.0
 
 
 @pytest.fixture(scope="module")
