@@ -28,8 +28,10 @@ from halfmoon.deploy.local import LocalCluster, free_port
 from halfmoon.protocol import codecs
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
+from halfmoon.telemetry.jsonl import read_spans
 from tests.conftest import service_env
 from tests.e2e.conftest import AUTH, model_name, start_cluster
+from tests.e2e.test_tracing import spans_of_request
 from tests.faults.test_recovery import RECOVERY_ENV
 from tests.vllm.test_vllm_connector import BLOCK, START_TIMEOUT_S, VLLM_PYTHON, VllmServer
 
@@ -72,7 +74,7 @@ def started(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     cluster = None
     try:
         # every stream admitted: the SLOs are not what these tests are about
-        env = {**RECOVERY_ENV, "HALFMOON_TBT_SLO_S": "60", "HALFMOON_ENGINE": "vllm",
+        env = {**RECOVERY_ENV, "HALFMOON_TBT_SLO_S": "60", "HALFMOON_TTFT_SLO_S": "600", "HALFMOON_ENGINE": "vllm",
                "HALFMOON_VLLM_ARGS": json.dumps(EAGER), "HALFMOON_KV_CACHE_BYTES": str(1 << 29)}
         cluster = start_cluster(smollm2, tmp_path_factory.mktemp("run-vllm-engine"), env=env,
                                 engine_python=str(VLLM_PYTHON), timeout=START_TIMEOUT_S, prefill=1, decode=2)
@@ -144,6 +146,44 @@ def test_prefill_and_decode_on_vllm_give_vllm_alones_greedy_text(started, smollm
     assert with_blocks >= STREAMS - 1 and decode_logs.count("HalfmoonConnector: pool hit") >= with_blocks
 
 
+def layer_spans(cluster: LocalCluster, trace_id: str, name: str, layers: int) -> list[dict]:
+    """The trace's ``name`` spans, one per layer in layer order, once all are exported (the connector's
+    spans leave vLLM's worker in their own batches, after the reply)."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = sorted((s for s in read_spans(cluster.trace_file) if s["trace_id"] == trace_id and s["name"] == name),
+                       key=lambda s: s["attributes"]["halfmoon.layer"])
+        if len(found) >= layers or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_decode_reads_the_prompts_layers_from_the_pool_while_earlier_layers_compute(started, smollm2: Path) -> None:
+    """The hand-off's load, seen in the request's trace: decode's connector reads the prompt's blocks from
+    the pool one layer at a time (a ``pool.layer_read`` span each, in order), vLLM computes each layer once
+    its KV is in (``vllm.layer_forward``), and reading goes on while the layers before compute."""
+    cluster, _ = started
+    layers = json.loads((smollm2 / "config.json").read_text())["num_hidden_layers"]
+    reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=300,
+                       json={"model": model_name(cluster), "prompt": " ".join(f"layer{i}" for i in range(400)),
+                             "max_tokens": 4, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    spans = spans_of_request(cluster, reply.headers["x-request-id"], names=frozenset({"vllm.kv_load"}))
+    (load,) = [s for s in spans if s["name"] == "vllm.kv_load"]
+    assert load["service"] == "decode" and load["attributes"]["halfmoon.blocks"] >= 40
+    reads = layer_spans(cluster, load["trace_id"], "pool.layer_read", layers)
+    forwards = layer_spans(cluster, load["trace_id"], "vllm.layer_forward", layers)
+    assert [s["attributes"]["halfmoon.layer"] for s in reads] == list(range(layers))
+    assert all(s["parent_id"] == load["span_id"] for s in reads)
+    assert [s["attributes"]["halfmoon.layer"] for s in forwards] == list(range(layers))
+    for layer in range(layers):  # a layer computes on its own KV, in, verified and copied
+        assert reads[layer]["end_ns"] <= forwards[layer]["start_ns"]
+    for layer in range(layers - 1):  # and the next layer's read is under way before it is done
+        assert reads[layer + 1]["start_ns"] < forwards[layer]["end_ns"]
+    # so the first layers computed while the last ones were still being read
+    assert forwards[0]["start_ns"] < reads[-1]["end_ns"]
+
+
 def test_a_killed_vllm_decode_instance_loses_no_stream_and_duplicates_no_token(started,
                                                                                reference_texts: list[str]) -> None:
     """SIGKILL decode-0 once every stream it serves is past ``KILL_AT``: its streams migrate (the prompt and
@@ -202,7 +242,10 @@ def test_an_aggregated_vllm_instance_gives_vllm_alones_greedy_text(started, refe
         cluster.retire_instance(instance)
         cluster.procs[instance].wait(60)
     assert cluster_texts(cluster) == reference_texts
-    assert "aggregated.generate" in cluster.trace_file.read_text()
+    deadline = time.monotonic() + 30
+    while "aggregated.generate" not in cluster.trace_file.read_text():  # exported after the replies
+        assert time.monotonic() < deadline, "no aggregated.generate span"
+        time.sleep(0.2)
 
 
 def test_sampling_and_engine_arguments_map_halfmoons_settings_onto_vllms() -> None:

@@ -18,9 +18,13 @@ directory and dtype, block size, tenant salt) and laid out as Halfmoon's engine 
 size need not match the pool's: blocks move by token position.
 
 Scheduler side: ``get_num_new_matched_tokens`` looks the prompt's full blocks up (leased until the request
-finishes) and says how many tokens the pool holds beyond vLLM's own cache. Worker side: the blocks are read
-(every layer's MAC verified) once the step starts, and each layer is copied into vLLM's paged cache just
-before that layer's attention; a block that is missing or fails its MAC is reported through
+finishes) and says how many tokens the pool holds beyond vLLM's own cache. Worker side: the reads start with
+the step. Where the blocks sit in the DRAM of nodes this process reaches by byte ranges (shared memory,
+RDMA), they are read layer by layer (runtime/prefix_layers.py: a ``pool.layer_read`` span per layer, each
+layer's MAC verified as it lands), and vLLM's layer ``l`` waits for layer ``l`` only, so the reads of later
+layers overlap its compute (a ``vllm.layer_forward`` span per layer, in the request's trace); elsewhere
+they are read whole before the first layer. Each layer is copied into vLLM's paged cache just before that
+layer's attention; a block that is missing or fails its MAC is reported through
 ``get_block_ids_with_load_errors``, and vLLM recomputes from there (``kv_load_failure_policy: recompute``).
 Every prompt block that a step completes is copied out layer by layer as each layer finishes and stored
 (put_start, the bytes, put_end) before the step ends, so vLLM's blocks are never held after it.
@@ -34,10 +38,14 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Tracer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -50,10 +58,14 @@ from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
 from halfmoon.core.keys import BlockHasher, Namespace
 from halfmoon.core.kv_spec import describe
 from halfmoon.core.tenants import within_tenant
-from halfmoon.engine.vllm_engine import KEYS_PARAM, kv_spec_of
+from halfmoon.engine.interface import LayerUnavailable
+from halfmoon.engine.vllm_engine import KEYS_PARAM, TRACE_PARAM, kv_spec_of
 from halfmoon.protocol.cache import LookupResult
 from halfmoon.protocol.permissions import KV_CLIENT
 from halfmoon.protocol.work import BlockLocation
+from halfmoon.runtime.prefix_layers import PrefixLayers
+from halfmoon.telemetry.propagation import extract_context
+from halfmoon.telemetry.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +75,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+T = TypeVar("T")
 DEFAULT_BLOCK_SIZE = 16  # Halfmoon's engine's default (engine/config.py): the pool's blocks are shared with it
 POOL_FIELDS = frozenset({"block_size", "cache_salt", "nats_role", "exit_with_parent"})
 POOL_TIMEOUT_S = 30.0
@@ -134,6 +147,7 @@ class LoadSpec:
     end: int
     first_block: int
     replicas: list[BlockLocation]
+    trace: dict[str, str]  # the request's trace context (traceparent): the load's spans join its trace
 
 
 @dataclass
@@ -144,6 +158,7 @@ class SaveSpec:
     block_ids: list[int]
     first_block: int
     keys: list[bytes]
+    trace: dict[str, str]
 
 
 @dataclass
@@ -157,6 +172,7 @@ class _Prompt:
     """A scheduled request's prompt as the pool knows it."""
 
     keys: list[bytes]  # every full block of the prompt
+    trace: dict[str, str]
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # prompt blocks before this one need no store (computed by an earlier step, or loaded)
 
@@ -170,10 +186,15 @@ class _Hit:
 
 @dataclass
 class _Reading:
+    """A load in flight: read whole (``future``) or layer by layer (``layers``)."""
+
     spec: LoadSpec
-    future: concurrent.futures.Future[list[memoryview | None]]
-    bodies: list[torch.Tensor] | None = None  # [layers, 2, tokens, heads, dim] of each usable block
-    end: int = 0  # tokens up to here are usable
+    future: concurrent.futures.Future[list[memoryview | None]] | None = None
+    layers: PrefixLayers | None = None
+    bodies: list[torch.Tensor] | None = None  # whole: [layers, 2, tokens, heads, dim] of each usable block
+    end: int = 0  # whole: tokens up to here are usable
+    failed: bool = False  # layer by layer: a layer did not arrive intact; vLLM recomputes the load
+    places: torch.Tensor | None = None  # layer by layer: where the load's K and V go in each layer's cache
 
 
 class HalfmoonConnector(KVConnectorBase_V1):
@@ -200,7 +221,12 @@ class HalfmoonConnector(KVConnectorBase_V1):
             exit_with_parent()
         config = session_config({k: v for k, v in extra.items() if k in CONNECTION_FIELDS})
         name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
-        self.session = PoolSession(config, self.layout, name, user=str(extra.get("nats_role", KV_CLIENT)))
+        user = str(extra.get("nats_role", KV_CLIENT))
+        self.session = PoolSession(config, self.layout, name, user=user)
+        # spans go where the service's go (HALFMOON_TRACE_FILE, OTEL_*), under the service's name
+        self._tracing = setup_tracing("vllm" if user == KV_CLIENT else user, self.session.instance_id,
+                                      config.trace_file or None)
+        self.tracer: Tracer = self._tracing.get_tracer(__name__)
         log.info("HalfmoonConnector (%s) on %s namespace %s: KV %s", name, config.nats_url, config.namespace,
                  describe(self.spec))
         # scheduler side
@@ -208,11 +234,13 @@ class HalfmoonConnector(KVConnectorBase_V1):
         self._hits: dict[str, _Hit] = {}
         self._loading: dict[str, _Hit] = {}
         # worker side
-        self._layers: list[torch.Tensor] = []  # per layer: [blocks, elements of a block]
+        self._layers: list[torch.Tensor] = []  # per layer: every block's elements, flat
+        self._block_elements = 0
         self._offsets = torch.empty(0, dtype=torch.long)  # cache_write_layout's
         self._layer_index: dict[str, int] = {}
         self._reading: list[_Reading] = []
-        self._saving: list[tuple[SaveSpec, list[bytearray], list[torch.Tensor]]] = []
+        self._layer_times: list[tuple[int, int, int]] = []  # this step: (layer, its wait began, its KV in), ns
+        self._saving: list[tuple[SaveSpec, list[bytearray], list[torch.Tensor], torch.Tensor]] = []
         self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -226,12 +254,14 @@ class HalfmoonConnector(KVConnectorBase_V1):
     def _prompt(self, request: Request) -> _Prompt:
         prompt = self._prompts.get(request.request_id)
         if prompt is None:
-            given = (request.kv_transfer_params or {}).get(KEYS_PARAM)
+            params = request.kv_transfer_params or {}
+            given = params.get(KEYS_PARAM)
             if given is not None:  # Halfmoon's VllmEngine: its service keyed the blocks (tenant salt included)
                 keys = [bytes.fromhex(key) for key in given][:request.num_prompt_tokens // self.block_size]
             else:
                 keys = self._hasher(request).keys(list(request.prompt_token_ids or []))
-            prompt = self._prompts[request.request_id] = _Prompt(keys)
+            trace = dict(params.get(TRACE_PARAM) or getattr(request, "trace_headers", None) or {})
+            prompt = self._prompts[request.request_id] = _Prompt(keys, trace)
         return prompt
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -241,7 +271,8 @@ class HalfmoonConnector(KVConnectorBase_V1):
         self._release(request.request_id)
         if len(usable) * self.block_size <= num_computed_tokens:
             return 0, False
-        found = self.session.run(self.session.pool.lookup(usable), POOL_TIMEOUT_S)
+        found = self.session.run(self._traced(prompt.trace, "vllm.kv_lookup", self.session.pool.lookup(usable),
+                                              request.request_id), POOL_TIMEOUT_S)
         if found is None:
             return 0, False
         hits = 0
@@ -256,6 +287,15 @@ class HalfmoonConnector(KVConnectorBase_V1):
         log.info("HalfmoonConnector: pool hit of %d prompt tokens for %s (vLLM had %d)", end, request.request_id,
                  num_computed_tokens)
         return end - num_computed_tokens, False
+
+    async def _traced(self, trace: dict[str, str], name: str, work: Awaitable[T], request_id: str) -> T:
+        """``work`` in a span of the request's trace, so the pool's spans (cache-manager, transfer) join it."""
+        attached = otel_context.attach(extract_context(trace))
+        try:
+            with self.tracer.start_as_current_span(name, attributes={"halfmoon.request_id": request_id}):
+                return await work
+        finally:
+            otel_context.detach(attached)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         hit = self._hits.get(request.request_id)
@@ -293,12 +333,13 @@ class HalfmoonConnector(KVConnectorBase_V1):
             return
         first, last = hit.start // self.block_size, -(-hit.end // self.block_size)
         replicas = [h.replicas[0] for h in hit.found.hits[first:last]]
-        meta.loads.append(LoadSpec(req_id, list(prompt.block_ids), hit.start, hit.end, first, replicas))
+        meta.loads.append(LoadSpec(req_id, list(prompt.block_ids), hit.start, hit.end, first, replicas, prompt.trace))
 
     def _add_save(self, meta: HalfmoonConnectorMetadata, req_id: str, prompt: _Prompt, computed: int) -> None:
         full = min(computed // self.block_size, len(prompt.keys))
         if full > prompt.stored:
-            meta.saves.append(SaveSpec(req_id, list(prompt.block_ids), prompt.stored, prompt.keys[prompt.stored:full]))
+            meta.saves.append(SaveSpec(req_id, list(prompt.block_ids), prompt.stored, prompt.keys[prompt.stored:full],
+                                       prompt.trace))
             prompt.stored = full
 
     def _release(self, req_id: str) -> None:
@@ -329,15 +370,29 @@ class HalfmoonConnector(KVConnectorBase_V1):
                 raise ValueError(f"HalfmoonConnector: layer {name}'s KV cache is {tuple(cache.shape)} "
                                  f"{cache.dtype}; this connector knows vLLM's CPU layout [blocks, {expected[0]}, "
                                  f"{expected[1]}, {expected[2]}] {self.layout.dtype}")
-            self._layers.append(cache.view(cache.shape[0], -1))
+            self._layers.append(cache.view(-1))
+            self._block_elements = cache[0].numel()
             self._layer_index[name] = index
         self._offsets = cache_write_layout(self.layout.dtype, spec.num_kv_heads, self.vllm_block_size, spec.head_dim)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HalfmoonConnectorMetadata)
-        self._reading = [_Reading(load, self.session.submit(self.session.pool.read(load.replicas)))
-                         for load in meta.loads]
+        self._reading = [self.session.run(self._start_read(load), POOL_TIMEOUT_S) for load in meta.loads]
+        self._layer_times = []
+
+    async def _start_read(self, load: LoadSpec) -> _Reading:
+        if not await self.session.pool.ranged(load.replicas):
+            whole = self._traced(load.trace, "vllm.kv_load", self.session.pool.read(load.replicas), load.request_id)
+            return _Reading(load, future=self.session.submit(whole))
+        attached = otel_context.attach(extract_context(load.trace))
+        try:  # the reading task starts in the request's trace
+            layers = PrefixLayers(self.session.pool.layout, load.replicas, self.block_size, self.session.transfer,
+                                  self.tracer, log, self.session.pool.report_corrupt, span_name="vllm.kv_load")
+            layers.start()
+        finally:
+            otel_context.detach(attached)
+        return _Reading(load, layers=layers)
 
     def _arrived(self, reading: _Reading) -> list[torch.Tensor]:
         """The usable blocks of a load once read; what is missing or corrupt is a load error from its first
@@ -345,6 +400,7 @@ class HalfmoonConnector(KVConnectorBase_V1):
         if reading.bodies is not None:
             return reading.bodies
         spec = reading.spec
+        assert reading.future is not None
         try:
             payloads = reading.future.result(POOL_TIMEOUT_S)
         except (concurrent.futures.TimeoutError, OSError) as exc:
@@ -370,19 +426,62 @@ class HalfmoonConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
-        if layer is None:
+        if layer is None or not self._reading:
             return
+        began = time.time_ns()
         cache = self._layers[layer]
         for reading in self._reading:
-            bodies = self._arrived(reading)
             spec = reading.spec
+            if reading.layers is not None:
+                self._fill_layer(reading, layer, cache)
+                continue
+            bodies = self._arrived(reading)
             for n, body in enumerate(bodies):
                 block_start = (spec.first_block + n) * self.block_size
                 lo, hi = max(spec.start, block_start), min(reading.end, block_start + self.block_size)
                 if lo >= hi:
                     continue
-                blocks, places = self._places(spec.block_ids, lo, hi)
-                cache[blocks, places] = body[layer, :, lo - block_start:hi - block_start]
+                cache[self._places(spec.block_ids, lo, hi)] = body[layer, :, lo - block_start:hi - block_start]
+        self._layer_times.append((layer, began, time.time_ns()))
+
+    def _fill_layer(self, reading: _Reading, layer: int, cache: torch.Tensor) -> None:
+        """Layer ``layer`` of a load read layer by layer, once it is in; a layer that failed fails the load."""
+        spec = reading.spec
+        if reading.failed:
+            return
+        assert reading.layers is not None
+        try:
+            kv = reading.layers.layer(layer)  # [2, tokens of the blocks, heads, dim]
+        except LayerUnavailable as exc:
+            reading.failed = True
+            failed, _ = slots(spec.block_ids, self.vllm_block_size, spec.start, spec.end)
+            self._load_errors.update(failed.tolist())
+            log.warning("HalfmoonConnector: pool blocks for %s missing or corrupt at layer %d (%s): vLLM recomputes "
+                        "tokens from %d", spec.request_id, layer, exc, spec.start)
+            return
+        if layer == 0:
+            log.info("HalfmoonConnector: loading %d tokens of %s from the pool, layer by layer",
+                     spec.end - spec.start, spec.request_id)
+        base = spec.first_block * self.block_size
+        if reading.places is None:  # the same places in every layer
+            reading.places = self._places(spec.block_ids, spec.start, spec.end).flatten()
+        cache.index_copy_(0, reading.places, kv[:, spec.start - base:spec.end - base].flatten())
+
+    def _trace_layers(self, ended: int) -> None:
+        """The step's layers, as computed after each one's KV was in: ``vllm.layer_forward`` spans (from the
+        layer's KV in to the next layer's wait) in the trace of each load read layer by layer."""
+        times = self._layer_times
+        for reading in self._reading:
+            if reading.layers is None:
+                continue
+            parent = extract_context(reading.spec.trace)
+            for n, (layer, began, ready) in enumerate(times):
+                end = times[n + 1][1] if n + 1 < len(times) else ended
+                span = self.tracer.start_span("vllm.layer_forward", context=parent, start_time=ready,
+                                              attributes={"halfmoon.layer": layer,
+                                                          "halfmoon.request_id": reading.spec.request_id,
+                                                          "halfmoon.layer_wait_ms": (ready - began) / 1e6})
+                span.end(end_time=end)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         layer = self._layer_index.get(layer_name)
@@ -396,29 +495,34 @@ class HalfmoonConnector(KVConnectorBase_V1):
             self._saving = [self._blank(save) for save in meta.saves]
         cache = self._layers[layer]
         size = self.block_size
-        for save, _payloads, bodies in self._saving:
-            start = save.first_block * size
-            blocks, places = self._places(save.block_ids, start, start + len(save.keys) * size)
-            kv = cache[blocks, places]  # [2, tokens, heads, dim]
+        for _save, _payloads, bodies, places in self._saving:
+            kv = cache[places]  # [2, tokens, heads, dim]
             for n, body in enumerate(bodies):
                 body[layer].copy_(kv[:, n * size:(n + 1) * size])
 
-    def _places(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices into a layer's flat cache of K and V of tokens ``[start, end)``: ``[2, tokens, heads, dim]``
-        each, as Halfmoon's block bodies hold them."""
+    def _places(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Indices into a layer's flat cache of K and V of tokens ``[start, end)``: ``[2, tokens, heads, dim]``,
+        as Halfmoon's block bodies hold them."""
         blocks, offsets = slots(block_ids, self.vllm_block_size, start, end)
-        places = self._offsets[:, offsets]
-        return blocks[None, :, None, None].expand_as(places), places
+        return blocks[None, :, None, None] * self._block_elements + self._offsets[:, offsets]
 
-    def _blank(self, save: SaveSpec) -> tuple[SaveSpec, list[bytearray], list[torch.Tensor]]:
+    def _blank(self, save: SaveSpec) -> tuple[SaveSpec, list[bytearray], list[torch.Tensor], torch.Tensor]:
+        """Empty payloads for a save, their bodies (views) and where their tokens sit in each layer."""
         payloads = [blank_block(self.layout, self.block_size) for _ in save.keys]
-        return save, payloads, [decode_block(self.layout, payload) for payload in payloads]
+        start = save.first_block * self.block_size
+        places = self._places(save.block_ids, start, start + len(save.keys) * self.block_size)
+        return save, payloads, [decode_block(self.layout, payload) for payload in payloads], places
 
     def wait_for_save(self) -> None:
-        self._reading = []
+        self._trace_layers(time.time_ns())
+        for reading in self._reading:
+            if reading.layers is not None:
+                reading.layers.close()
+        self._reading, self._layer_times = [], []
         saving, self._saving = self._saving, []
-        for save, payloads, _bodies in saving:
-            stored = self.session.run(self.session.pool.store(save.keys, payloads, save.first_block), POOL_TIMEOUT_S)
+        for save, payloads, _bodies, _places in saving:
+            store = self.session.pool.store(save.keys, payloads, save.first_block)
+            stored = self.session.run(self._traced(save.trace, "vllm.kv_store", store, save.request_id), POOL_TIMEOUT_S)
             log.info("HalfmoonConnector: stored %d of %d prompt blocks of %s in the pool", len(stored),
                      len(save.keys), save.request_id)
 
@@ -428,3 +532,4 @@ class HalfmoonConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.session.close()
+        self._tracing.shutdown()

@@ -49,10 +49,12 @@ from halfmoon.engine.interface import (
 )
 from halfmoon.engine.loader import model_fingerprint
 from halfmoon.protocol.sampling import SamplingParams
+from halfmoon.telemetry.propagation import inject_headers
 
 CONNECTOR = "HalfmoonConnector"
 CONNECTOR_MODULE = "halfmoon.connectors.vllm"
 KEYS_PARAM = "halfmoon_block_keys"  # kv_transfer_params: the request's full-block keys, hex, for the connector
+TRACE_PARAM = "halfmoon_trace"  # kv_transfer_params: the request's trace context, so the connector's spans join it
 NOT_HERE = ("vLLM's KV moves through its KV connector, inside its workers (Engine.pool_kv): {what} is "
             "Halfmoon's own engine's")
 
@@ -110,8 +112,10 @@ def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, s
     return AsyncEngineArgs(**own, **extra)
 
 
-def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, keys: Seq[bytes]) -> VllmSamplingParams:
-    """vLLM's sampling parameters for the rest of a request that has ``produced`` output tokens already."""
+def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, keys: Seq[bytes],
+                  trace: Mapping[str, str] = MappingProxyType({})) -> VllmSamplingParams:
+    """vLLM's sampling parameters for the rest of a request that has ``produced`` output tokens already;
+    ``keys`` and ``trace`` (W3C trace-context headers) go to the connector."""
     remaining = params.max_tokens - produced
     if remaining < 1:
         raise InvalidRequestError(f"max_tokens {params.max_tokens} leaves nothing after {produced} output tokens")
@@ -120,7 +124,7 @@ def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, key
         seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos, max_tokens=1 if prefill_only else remaining,
         logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": {KEYS_PARAM: [key.hex() for key in keys]}})
+        extra_args={"kv_transfer_params": {KEYS_PARAM: [key.hex() for key in keys], TRACE_PARAM: dict(trace)}})
 
 
 class _StepRecorder(StatLoggerBase):
@@ -160,6 +164,9 @@ class VllmEngine(Engine):
         self._active: set[str] = set()
         self._total_blocks = 0
         self._vllm_block_size = config.block_size
+        # every step so far: seconds and tokens computed (a request's compute_s is its share by tokens)
+        self._step_seconds = 0.0
+        self._step_tokens = 0
 
     @classmethod
     async def start(cls, config: EngineConfig, nats_role: str, connection: Mapping[str, str],
@@ -176,24 +183,32 @@ class VllmEngine(Engine):
         engine._layout = BlockLayout.of(engine._kv_spec)
         engine._total_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         engine._vllm_block_size = vllm_config.cache_config.block_size
-        engine._stats = EngineStats(0, 0, engine._total_blocks, engine._total_blocks)
+        total = engine._pool_blocks(engine._total_blocks)
+        engine._stats = EngineStats(0, 0, total, total)
         return engine
 
     def _record(self, scheduler: Any, iteration: Any) -> None:
         usage = float(getattr(scheduler, "kv_cache_usage", 0.0))
         used = round(usage * self._total_blocks)
         self._stats = EngineStats(scheduler.num_running_reqs, scheduler.num_waiting_reqs,
-                                  self._total_blocks - used, self._total_blocks)
+                                  self._pool_blocks(self._total_blocks - used), self._pool_blocks(self._total_blocks))
         details = getattr(scheduler, "iteration_details", None)
-        if self._on_step is None or details is None or details.is_dummy:
+        if details is None or details.is_dummy:
+            return
+        self._step_seconds += details.elapsed_ms / 1000
+        self._step_tokens += details.num_ctx_tokens + details.num_generation_tokens
+        if self._on_step is None:
             return
         decoding = details.num_generation_requests
         outputs = decoding + (len(iteration.time_to_first_tokens_iter) if iteration is not None else 0)
-        # NOTE: Halfmoon's step timings count pool-sized blocks: vLLM's are converted by the tokens they hold
-        kv_blocks = used * self._vllm_block_size // self._config.block_size
         self._on_step(StepTiming(ended=time.time(), seconds=details.elapsed_ms / 1000, num_outputs=outputs,
-                                 num_decoding=decoding, kv_blocks=kv_blocks,
+                                 num_decoding=decoding, kv_blocks=self._pool_blocks(used),
                                  num_tokens=details.num_ctx_tokens + details.num_generation_tokens))
+
+    def _pool_blocks(self, vllm_blocks: int) -> int:
+        """vLLM's blocks as the pool-sized blocks Halfmoon counts (stats, step timings, the conductor's KV
+        capacity), by the tokens they hold."""
+        return vllm_blocks * self._vllm_block_size // self._config.block_size
 
     @property
     def kv_spec(self) -> KVSpec:
@@ -223,12 +238,13 @@ class VllmEngine(Engine):
         if request_id in self._active:
             raise InvalidRequestError(f"request {request_id} is already running")
         context = [*prompt_token_ids, *output_token_ids]
-        sampling = vllm_sampling(params, len(output_token_ids), prefill_only, block_keys)
+        sampling = vllm_sampling(params, len(output_token_ids), prefill_only, block_keys, inject_headers())
         prompt = TokensPrompt(prompt_token_ids=context)
         if block_keys:
             prompt["cache_salt"] = block_keys[0].hex()
         produced = len(output_token_ids)
         started = time.perf_counter()
+        since = (self._step_seconds, self._step_tokens)
         self._active.add(request_id)
         try:
             async for out in self._llm.generate(prompt, sampling, request_id):
@@ -244,7 +260,9 @@ class VllmEngine(Engine):
                                     text_delta=completion.text, finished=out.finished, finish_reason=reason,
                                     num_prompt_tokens=len(prompt_token_ids),
                                     num_cached_tokens=min(out.num_cached_tokens or 0, len(context)),
-                                    num_output_tokens=produced, compute_s=time.perf_counter() - started)
+                                    num_output_tokens=produced,
+                                    compute_s=self._compute_share(since, len(context) - (out.num_cached_tokens or 0)
+                                                                  + produced - len(output_token_ids) - 1, started))
         except asyncio.CancelledError:
             await self._llm.abort(request_id)
             raise
@@ -252,6 +270,15 @@ class VllmEngine(Engine):
             raise InvalidRequestError(f"vLLM refused request {request_id}: {exc}") from exc
         finally:
             self._active.discard(request_id)
+
+    def _compute_share(self, since: tuple[float, int], tokens: int, started: float) -> float:
+        """A request's share of the steps since ``since`` (its first), by the ``tokens`` it computed in them,
+        as Halfmoon's engine counts it: steps batch requests, so the time until its output would charge it
+        with every other request's tokens. Before vLLM reports a step, the time since ``started``."""
+        seconds, step_tokens = self._step_seconds - since[0], self._step_tokens - since[1]
+        if step_tokens <= 0:
+            return time.perf_counter() - started
+        return seconds * min(1.0, max(tokens, 1) / step_tokens)
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._active:

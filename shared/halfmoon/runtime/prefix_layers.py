@@ -1,8 +1,8 @@
 """A cached prefix read from the pool layer by layer while the engine computes the new tokens.
 
 The event loop reads layer ``l`` of every prefix block (one ``read_ranges`` per node), verifies
-each layer's MAC and marks it arrived; the engine thread, about to compute layer ``l``, waits
-for exactly that (``LayerSource.layer``). So the transfer of the next layers overlaps the
+each layer's MAC and marks it arrived (a ``pool.layer_read`` span per layer); the engine thread,
+about to compute layer ``l``, waits for exactly that (``LayerSource.layer``). So the transfer of the next layers overlaps the
 compute of this one, as Mooncake's layer-wise prefill loads do. Blocks sit on nodes whose
 transport moves byte ranges (shared memory, RDMA, Mooncake) and in their DRAM tier; anything
 else is read whole before the compute (``PoolClient.fetch_prefix``).
@@ -40,8 +40,10 @@ class PrefixLayers(LayerSource):
 
     def __init__(self, layout: BlockLayout, blocks: Sequence[BlockLocation], block_size: int,
                  transfer: TransferClient, tracer: Tracer, log: logging.Logger,
-                 report_corrupt: Callable[[Sequence[BlockLocation]], Awaitable[None]], wait_s: float = LAYER_WAIT_S) -> None:
+                 report_corrupt: Callable[[Sequence[BlockLocation]], Awaitable[None]], wait_s: float = LAYER_WAIT_S,
+                 span_name: str = "prefill.prefix_layers") -> None:
         self.layout, self.blocks, self.block_size = layout, list(blocks), block_size
+        self.span_name = span_name
         self.report_corrupt = report_corrupt
         self.transfer, self.tracer, self.log, self.wait_s = transfer, tracer, log, wait_s
         self.payloads = [bytearray(loc.size) for loc in self.blocks]
@@ -63,12 +65,17 @@ class PrefixLayers(LayerSource):
         self._task = self._loop.create_task(self._read_all())
 
     async def _read_all(self) -> None:
-        with self.tracer.start_as_current_span("prefill.prefix_layers") as span:
+        with self.tracer.start_as_current_span(self.span_name) as span:
             span.set_attribute("halfmoon.blocks", len(self.blocks))
             try:
                 for layer in range(self.layout.num_layers):
-                    await self._read(layer)
+                    with self.tracer.start_as_current_span("pool.layer_read") as read:
+                        read.set_attribute("halfmoon.layer", layer)
+                        await self._read(layer)
                     self._advance(layer + 1, "")
+                    # NOTE: a same-host read never suspends: without this the loop would run every layer's
+                    # read before anything else, the caller's wait for ``start`` included
+                    await asyncio.sleep(0)
             except (*FAILURES, LayerUnavailable) as exc:
                 METRICS.errors.labels("prefix_layer_lost").inc()
                 self.log.warning("layer-wise prefix read failed; the request is recomputed",
