@@ -1,8 +1,10 @@
-"""The two servers `benchmarks.peers` compares, each a subprocess on a free loopback port: Halfmoon
-(`halfmoon up`) and vLLM's OpenAI server from its own virtual environment."""
+"""The servers `benchmarks.peers` compares, each on a free loopback port: Halfmoon (`halfmoon up`), vLLM's
+OpenAI server from its own virtual environment, and two vLLM servers behind a round-robin proxy, with or
+without Halfmoon's KV pool between them."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +16,12 @@ from typing import IO
 
 import httpx
 
-from halfmoon.deploy.local import free_port
+from halfmoon.deploy.local import LocalCluster, core_share, free_port
+from halfmoon.protocol.permissions import KV_CLIENT
+
+SOURCE = Path(__file__).resolve().parents[1] / "shared"  # the connector, for vLLM's interpreter
+POOL_COUNTS = {"gateway": 0, "conductor": 0, "prefill": 0, "decode": 0, "aggregated": 0, "cache-manager": 1,
+               "transfer": 1}
 
 
 class PeerServer:
@@ -122,9 +129,10 @@ class VllmServer(PeerServer):
     name = "vllm"
 
     def __init__(self, model_dir: Path, run_dir: Path, python: str, extra_args: Sequence[str] = (),
-                 kv_cache_gib: int = 2, dtype: str = "auto") -> None:
+                 kv_cache_gib: int = 2, dtype: str = "auto", extra_env: dict[str, str] | None = None) -> None:
         super().__init__(model_dir, run_dir)
         self.dtype = dtype
+        self.extra_env = dict(extra_env or {})
         self.python = python
         self.extra_args = list(extra_args)
         self.kv_cache_gib = kv_cache_gib
@@ -137,7 +145,67 @@ class VllmServer(PeerServer):
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HALFMOON_", "VIRTUAL_ENV", "PYTHON"))}
-        return {**env, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+        return {**env, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), **self.extra_env}
+
+
+class VllmPair(PeerServer):
+    """Two vLLM servers at their defaults, each on its own half of the cores, behind a round-robin proxy
+    (benchmarks/round_robin.py), as a Kubernetes Service spreads requests over two pods. With ``pool``,
+    both run Halfmoon's KV connector on one Halfmoon pool (a cache-manager and a transfer node, security
+    on): a prompt either computed is the other's pool hit. Without, each has its own prefix cache only."""
+
+    def __init__(self, model_dir: Path, run_dir: Path, python: str, extra_args: Sequence[str] = (),
+                 dtype: str = "auto", pool: bool = False) -> None:
+        super().__init__(model_dir, run_dir)
+        self.python, self.extra_args, self.dtype, self.pool = python, list(extra_args), dtype, pool
+        self.cluster: LocalCluster | None = None
+        self.servers: list[VllmServer] = []
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "benchmarks.round_robin", "--port", str(self.port),
+                *(arg for server in self.servers for arg in ("--upstream", f"http://127.0.0.1:{server.port}"))]
+
+    def _connector(self) -> tuple[list[str], dict[str, str]]:
+        """vLLM's arguments and environment for the pool's connector (none without the pool)."""
+        if not self.pool:
+            return [], {}
+        self.cluster = LocalCluster(self.run_dir, self.run_dir / f"{self.name}-pool", POOL_COUNTS,
+                                    namespace="peers", gateway_port=0)
+        self.cluster.start(timeout=120)
+        assert self.cluster.nats_auth is not None
+        config = {"kv_connector": "HalfmoonConnector", "kv_connector_module_path": "halfmoon.connectors.vllm",
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+        env = {"PYTHONPATH": str(SOURCE), "HALFMOON_NATS_URL": self.cluster.nats_url or "",
+               "HALFMOON_NAMESPACE": self.cluster.namespace, "HALFMOON_CLUSTER_SECRET": self.cluster.cluster_secret,
+               **self.cluster.nats_auth.env(KV_CLIENT)}
+        return ["--kv-transfer-config", json.dumps(config)], env
+
+    def start(self) -> PeerServer:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            args, env = self._connector()
+            cores = os.cpu_count() or 1
+            for index in range(2):
+                server = VllmServer(self.model_dir, self.run_dir, self.python, [*self.extra_args, *args],
+                                    dtype=self.dtype,
+                                    extra_env={**env, "VLLM_CPU_OMP_THREADS_BIND": core_share(index, 2, cores)})
+                server.name = f"{self.name}-{index}"
+                server.start_timeout_s = self.start_timeout_s
+                self.servers.append(server)
+                server.start()
+        except BaseException:
+            self.stop()
+            raise
+        return super().start()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        super().stop(timeout_s)
+        for server in self.servers:
+            server.stop(timeout_s)
+        self.servers = []
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
 
 class BusyNeighbour:

