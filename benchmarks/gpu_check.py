@@ -1,7 +1,8 @@
 """The checks that need a GPU, in one short run (benchmarks/gpu_check.sh wraps it with a time limit).
 
-1. exactness: the paged engine on CUDA against transformers generate on CUDA, greedy, token for token;
-2. decode throughput on CUDA at batch 1 and 32 (transformers generate at batch 1 is the baseline);
+1. exactness: the paged engine on CUDA against transformers generate on CUDA, greedy, token for token,
+   in float32 and bfloat16, on a tiny model and on one of SmolLM2-135M's shape;
+2. decode throughput on CUDA at batch 1, 32 and 64 (baseline: transformers generate at the same batch);
 3. hand-off bandwidth: GPU -> pinned host -> GPU through ``PinnedStaging`` (baseline: pageable
    ``tensor.cpu()`` / ``.to(device)``), and GPU-to-GPU between processes through CUDA IPC
    (``export_ipc`` in a child, ``import_ipc`` + one device copy here; baseline: the same device
@@ -12,6 +13,7 @@ Prints one JSON line per result and a summary table. Run: python -m benchmarks.g
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -29,56 +31,74 @@ def emit(name: str, **values: object) -> None:
     print(json.dumps({"check": name, **values}), flush=True)
 
 
-def exactness(model: str, prompts: int = 8, tokens: int = 16) -> None:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _hf(model: str, dtype: str):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype]).to("cuda").eval()
+
+
+def _engine(model: str, dtype: str, kv_bytes: int):  # type: ignore[no-untyped-def]
     from halfmoon.engine.config import EngineConfig
     from halfmoon.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, device="cuda", dtype=dtype, max_num_seqs=64,
+                                  max_num_batched_tokens=4096, prefill_chunk_size=2048, kv_cache_bytes=kv_bytes))
+
+
+def exactness(model: str, dtype: str, tokens: int = 16) -> None:
+    """Greedy, token for token, against transformers in the same dtype on the same GPU."""
     from halfmoon.protocol.sampling import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
-                                    prefill_chunk_size=512, kv_cache_bytes=1 << 30))
-    hf = AutoModelForCausalLM.from_pretrained(model).to("cuda").eval()  # float32, as the engine
+    engine = _engine(model, dtype, 1 << 30)
+    hf = _hf(model, dtype)
     gen = torch.Generator().manual_seed(0)
     lengths = (1, 7, 16, 33, 100, 257, 600, 1500)
     batch = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    ours = engine.generate(batch[:prompts], params)
-    equal = 0
-    for prompt, got in zip(batch[:prompts], ours):
+    ours = engine.generate(batch, params)
+    equal, first_divergence = 0, []
+    for prompt, got in zip(batch, ours):
         ids = torch.tensor([prompt], device="cuda")
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                           do_sample=False)[0, len(prompt):].tolist()
         equal += ref == list(got)
-    emit("exactness", model=Path(model).name, prompts=len(ours), identical=equal)
+        first_divergence.append(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None))
+    emit("exactness", model=Path(model).name, dtype=dtype, prompts=len(ours), identical=equal,
+         first_divergence=first_divergence)
 
 
-def decode_throughput(model: str) -> None:
-    from transformers import AutoModelForCausalLM
-
+def decode_throughput(model: str, dtype: str, tokens: int = 64) -> None:
+    """Decode-only tokens/s at batch 1, 32 and 64, 128-token prompts. Baseline: transformers ``generate``
+    at the same batch (equal lengths, so no padding), its prefill taken out by timing 1 token apart."""
     from benchmarks.engine_throughput import _prompts, engine_decode_tps
-    from halfmoon.engine.config import EngineConfig
-    from halfmoon.engine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, device="cuda", max_num_seqs=64, max_num_batched_tokens=2048,
-                                    prefill_chunk_size=2048, kv_cache_bytes=2 << 30))
-    hf = AutoModelForCausalLM.from_pretrained(model).to("cuda").eval()
-    base = hf_decode_tps(hf, _prompts(engine.vocab_size, 1, 32, 0)[0], 64)
-    for batch in (1, 32):
-        tps = engine_decode_tps(engine, _prompts(engine.vocab_size, batch, 32, batch), 64)
-        emit("decode", batch=batch, engine_tok_s=round(tps), hf_b1_tok_s=round(base), ratio=round(tps / base, 2))
+    engine = _engine(model, dtype, 4 << 30)
+    hf = _hf(model, dtype)
+    for batch in (1, 32, 64):
+        prompts = _prompts(engine.vocab_size, batch, 128, batch)
+        engine_decode_tps(engine, prompts, 8)  # warm-up: kernels, allocator
+        tps = engine_decode_tps(engine, prompts, tokens)
+        base = hf_decode_tps(hf, prompts, tokens)
+        emit("decode", model=Path(model).name, dtype=dtype, batch=batch, engine_tok_s=round(tps),
+             transformers_tok_s=round(base), ratio=round(tps / base, 2))
 
 
-def hf_decode_tps(hf, prompt: list[int], tokens: int) -> float:
-    ids = torch.tensor([prompt], device="cuda")
-    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": tokens, "min_new_tokens": tokens,
-              "do_sample": False}
-    hf.generate(ids, **kwargs)  # warm-up: kernels, allocator
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    hf.generate(ids, **kwargs)
-    torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - start)
+def hf_decode_tps(hf, prompts: list[list[int]], tokens: int) -> float:  # type: ignore[no-untyped-def]
+    ids = torch.tensor(prompts, device="cuda")
+
+    def run(new: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(tokens)  # warm-up
+    return len(prompts) * (tokens - 1) / min(run(tokens) - run(1) for _ in range(2))
 
 
 def best_gbps(fn, nbytes: int, rounds: int = 10) -> float:
@@ -149,13 +169,18 @@ def main() -> None:
         sys.exit("no CUDA device: nothing checked")
     emit("cuda", available=True, device=torch.cuda.get_device_name(0), torch=torch.__version__)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from halfmoon.cli.model_tools import make_tiny_model
+        from halfmoon.cli.model_tools import make_tiny_model
 
-            model = str(make_tiny_model(Path(tmp) / "tiny"))
+        # A model of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads over 3 KV heads), random weights
+        # and a small vocabulary: the size this project serves on CPUs, without a download.
+        models = [args.model] if args.model else [
+            str(make_tiny_model(Path(tmp) / "tiny")),
+            str(make_tiny_model(Path(tmp) / "smollm2-shape", hidden_size=576, layers=30, heads=9, kv_heads=3)),
+        ]
+        checks = [functools.partial(check, model, dtype) for model in models for dtype in DTYPES
+                  for check in (exactness, decode_throughput)]
         failures = 0
-        for check in (lambda: exactness(model), lambda: decode_throughput(model), pinned_handoff, ipc_handoff):
+        for check in (*checks, pinned_handoff, ipc_handoff):
             try:
                 check()
             except Exception as exc:  # one broken check must not hide the others' results
