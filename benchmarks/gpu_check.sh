@@ -2,7 +2,8 @@
 # The checks that need a GPU, in one run of at most 8 minutes: the CUDA helper tests, then
 # benchmarks/gpu_check.py (engine exactness against transformers on CUDA in float32 and bfloat16, decode
 # tok/s at batch 1, 32 and 64 against transformers at the same batch, hand-off GB/s through pinned memory
-# and CUDA IPC). Needs torch with CUDA, transformers, msgspec and cryptography. Results are JSON lines on stdout; exit status 1 if any check failed.
+# and CUDA IPC). Needs torch with CUDA, transformers, msgspec and cryptography. Results are JSON lines on
+# stdout; exit status 1 if any check failed.
 #   bash benchmarks/gpu_check.sh [--model DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
