@@ -17,7 +17,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime import request
-from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
+from tests.e2e.conftest import AUTH, REFERENCE_DTYPE, admin_nats, model_name, reference_text, start_cluster
 from tests.e2e.test_conductor import SubmitWatch
 from tests.e2e.test_serving import MAX_TOKENS, complete_all, prompts
 
@@ -26,7 +26,8 @@ from tests.e2e.test_serving import MAX_TOKENS, complete_all, prompts
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # Without its local prefix cache, a prefix the instance reuses can only have come back from the pool.
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-aggregated"),
-                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=0, decode=0, aggregated=1)
+                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, dtype=REFERENCE_DTYPE, prefill=0, decode=0,
+                            aggregated=1)
     yield cluster
     cluster.stop()
 

@@ -32,7 +32,7 @@ from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.telemetry.jsonl import read_spans
-from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
+from tests.e2e.conftest import AUTH, REFERENCE_DTYPE, admin_nats, model_name, reference_text, start_cluster
 from tests.e2e.test_conductor import restart_conductor
 
 MAX_TOKENS = 8
@@ -45,7 +45,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     env = {"HALFMOON_TTFT_SLO_S": "600", "HALFMOON_TBT_SLO_S": "30", "HALFMOON_HANDOFF_OVERHEAD_S": "0.1",
            "HALFMOON_INSTANCE_TIMEOUT_S": "30"}
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-disaggregation"), env=env,
-                            prefill=1, decode=1, aggregated=1)
+                            dtype=REFERENCE_DTYPE, prefill=1, decode=1, aggregated=1)
     yield cluster
     cluster.stop()
 

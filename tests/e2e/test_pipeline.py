@@ -16,20 +16,21 @@ from transformers import AutoTokenizer
 from halfmoon.deploy.local import LocalCluster
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pipeline import StageWork
-from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
+from tests.e2e.conftest import AUTH, REFERENCE_DTYPE, admin_nats, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 12
-# float32: the reference model's dtype. Pipelining whatever it predicts faster from 96 tokens on, with a
+# Pipelining whatever it predicts faster from 96 tokens on, with a
 # prior speed (the first request is the long one: nothing measured yet) at which compute, not the hop's
 # fixed latency, dominates a chunk's time; the tiny model's hidden states are 256 float32 a token.
-CPP_ENV = {"HALFMOON_DTYPE": "float32", "HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "96",
+CPP_ENV = {"HALFMOON_CPP_STAGES": "2", "HALFMOON_CPP_MIN_TOKENS": "96",
            "HALFMOON_CPP_RESCUE_ONLY": "false", "HALFMOON_CPP_CHUNK_TOKENS": "32", "HALFMOON_PREFILL_CHUNK_SIZE": "32",
            "HALFMOON_PREFILL_TOKENS_PER_S": "1000", "HALFMOON_CPP_HOP_BYTES_PER_TOKEN": "1024"}
 
 
 @pytest.fixture(scope="module")
 def cluster_cpp(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-cpp"), env=CPP_ENV, prefill=2, decode=1)
+    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-cpp"), env=CPP_ENV, dtype=REFERENCE_DTYPE,
+                            prefill=2, decode=1)
     yield cluster
     cluster.stop()
 

@@ -24,7 +24,7 @@ from halfmoon.protocol.pool import StatsRequest
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.transfer.framing import Op, Request
 from halfmoon.transfer.tcp import TcpTransport
-from tests.e2e.conftest import AUTH, admin_nats, model_name, reference_text, start_cluster
+from tests.e2e.conftest import AUTH, REFERENCE_DTYPE, admin_nats, model_name, reference_text, start_cluster
 from tests.fixtures.dataplane import cap
 
 BLOCK = 16
@@ -35,7 +35,8 @@ MAX_TOKENS = 12
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # Without the engine's local prefix cache every reuse below comes from the pool itself.
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-pool"),
-                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=1, decode=1, transfer=2)
+                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, dtype=REFERENCE_DTYPE, prefill=1, decode=1,
+                            transfer=2)
     yield cluster
     cluster.stop()
 

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from halfmoon.deploy.local import LocalCluster
-from tests.e2e.conftest import API_KEY, AUTH, model_name, reference_text, start_cluster
+from tests.e2e.conftest import API_KEY, AUTH, REFERENCE_DTYPE, model_name, reference_text, start_cluster
 
 MAX_TOKENS = 16
 
@@ -48,7 +48,7 @@ class TestGreedyThroughServices:
     def test_one_prefill_one_decode_whole_block(self, tiny_model_dir: Path, tmp_path: Path) -> None:
         """The hand-off with one batch of every layer (the 2p2d cluster hands off layer by layer)."""
         cluster = start_cluster(tiny_model_dir, tmp_path, env={"HALFMOON_LAYERWISE_HANDOFF": "false"},
-                                prefill=1, decode=1)
+                                dtype=REFERENCE_DTYPE, prefill=1, decode=1)
         try:
             batch = prompts(tiny_model_dir)
             texts = asyncio.run(complete_all(cluster, batch))

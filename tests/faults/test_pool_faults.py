@@ -13,7 +13,7 @@ import pytest
 
 from halfmoon.deploy.drills import heartbeats, restart, wait_live
 from halfmoon.deploy.local import LocalCluster
-from tests.e2e.conftest import AUTH, model_name, reference_text, start_cluster
+from tests.e2e.conftest import AUTH, REFERENCE_DTYPE, model_name, reference_text, start_cluster
 from tests.e2e.test_pool import BLOCK, MAX_TOKENS, cached, complete, corrupt_every_dram_block, tokens
 
 PROMPT_TOKENS = 320
@@ -25,7 +25,7 @@ REUSE_BACK_WITHIN_S = 10.0
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # Without the engine's local prefix cache every reuse below comes from the pool itself.
     cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("run-pool-faults"),
-                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=1, decode=1)
+                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, dtype=REFERENCE_DTYPE, prefill=1, decode=1)
     yield cluster
     cluster.stop()
 
