@@ -86,6 +86,10 @@ class PeerServer:
             time.sleep(1.0)
         raise TimeoutError(f"{self.name} not ready after {self.start_timeout_s:.0f}s; see {self.log_path}")
 
+    def pids(self) -> list[int]:
+        """The roots of the server's process trees."""
+        return [self.proc.pid] if self.proc is not None else []
+
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -197,6 +201,10 @@ class VllmPair(PeerServer):
             self.stop()
             raise
         return super().start()
+
+    def pids(self) -> list[int]:
+        cluster = list(self.cluster.pids().values()) if self.cluster is not None else []
+        return [*super().pids(), *(pid for server in self.servers for pid in server.pids()), *cluster]
 
     def stop(self, timeout_s: float = 60.0) -> None:
         super().stop(timeout_s)

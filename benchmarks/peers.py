@@ -43,6 +43,7 @@ from rich.table import Table
 
 from benchmarks import aiperf_driver
 from benchmarks.peer_servers import BusyNeighbour, HalfmoonServer, PeerServer, VllmPair, VllmServer
+from benchmarks.process_cpu import CpuMeter
 from halfmoon.cli.bench import (
     DEFAULT_TRACE,
     PREDICTION_METRIC,
@@ -158,10 +159,11 @@ def measure_aiperf(server: PeerServer, loads: dict[str, aiperf_driver.AiperfLoad
     for name, load in loads.items():
         url = server.metrics_url
         before = {key: scrape_prediction_error(url, metric) for key, metric in metrics} if url else {}
-        with console.status(f"aiperf: {server.name} {name}"):
+        with console.status(f"aiperf: {server.name} {name}"), CpuMeter(server.pids()) as cpu:
             results[name] = aiperf_driver.run(
                 args.aiperf, first_model(server.base_url, None), server.base_url.removesuffix("/v1"), model, load,
                 server.run_dir / f"{server.name}-aiperf-{name}", slo, server.run_dir / f"{server.name}-aiperf.log")
+        results[name]["cpu_s"] = cpu.seconds
         for key, metric in metrics if url else ():
             results[name][key] = prediction_error(before[key], scrape_prediction_error(url, metric))
     return results
@@ -234,6 +236,19 @@ def pairing_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def cpu_rows(results: dict[str, dict[str, Any]], names: list[str]) -> list[list[str]]:
+    """Each server's CPU seconds per process label and workload, with its share of the server's total (the
+    load generator's share is of the server's and its own together)."""
+    rows = []
+    for name in names:
+        for load, summary in results.get(name, {}).items():
+            spent = summary.get("cpu_s") or {}
+            total = sum(spent.values())
+            rows += [[name, load, label, f"{seconds:.1f}", f"{100 * seconds / total:.0f}%" if total else "-"]
+                     for label, seconds in spent.items() if seconds >= 0.05 * total]
+    return rows
+
+
 def print_table(title: str, columns: list[str], rows: list[list[str]], console: Console) -> None:
     table = Table(title=title)
     for i, column in enumerate(columns):
@@ -256,6 +271,9 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, console
              f"TPOT {args.slo_itl_ms:g} ms")
     columns = ["workload", "figure", *names, *(f"{n} / {baseline}" for n in names if n != baseline)]
     print_table(title, columns, ratio_rows(results, names, baseline), console)
+    if cpu := cpu_rows(results, names):
+        print_table("CPU seconds by process while the load ran (user + system)", ["server", "workload", "process",
+                    "CPU s", "share"], cpu, console)
     if paired := pairing_rows(results):
         print_table("False rejections: rejected with admission, met its SLOs in the same run without it",
                     ["server", "workload", "rejected", "falsely", "accepted that met SLOs", "met without admission"],
