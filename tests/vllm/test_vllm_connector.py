@@ -128,8 +128,10 @@ def start_vllm(model: Path, cluster: LocalCluster, log: Path) -> VllmServer:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Halfmoon with its own engine (aggregated) and its pool, which the vLLM servers join."""
+    # the vLLM servers' dtype: one block format, one model fingerprint
     cluster = start_cluster(model_dir, tmp_path_factory.mktemp("run-vllm"),
-                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, prefill=0, decode=0, aggregated=1)
+                            env={"HALFMOON_LOCAL_PREFIX_CACHE": "false"}, dtype="float32", prefill=0, decode=0,
+                            aggregated=1)
     yield cluster
     cluster.stop()
 

@@ -76,8 +76,10 @@ def started(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         # every stream admitted: the SLOs are not what these tests are about
         env = {**RECOVERY_ENV, "HALFMOON_TBT_SLO_S": "60", "HALFMOON_TTFT_SLO_S": "600", "HALFMOON_ENGINE": "vllm",
                "HALFMOON_VLLM_ARGS": json.dumps(EAGER), "HALFMOON_KV_CACHE_BYTES": str(1 << 29)}
+        # the reference server's dtype: the texts are compared
         cluster = start_cluster(smollm2, tmp_path_factory.mktemp("run-vllm-engine"), env=env,
-                                engine_python=str(VLLM_PYTHON), timeout=START_TIMEOUT_S, prefill=1, decode=2)
+                                engine_python=str(VLLM_PYTHON), timeout=START_TIMEOUT_S, dtype="float32",
+                                prefill=1, decode=2)
         reference.wait_ready(time.monotonic() + START_TIMEOUT_S)
         yield cluster, reference
     finally:
