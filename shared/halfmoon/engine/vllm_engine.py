@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -176,6 +177,12 @@ class VllmEngine(Engine):
         def recorder(vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
             return _StepRecorder(vllm_config, engine_index, engine._record)
 
+        # vLLM on a CPU keeps one core per worker for its scheduler process, and one more when a KV connector
+        # is configured (for NIXL's transfer threads). On 2 cores that second reservation leaves none, so the
+        # worker's OpenMP threads took both cores, beside the scheduler and the load generator: decode steps
+        # 1.45x vLLM alone's (BENCHMARKS, "Where does halfmoon up --engine vllm lose to vLLM alone?"). This
+        # connector's reads need no core of their own: reserve what vLLM reserves without a connector.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         # NOTE: it builds vLLM's engine core process and its worker, and profiles them: minutes on a CPU
         engine._llm = llm = AsyncLLM.from_engine_args(engine_args(config, nats_role, connection, extra_args), stat_loggers=[recorder])
         vllm_config = llm.vllm_config
