@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vector_exp.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -60,7 +61,9 @@ int decode_attention(int bf16, const void *q, const void *k_cache, const void *v
             }
             for (int g = 0; g < group; g++) {
                 float *sg = scores + g * max_context;
-                for (long i = 0; i < n; i++) { sg[i] = expf(sg[i] - top[g]); total[g] += sg[i]; }
+                float sum = 0.f;  /* summed in a local (total might alias sg) so that the loop vectorizes */
+                for (long i = 0; i < n; i++) { sg[i] = vector_exp(sg[i] - top[g]); sum += sg[i]; }
+                total[g] = sum;
             }
             n = 0;
             for (int64_t s = span_offsets[b]; s < span_offsets[b + 1]; s++) {
