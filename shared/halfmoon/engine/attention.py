@@ -80,6 +80,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     With ``kernel`` and ``batch.decode``, every one-query sequence is served by one kernel call."""
     kv_heads, dim = k_cache.shape[0], q.shape[-1]
     decoded = kernel(q, k_cache, v_cache, batch.decode, scale) if kernel and batch.decode is not None else None
+    if decoded is not None and decoded.shape[0] == len(batch.seqs):  # a step of decodes only: rows in step order
+        return decoded
     outs, next_decoded = [], 0
     for seq in batch.seqs:
         if seq.query_len == 1 and decoded is not None:
