@@ -21,18 +21,15 @@ LOAD_GENERATOR = "load generator"
 
 
 def label(process: psutil.Process) -> str:
-    """What a process is, in a word: the module it runs, its executable, or its process title."""
+    """What a process is, in a word: the module it runs, else its name (a process title where one is set)."""
     try:
         cmdline = process.cmdline()
-        name = process.name()
+        if "-m" in cmdline[:-1]:
+            module = cmdline[cmdline.index("-m") + 1]
+            return module.removeprefix("halfmoon.services.").removeprefix("vllm.entrypoints.openai.")
+        return process.name()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return "?"
-    if "-m" in cmdline[:-1]:
-        module = cmdline[cmdline.index("-m") + 1]
-        return module.removeprefix("halfmoon.services.").removeprefix("vllm.entrypoints.openai.")
-    if cmdline and not cmdline[0].endswith(("python", "python3", "python3.11")) and "/" in cmdline[0]:
-        return cmdline[0].rsplit("/", 1)[-1]
-    return name
 
 
 def _tree_times(pids: Sequence[int]) -> dict[int, tuple[str, float]]:
