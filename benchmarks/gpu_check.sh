@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="shared:services:.${PYTHONPATH:+:$PYTHONPATH}"
-python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_check: torch sees no CUDA device")'
+python="${PYTHON:-python3}"  # a venv's python3 keeps its packages only when run by its own path
+"$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_check: torch sees no CUDA device")'
 # --noconftest: the suite's fixtures (NATS, S3, clusters) need packages a bare GPU image lacks; these tests use none
-timeout 120 python -m pytest -q -p no:cacheprovider --noconftest tests/transfer/test_cuda_ipc.py
-timeout 330 python -m benchmarks.gpu_check "$@"
+timeout 120 "$python" -m pytest -q -p no:cacheprovider --noconftest tests/transfer/test_cuda_ipc.py
+timeout 330 "$python" -m benchmarks.gpu_check "$@"
