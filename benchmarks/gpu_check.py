@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import msgspec
@@ -185,7 +186,9 @@ def main() -> None:
                 check()
             except Exception as exc:  # one broken check must not hide the others' results
                 failures += 1
-                emit("error", error=f"{type(exc).__name__}: {exc}")
+                frame = traceback.extract_tb(exc.__traceback__)[-1]
+                emit("error", check=getattr(check, "func", check).__name__, error=f"{type(exc).__name__}: {exc}",
+                     at=f"{frame.filename}:{frame.lineno}")
     sys.exit(1 if failures else 0)
 
 

@@ -92,8 +92,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if seq.query_len == 1:
             # One query sees every key: its heads sharing a KV head become that head's query rows,
             # so grouped-query attention needs neither a mask nor repeated K/V.
-            qd = q[seq.query_start].view(1, kv_heads, -1, dim)
-            outs.append(F.scaled_dot_product_attention(qd, k, v, scale=scale).view(1, -1))
+            qd = q[seq.query_start].reshape(1, kv_heads, -1, dim)
+            # CUDA's attention kernels may return a strided output; reshape copies only then
+            outs.append(F.scaled_dot_product_attention(qd, k, v, scale=scale).reshape(1, -1))
             continue
         qp = q[seq.query_start:seq.query_start + seq.query_len].transpose(0, 1)[None]
         op = F.scaled_dot_product_attention(qp, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
