@@ -10,7 +10,7 @@ import torch
 
 from halfmoon.engine import decode_kernel as kernels
 from halfmoon.engine import native
-from halfmoon.engine.attention import AttentionBatch, paged_attention
+from halfmoon.engine.attention import AttentionBatch, AttentionKernels, paged_attention
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.seq_attention import SeqAttention
 from halfmoon.protocol.sampling import SamplingParams
@@ -49,7 +49,7 @@ class TestAgainstSdpa:
         spans = [((0, 1),), ((100, 400),), ((500, 532), (800, 1000), (1200, 1201)), ((2000, 2700),), ((3000, 3050),)]
         batch = batch_of(spans, prefill_at=4)
         q = torch.randn(len(batch.slots), heads, dim, generator=gen).to(dtype)
-        fast = paged_attention(q, k_cache, v_cache, batch, 0.125, kernel)
+        fast = paged_attention(q, k_cache, v_cache, batch, 0.125, AttentionKernels(decode=kernel))
         slow = paged_attention(q, k_cache, v_cache, batch._replace(decode=None), 0.125)
         tolerance = 1e-5 if dtype is torch.float32 else 2e-2
         assert fast.shape == slow.shape == (len(batch.slots), heads * dim)
@@ -64,7 +64,7 @@ class TestAgainstSdpa:
             batch = batch_of([((0, 300 + seed),), ((500, 1500 + seed),)])
             q = torch.randn(len(batch.slots), 9, 64, generator=gen)
             expected = paged_attention(q, k_cache, v_cache, batch._replace(decode=None), 0.125)
-            return all(torch.allclose(paged_attention(q, k_cache, v_cache, batch, 0.125, kernel), expected, atol=1e-5)
+            return all(torch.allclose(paged_attention(q, k_cache, v_cache, batch, 0.125, AttentionKernels(decode=kernel)), expected, atol=1e-5)
                        for _ in range(20))
 
         with ThreadPoolExecutor(4) as pool:
@@ -82,9 +82,9 @@ class TestEngine:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = random_prompts(1000, [5, 40, 77, 130], seed=21)
         with_kernel = make_engine(tiny_llama)
-        assert with_kernel.runner.decode_kernel is not None
+        assert with_kernel.runner.kernels.decode is not None
         without = make_engine(tiny_llama)
-        without.runner.decode_kernel = None
+        without.runner.kernels = without.runner.kernels._replace(decode=None)
         assert with_kernel.generate(prompts, params) == without.generate(prompts, params)
 
 

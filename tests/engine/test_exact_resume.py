@@ -91,14 +91,37 @@ def test_projections_give_a_row_the_same_result_whatever_rows_share_the_call() -
                 assert torch.equal(projection(rows[:count]), alone[:count]), (dtype, in_features, count)
 
 
-def test_prompt_blocks_recomputed_in_other_chunks_may_differ(tiny_llama: Path) -> None:
-    """The exception: the prompt's full blocks are computed many queries at a time (SDPA), whose rounding
-    depends on where the chunks start and end. A resumed request whose pool lost them recomputes them in
-    other chunks than the first attempt did (it starts at the blocks it found), and may continue differently."""
+def prompt_kv_in_chunks(model: Path, prompt: list[int], chunks: tuple[int, ...], sdpa: bool) -> dict[int, list[bytes]]:
+    """The prompt's KV payloads computed in chunks of each size, on the prefill kernel or on SDPA."""
+    kv = {}
+    for chunk in chunks:
+        e = engine(model, chunk)
+        if sdpa:
+            e.runner.kernels = e.runner.kernels._replace(prefill=None)
+        elif e.runner.kernels.prefill is None:
+            pytest.skip("no prefill kernel here (no C compiler): prompt chunks run on SDPA")
+        kv[chunk] = [bytes(b) for b in prefill(e, prompt, [], [])[2]]
+    return kv
+
+
+def test_prompt_blocks_recomputed_in_other_chunks_are_the_same_on_the_kernel(tiny_llama: Path) -> None:
+    """The prefill kernel starts its key tiles at fixed positions, so a query's attention does not depend on
+    the chunk that computed it: a resumed request whose pool lost the prompt's blocks recomputes them bit for
+    bit, in whatever chunks it starts from."""
     prompt = random_prompts(1000, [300], seed=3)[0]
-    kv = {chunk: prefill(engine(tiny_llama, chunk), prompt, [], [])[2] for chunk in (512, 100)}
+    kv = prompt_kv_in_chunks(tiny_llama, prompt, (512, 100, 48), sdpa=False)
+    assert kv[512] == kv[100] == kv[48]
+
+
+def test_prompt_blocks_recomputed_in_other_chunks_may_differ_on_sdpa(tiny_llama: Path) -> None:
+    """Without the kernel, the prompt's full blocks are computed many queries at a time by SDPA, whose
+    rounding depends on where the chunks start and end. A resumed request whose pool lost them recomputes
+    them in other chunks than the first attempt did (it starts at the blocks it found), and may continue
+    differently."""
+    prompt = random_prompts(1000, [300], seed=3)[0]
+    kv = prompt_kv_in_chunks(tiny_llama, prompt, (512, 100), sdpa=True)
     full = len(prompt) // SIZE
-    if [bytes(b) for b in kv[512][:full]] == [bytes(b) for b in kv[100][:full]]:
+    if kv[512][:full] == kv[100][:full]:
         pytest.skip("this machine's SDPA rounds the same whatever the chunks: no exception here")
     # and it reaches the tokens after them, which attend to them
-    assert bytes(kv[512][full]) != bytes(kv[100][full])
+    assert kv[512][full] != kv[100][full]

@@ -14,14 +14,16 @@ import torch
 from transformers.activations import ACT2FN
 
 from halfmoon.engine import kernel_build, native
-from halfmoon.engine.attention import paged_attention
+from halfmoon.engine.attention import AttentionKernels, paged_attention
 from halfmoon.engine.decode_kernel import DecodeKernel
 from halfmoon.engine.kernel_build import X86_V3, X86_V4, Level, choose, levels_for
 from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps
+from halfmoon.engine.prefill_kernel import PrefillKernel
 from halfmoon.protocol.registry import KernelReport
 from tests.engine.conftest import kernel_sources_alone
 from tests.engine.test_decode_kernel import batch_of
 from tests.engine.test_layer_ops import assert_within_an_ulp_rarely, rms_norm, rows_of
+from tests.engine.test_prefill_kernel import TOLERANCE, caches, queries, step_of
 
 # /proc/cpuinfo flags of the CI machines (abridged to what the levels ask for, plus neighbours)
 EPYC_AVX2 = frozenset({"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "cx16", "lahf_lm", "popcnt", "avx", "avx2",
@@ -109,11 +111,21 @@ class TestEachLevelAgainstPyTorch:
         k_cache, v_cache = (torch.randn(2, 2048, 128, generator=gen).to(dtype) for _ in range(2))
         batch = batch_of([((0, 1),), ((100, 400),), ((500, 532), (800, 1000)), ((1500, 1700),)], prefill_at=3)
         q = torch.randn(len(batch.slots), 16, 128, generator=gen).to(dtype)
-        fast = paged_attention(q, k_cache, v_cache, batch, 0.125, kernel)
+        fast = paged_attention(q, k_cache, v_cache, batch, 0.125, AttentionKernels(decode=kernel))
         slow = paged_attention(q, k_cache, v_cache, batch._replace(decode=None), 0.125)
         tolerance = 1e-5 if dtype is torch.float32 else 2e-2
         torch.testing.assert_close(fast.float(), slow.float(), atol=tolerance, rtol=tolerance)
 
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_prefill_attention(self, every_level, level, dtype) -> None:
+        kernel = PrefillKernel(library_of(every_level, "prefill_attention", runnable(level)))
+        batch = step_of([(((0, 200),), 200), (((300, 316), (500, 600)), 50), (((700, 900),), 1)])
+        k_cache, v_cache = caches(2, 128, dtype, seed=7)
+        q = queries(batch, 16, 2, 128, dtype)
+        fast = paged_attention(q, k_cache, v_cache, batch._replace(decode=None), 0.125, AttentionKernels(prefill=kernel))
+        slow = paged_attention(q, k_cache, v_cache, batch._replace(decode=None, prefill=None), 0.125)
+        torch.testing.assert_close(fast.float(), slow.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 class TestPrebuilt:
     @pytest.fixture
@@ -167,9 +179,11 @@ class TestReport:
     def test_switched_off_kernels_are_named(self, monkeypatch) -> None:
         monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "0")
+        monkeypatch.setenv("HALFMOON_PREFILL_KERNEL", "0")
         assert native.report("cpu") == KernelReport(kind="fallback", reason=(
             "decode_attention: switched off (HALFMOON_DECODE_KERNEL=0); "
-            "layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0)"))
+            "layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0); "
+            "prefill_attention: switched off (HALFMOON_PREFILL_KERNEL=0)"))
 
     def test_one_switched_off_leaves_the_other_native(self, monkeypatch) -> None:
         if native.library("layer_ops") is None:

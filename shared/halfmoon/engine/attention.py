@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from halfmoon.engine.decode_kernel import DecodeBatch, DecodeKernel
+from halfmoon.engine.prefill_kernel import PrefillBatch, PrefillKernel
 from halfmoon.engine.seq_attention import SeqAttention
 
 
@@ -59,11 +60,23 @@ class PagedKVCache:
 
 class AttentionBatch(NamedTuple):
     """Where this step's tokens go (``slots[t]`` for flattened token ``t``) and what each sequence reads;
-    ``decode`` the step's one-query sequences for the batched decode kernel (None: SDPA for all)."""
+    ``decode`` the step's one-query sequences for the decode kernel, ``prefill`` its prompt chunks for the
+    prefill kernel (None: SDPA for them)."""
 
     slots: torch.Tensor
     seqs: list[SeqAttention]
     decode: DecodeBatch | None = None
+    prefill: PrefillBatch | None = None
+
+
+class AttentionKernels(NamedTuple):
+    """The C kernels an engine has (None: that kind of sequence stays on SDPA)."""
+
+    decode: DecodeKernel | None = None
+    prefill: PrefillKernel | None = None
+
+
+SDPA_ONLY = AttentionKernels()
 
 
 def _context(cache: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -75,18 +88,29 @@ def _context(cache: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.T
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    batch: AttentionBatch, scale: float, kernel: DecodeKernel | None = None) -> torch.Tensor:
+                    batch: AttentionBatch, scale: float, kernels: AttentionKernels = SDPA_ONLY) -> torch.Tensor:
     """``q`` is ``[tokens, heads, dim]`` in flattened step order; returns ``[tokens, heads * dim]``.
-    With ``kernel`` and ``batch.decode``, every one-query sequence is served by one kernel call."""
+    Each kernel given serves all of its kind of sequence (those of ``batch.decode``, ``batch.prefill``) in one
+    call; SDPA serves the rest."""
     kv_heads, dim = k_cache.shape[0], q.shape[-1]
-    decoded = kernel(q, k_cache, v_cache, batch.decode, scale) if kernel and batch.decode is not None else None
+    decoded = (kernels.decode(q, k_cache, v_cache, batch.decode, scale)
+               if kernels.decode is not None and batch.decode is not None else None)
     if decoded is not None and decoded.shape[0] == len(batch.seqs):  # a step of decodes only: rows in step order
         return decoded
+    prefilled = (kernels.prefill(q, k_cache, v_cache, batch.prefill, scale)
+                 if kernels.prefill is not None and batch.prefill is not None else None)
+    if prefilled is not None and (decoded is not None or all(seq.query_len > 1 for seq in batch.seqs)):
+        if decoded is not None and batch.decode is not None:  # every row had its kernel
+            prefilled.index_copy_(0, batch.decode.rows, decoded)
+        return prefilled
     outs, next_decoded = [], 0
     for seq in batch.seqs:
         if seq.query_len == 1 and decoded is not None:
             outs.append(decoded[next_decoded:next_decoded + 1])
             next_decoded += 1
+            continue
+        if seq.query_len > 1 and prefilled is not None:
+            outs.append(prefilled[seq.query_start:seq.query_start + seq.query_len])
             continue
         k, v = _context(k_cache, seq.spans), _context(v_cache, seq.spans)
         if seq.query_len == 1:

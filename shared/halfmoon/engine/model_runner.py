@@ -11,11 +11,12 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from halfmoon.engine.attention import AttentionBatch, PagedKVCache, paged_attention
+from halfmoon.engine.attention import AttentionBatch, AttentionKernels, PagedKVCache, paged_attention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.layer_ops import layer_ops
+from halfmoon.engine.prefill_kernel import PrefillBatch, prefill_kernel
 from halfmoon.engine.seq_attention import SeqAttention
 from halfmoon.engine.sequence import ScheduledChunk
 from halfmoon.engine.weights import Projection, llama_family, serving_layers
@@ -52,7 +53,8 @@ class ModelRunner:
         if self.lm_head.packed and head.weight is not llm.get_input_embeddings().weight:
             llm.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
         self.layer_hook = LayerHook()
-        self.decode_kernel = decode_kernel() if self.device.type == "cpu" else None
+        cpu = self.device.type == "cpu"
+        self.kernels = AttentionKernels(decode_kernel() if cpu else None, prefill_kernel() if cpu else None)
         self.layer_ops = layer_ops(self.device)
 
     def serving_weights(self) -> list[torch.Tensor]:
@@ -94,8 +96,9 @@ class ModelRunner:
         # One host-to-device copy for everything per-token.
         packed = torch.tensor([ids, positions, slots], dtype=torch.long).to(self.device)
         last = torch.tensor(sampled, dtype=torch.long).to(self.device)
-        decode = DecodeBatch.of(seqs) if self.decode_kernel is not None else None
-        return packed[0], packed[1], AttentionBatch(packed[2], seqs, decode), last
+        decode = DecodeBatch.of(seqs) if self.kernels.decode is not None else None
+        prefill = PrefillBatch.of(seqs) if self.kernels.prefill is not None else None
+        return packed[0], packed[1], AttentionBatch(packed[2], seqs, decode, prefill), last
 
     @torch.inference_mode()
     def forward(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor:
@@ -137,7 +140,7 @@ class ModelRunner:
             self.layer_hook.before_layer(index, chunks, self.cache)
             self.cache.write(index, batch.slots, k, v)
             k_cache, v_cache = self.cache.layer(index)
-            out = paged_attention(q, k_cache, v_cache, batch, layer.scaling, self.decode_kernel)
+            out = paged_attention(q, k_cache, v_cache, batch, layer.scaling, self.kernels)
             self.layer_hook.after_layer(index, chunks, self.cache)
             hidden, normed = ops.add_norm(layer.post_norm, hidden, layer.o(out))
             mlp = layer.down(ops.act_mul(layer.act, layer.gate_up(normed)))

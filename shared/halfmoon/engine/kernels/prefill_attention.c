@@ -1,0 +1,213 @@
+/* Causal attention for a step's prompt chunks in one call (engine/prefill_kernel.py builds and calls it).
+ *
+ * A chunk of query_len tokens sits at the end of a context of context_len tokens (the earlier ones cached),
+ * so its query t, at position context_len - query_len + t, attends keys 0 .. that position. Keys and values
+ * are read from the head-major cache [kv_heads, slots, head_dim] through the sequence's slot map (slot of
+ * each context position). The work is split into (sequence, KV head, tile of query positions); a tile's
+ * rows are its positions times the query heads of that KV head, so every K and V tile read serves all of
+ * them. Keys are taken a tile at a time with an online softmax (flash attention's order), K transposed
+ * into float32 once per tile so that the scores of a row are computed across keys, vectorized, and the
+ * values weighted across the head dimension. Float32 throughout, as the decode kernel. Work items run on
+ * torch's OpenMP runtime, dynamically scheduled: causal tiles near a chunk's end hold more keys. */
+#include <float.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "vector_exp.h"
+
+#define KEY_TILE 64
+#define ROWS_PER_TILE 64
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define MAX_SEQS 4096
+/* Rows computed together: their accumulators stay in registers (4 rows x 4 vectors of 16 floats fill
+ * AVX-512's 32 registers halfway; AVX2 splits each vector in two, so 2 rows there). */
+#ifdef __AVX512F__
+#define ROW_BLOCK 4
+#else
+#define ROW_BLOCK 2
+#endif
+
+/* 16 floats: the compiler maps it onto the ISA's vectors (one zmm, two ymm or four xmm). */
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 vload(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline float load(int bf16, const void *base, long index) {
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+static inline int tile_positions(int group) { return ROWS_PER_TILE / group > 0 ? ROWS_PER_TILE / group : 1; }
+
+static inline long padded_rows(int group) {
+    long rows = (long)tile_positions(group) * group;
+    return (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+}
+
+/* Floats of scratch each thread needs for head_dim dim and group query heads per KV head. */
+long prefill_attention_scratch(int group, int dim) {
+    long rows = padded_rows(group);
+    return rows * dim * 2 + rows * KEY_TILE + 2L * KEY_TILE * dim + 3 * rows;
+}
+
+/* Keys k0 .. k0 + n - 1 (their slots in slot_of) of KV head row offset head_base into kt, transposed
+ * ([dim][KEY_TILE]), and vf ([KEY_TILE][dim]), in float32; the tile's unused keys are zeros. */
+static void load_tile(int bf16, const void *k_cache, const void *v_cache, const int64_t *slot_of, int n,
+                      long head_base, int dim, float *kt, float *vf) {
+    float row[MAX_DIM];
+    for (int j = 0; j < KEY_TILE; j++) {
+        if (j >= n) {
+            for (int d = 0; d < dim; d++) { kt[(long)d * KEY_TILE + j] = 0.f; vf[(long)j * dim + d] = 0.f; }
+            continue;
+        }
+        long base = (head_base + slot_of[j]) * dim;
+        if (bf16) {
+            const uint16_t *k = (const uint16_t *)k_cache + base, *v = (const uint16_t *)v_cache + base;
+            for (int d = 0; d < dim; d++) row[d] = bf16_to_float(k[d]);
+            for (int d = 0; d < dim; d++) vf[(long)j * dim + d] = bf16_to_float(v[d]);
+        } else {
+            memcpy(row, (const float *)k_cache + base, dim * sizeof(float));
+            memcpy(vf + (long)j * dim, (const float *)v_cache + base, dim * sizeof(float));
+        }
+        for (int d = 0; d < dim; d++) kt[(long)d * KEY_TILE + j] = row[d];
+    }
+}
+
+/* scores[r][0..KEY_TILE) = q[r] . k[j] for rows r0 .. r0 + ROW_BLOCK - 1, dim in blocks of 64. */
+static void block_scores(const float *qf, const float *kt, float *scores, int r0, int dim) {
+    v16 s[ROW_BLOCK][4] = {{{0}}};
+    for (int d = 0; d < dim; d++) {
+        const float *kd = kt + (long)d * KEY_TILE;
+        v16 k0 = vload(kd), k1 = vload(kd + 16), k2 = vload(kd + 32), k3 = vload(kd + 48);
+        for (int b = 0; b < ROW_BLOCK; b++) {
+            float qd = qf[(long)(r0 + b) * dim + d];
+            s[b][0] += qd * k0; s[b][1] += qd * k1; s[b][2] += qd * k2; s[b][3] += qd * k3;
+        }
+    }
+    for (int b = 0; b < ROW_BLOCK; b++)
+        for (int c = 0; c < 4; c++) vstore(scores + (long)(r0 + b) * KEY_TILE + 16 * c, s[b][c]);
+}
+
+/* acc[r] = acc[r] * rescale[r] + sum_j p[r][j] v[j] for rows r0 .. r0 + ROW_BLOCK - 1 over keys 0 .. n - 1:
+ * the head dimension 64 at a time, then 16 at a time. */
+static void block_values(const float *p, const float *vf, const float *rescale, float *acc, int r0, int n, int dim) {
+    int c0 = 0;
+    for (; c0 + 64 <= dim; c0 += 64) {
+        v16 a[ROW_BLOCK][4];
+        for (int b = 0; b < ROW_BLOCK; b++)
+            for (int c = 0; c < 4; c++) a[b][c] = vload(acc + (long)(r0 + b) * dim + c0 + 16 * c) * rescale[r0 + b];
+        for (int j = 0; j < n; j++) {
+            const float *vj = vf + (long)j * dim + c0;
+            v16 v0 = vload(vj), v1 = vload(vj + 16), v2 = vload(vj + 32), v3 = vload(vj + 48);
+            for (int b = 0; b < ROW_BLOCK; b++) {
+                float pj = p[(long)(r0 + b) * KEY_TILE + j];
+                a[b][0] += pj * v0; a[b][1] += pj * v1; a[b][2] += pj * v2; a[b][3] += pj * v3;
+            }
+        }
+        for (int b = 0; b < ROW_BLOCK; b++)
+            for (int c = 0; c < 4; c++) vstore(acc + (long)(r0 + b) * dim + c0 + 16 * c, a[b][c]);
+    }
+    for (; c0 < dim; c0 += 16) {
+        v16 a[ROW_BLOCK];
+        for (int b = 0; b < ROW_BLOCK; b++) a[b] = vload(acc + (long)(r0 + b) * dim + c0) * rescale[r0 + b];
+        for (int j = 0; j < n; j++) {
+            v16 v = vload(vf + (long)j * dim + c0);
+            for (int b = 0; b < ROW_BLOCK; b++) a[b] += p[(long)(r0 + b) * KEY_TILE + j] * v;
+        }
+        for (int b = 0; b < ROW_BLOCK; b++) vstore(acc + (long)(r0 + b) * dim + c0, a[b]);
+    }
+}
+
+/* q: rows of the step, q_stride elements apart, each [heads, dim]; out: [rows, heads, dim]. Sequence i owns
+ * step rows query_start[i] .. + query_len[i] - 1, and slot_map[slot_offsets[i] .. slot_offsets[i + 1] - 1]
+ * are its context's slots in position order (context_len = their count). scratch holds threads times
+ * prefill_attention_scratch floats. Returns 0, or -1 for shapes it does not handle (head_dim must be a
+ * multiple of 16). */
+int prefill_attention(int bf16, const void *q, long q_stride, const void *k_cache, const void *v_cache, void *out,
+                      int num_seqs, const int64_t *query_start, const int64_t *query_len, const int64_t *slot_map,
+                      const int64_t *slot_offsets, int heads, int kv_heads, int dim, long slots, float scale,
+                      float *scratch, int threads) {
+    int group = heads / kv_heads;
+    if (group < 1 || group > MAX_GROUP || heads % kv_heads || dim < 16 || dim > MAX_DIM || dim % 16
+        || num_seqs < 0 || num_seqs > MAX_SEQS) return -1;
+    int positions = tile_positions(group);
+    long per_thread = prefill_attention_scratch(group, dim), padded = padded_rows(group);
+    long first_item[MAX_SEQS + 1];
+    first_item[0] = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        long context = slot_offsets[i + 1] - slot_offsets[i];
+        if (query_len[i] < 1 || query_len[i] > context) return -1;
+        first_item[i + 1] = first_item[i] + (long)kv_heads * ((query_len[i] + positions - 1) / positions);
+    }
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long item = 0; item < first_item[num_seqs]; item++) {
+        int seq = 0;
+        while (first_item[seq + 1] <= item) seq++;
+        long tiles = (query_len[seq] + positions - 1) / positions;
+        long local = item - first_item[seq];
+        int kh = (int)(local / tiles);
+        long t0 = (local % tiles) * positions;
+        long t1 = t0 + positions < query_len[seq] ? t0 + positions : query_len[seq];
+        const int64_t *slot_of = slot_map + slot_offsets[seq];
+        long past = slot_offsets[seq + 1] - slot_offsets[seq] - query_len[seq];
+        int rows = (int)(t1 - t0) * group;  /* row r: position t0 + r / group, head kh * group + r % group */
+        int blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+        float *qf = scratch + (long)omp_get_thread_num() * per_thread;
+        float *acc = qf + padded * dim;
+        float *scores = acc + padded * dim;
+        float *kt = scores + padded * KEY_TILE;  /* [dim][KEY_TILE] */
+        float *vf = kt + (long)KEY_TILE * dim;    /* [KEY_TILE][dim] */
+        float *top = vf + (long)KEY_TILE * dim, *total = top + padded, *rescale = total + padded;
+        for (int r = 0; r < blocks; r++) {
+            long row = query_start[seq] + t0 + r / group;
+            long head = (long)kh * group + r % group;
+            for (int d = 0; d < dim; d++) {
+                qf[(long)r * dim + d] = r < rows ? load(bf16, q, row * q_stride + head * dim + d) * scale : 0.f;
+                acc[(long)r * dim + d] = 0.f;
+            }
+            top[r] = -FLT_MAX;
+            total[r] = 0.f;
+        }
+        long keys = past + t1;  /* the last row's position + 1 */
+        for (long k0 = 0; k0 < keys; k0 += KEY_TILE) {
+            int n = keys - k0 < KEY_TILE ? (int)(keys - k0) : KEY_TILE;
+            load_tile(bf16, k_cache, v_cache, slot_of + k0, n, (long)kh * slots, dim, kt, vf);
+            for (int r0 = 0; r0 < blocks; r0 += ROW_BLOCK) block_scores(qf, kt, scores, r0, dim);
+            for (int r = 0; r < blocks; r++) {
+                long position = past + t0 + r / group;
+                int valid = r >= rows ? 0 : position - k0 + 1 < n ? (int)(position - k0 + 1) : n;
+                float *s = scores + (long)r * KEY_TILE;
+                if (valid <= 0) {  /* every key of this tile is after this row's position */
+                    for (int j = 0; j < KEY_TILE; j++) s[j] = 0.f;
+                    rescale[r] = 1.f;
+                    continue;
+                }
+                float tile_top = top[r];
+                for (int j = 0; j < valid; j++) tile_top = s[j] > tile_top ? s[j] : tile_top;
+                rescale[r] = vector_exp(top[r] - tile_top);
+                top[r] = tile_top;
+                float sum = 0.f;
+                for (int j = 0; j < KEY_TILE; j++) {
+                    float p = j < valid ? vector_exp(s[j] - tile_top) : 0.f;
+                    s[j] = p;
+                    sum += p;
+                }
+                total[r] = total[r] * rescale[r] + sum;
+            }
+            for (int r0 = 0; r0 < blocks; r0 += ROW_BLOCK) block_values(scores, vf, rescale, acc, r0, n, dim);
+        }
+        for (int r = 0; r < rows; r++) {
+            long o = ((query_start[seq] + t0 + r / group) * heads + (long)kh * group + r % group) * dim;
+            float inv = 1.f / total[r];
+            for (int d = 0; d < dim; d++) {
+                float v = acc[(long)r * dim + d] * inv;
+                if (bf16) ((uint16_t *)out)[o + d] = float_to_bf16(v);
+                else ((float *)out)[o + d] = v;
+            }
+        }
+    }
+    return 0;
+}
