@@ -112,16 +112,18 @@ class AsyncEngine(Engine):
             decoding = sum(1 for out in outputs if out.num_output_tokens > 1)
             self._on_step(StepTiming(time.time(), time.perf_counter() - started, len(outputs), decoding,
                                      stats.total_blocks - stats.free_blocks, self._engine.last_step_tokens))
+        # One wake-up per event loop for the whole step: woken once per output, the loop thread fought this
+        # thread for the GIL eight times a step, and the step's tokens left the process spread over
+        # milliseconds instead of together.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
         for out in outputs:
-            self._deliver(out.request_id, out)
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
-
-    def _deliver(self, request_id: str, item: Any) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
 
     # ---------------------------------------------------------------- asyncio
     @property
@@ -229,6 +231,11 @@ class AsyncEngine(Engine):
     def shutdown(self) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout=10)
+
+
+def _put_each(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
