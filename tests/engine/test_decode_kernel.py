@@ -12,6 +12,7 @@ from halfmoon.engine import decode_kernel as kernels
 from halfmoon.engine import native
 from halfmoon.engine.attention import AttentionBatch, AttentionKernels, paged_attention
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
+from halfmoon.engine.prefill_kernel import prefill_kernel
 from halfmoon.engine.seq_attention import SeqAttention
 from halfmoon.protocol.sampling import SamplingParams
 from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
@@ -89,15 +90,18 @@ class TestEngine:
 
 
 class TestFallback:
-    def test_switched_off_or_without_a_compiler_it_is_none(self, monkeypatch, tmp_path: Path) -> None:
-        def fresh() -> kernels.DecodeKernel | None:
+    @pytest.mark.parametrize(("switch", "build"), [("HALFMOON_DECODE_KERNEL", decode_kernel),
+                                                   ("HALFMOON_PREFILL_KERNEL", prefill_kernel)])
+    def test_switched_off_or_without_a_compiler_it_is_none(self, monkeypatch, tmp_path: Path, switch,
+                                                            build) -> None:
+        def fresh() -> object:
             native.loaded.cache_clear()
-            return decode_kernel()
+            return build()
 
         try:
-            monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "0")
+            monkeypatch.setenv(switch, "0")
             assert fresh() is None
-            monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "1")
+            monkeypatch.setenv(switch, "1")
             monkeypatch.setenv("CC", "no-such-compiler")
             monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path / "cache"))
             monkeypatch.setattr(native, "KERNELS", kernel_sources_alone(tmp_path / "sources"))

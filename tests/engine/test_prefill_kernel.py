@@ -1,7 +1,7 @@
 """The prompt-chunk attention kernel against SDPA on real paged caches: several chunks in one call, split
 spans, cached context before a chunk, grouped-query heads, float32 and bfloat16; beside the decode kernel in
 one step; the same rows however a prompt is cut into chunks; and the engine's greedy output with it on and
-off."""
+off. Its fallback is tested with the decode kernel's (test_decode_kernel.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfmoon.engine import native
 from halfmoon.engine.attention import AttentionBatch, AttentionKernels, paged_attention
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.prefill_kernel import PrefillBatch, PrefillKernel, prefill_kernel
 from halfmoon.engine.seq_attention import SeqAttention
 from halfmoon.protocol.sampling import SamplingParams
-from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
+from tests.engine.conftest import make_engine, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -130,21 +129,3 @@ class TestEngine:
         without.runner.kernels = without.runner.kernels._replace(prefill=None)
         assert with_kernel.generate(prompts, params) == without.generate(prompts, params)
 
-
-class TestFallback:
-    def test_switched_off_or_without_a_compiler_it_is_none(self, monkeypatch, tmp_path: Path) -> None:
-        def fresh() -> PrefillKernel | None:
-            native.loaded.cache_clear()
-            return prefill_kernel()
-
-        try:
-            monkeypatch.setenv("HALFMOON_PREFILL_KERNEL", "0")
-            assert fresh() is None
-            monkeypatch.setenv("HALFMOON_PREFILL_KERNEL", "1")
-            monkeypatch.setenv("CC", "no-such-compiler")
-            monkeypatch.setenv("HALFMOON_KERNEL_DIR", str(tmp_path / "cache"))
-            monkeypatch.setattr(native, "KERNELS", kernel_sources_alone(tmp_path / "sources"))
-            assert fresh() is None and not (tmp_path / "cache").exists()
-        finally:
-            monkeypatch.undo()
-            fresh()
