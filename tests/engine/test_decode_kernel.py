@@ -1,5 +1,6 @@
 """The batched decode-attention kernel against SDPA, on real paged caches: several sequences, split
-spans, grouped-query heads, float32 and bfloat16; and the engine's greedy output with it on and off."""
+spans, grouped-query heads, float32 and bfloat16; the engine's greedy output with it on and
+off; and both attention kernels' fallback."""
 
 from __future__ import annotations
 
