@@ -110,6 +110,8 @@ class TestAgainstSdpa:
         assert batch.prefill is not None
         assert kernel(torch.randn(4, 4, 24), torch.randn(2, 16, 24), torch.randn(2, 16, 24), batch.prefill, 1.0) is None
         assert kernel(torch.randn(4, 34, 64), torch.randn(2, 16, 64), torch.randn(2, 16, 64), batch.prefill, 1.0) is None
+        strided = torch.randn(2, 32, 64)[:, ::2]  # a cache the kernel cannot index as [kv_heads, slots, dim]
+        assert kernel(torch.randn(4, 4, 64), strided, strided.contiguous(), batch.prefill, 1.0) is None
         half = torch.randn(4, 4, 64).half()
         assert kernel(half, half[:2].clone(), half[:2].clone(), batch.prefill, 1.0) is None
         # and paged_attention then serves the chunk with SDPA

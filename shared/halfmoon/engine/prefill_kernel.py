@@ -53,8 +53,8 @@ class PrefillKernel:
     """Contract: ``__call__`` returns ``[tokens, heads * dim]`` for a step of ``tokens`` query rows whose rows
     of the batch's chunks hold each query's causal attention over its context (the chunk's last
     ``query_len`` context tokens are its own), equal to SDPA's up to float32 rounding; other rows are
-    undefined. ``None`` for inputs it does not take (another device or dtype, a head group over 16, a head
-    dimension that is not a multiple of 16 or over 256)."""
+    undefined. ``None`` for inputs it does not take (another device or dtype, a cache that is not contiguous,
+    a head group over 16, a head dimension that is not a multiple of 16 or over 256)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.prefill_attention
@@ -64,8 +64,9 @@ class PrefillKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
                  scale: float) -> torch.Tensor | None:
-        if q.device.type != "cpu" or q.dtype not in DTYPES or k_cache.dtype != q.dtype or q.stride(2) != 1 \
-                or q.stride(1) != q.shape[2]:
+        if q.device.type != "cpu" or q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype \
+                or q.stride(2) != 1 or q.stride(1) != q.shape[2] \
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
         tokens, heads, dim = q.shape
         kv_heads, slots, _ = k_cache.shape
