@@ -17,15 +17,6 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-static inline void load_row(int bf16, const void *base, long index, int dim, float *out) {
-    if (bf16) {
-        const uint16_t *row = (const uint16_t *)base + index;
-        for (int d = 0; d < dim; d++) out[d] = bf16_to_float(row[d]);
-    } else {
-        memcpy(out, (const float *)base + index, dim * sizeof(float));
-    }
-}
-
 /* q, out: [batch, heads, dim]; k_cache, v_cache: [kv_heads, slots, dim]; sequence b reads spans
  * span_offsets[b] .. span_offsets[b + 1] - 1 of spans (start, end pairs). scratch holds
  * threads * group * max_context floats. Returns 0, or -1 for shapes it does not handle. */

@@ -36,10 +36,6 @@ typedef float v16 __attribute__((vector_size(64)));
 static inline v16 vload(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
-static inline float load(int bf16, const void *base, long index) {
-    return bf16 ? bf16_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
-}
-
 static inline int tile_positions(int group) { return ROWS_PER_TILE / group > 0 ? ROWS_PER_TILE / group : 1; }
 
 static inline long padded_rows(int group) {
@@ -59,24 +55,19 @@ static void load_tile(int bf16, const void *k_cache, const void *v_cache, const 
                       long head_base, int dim, float *kt, float *vf) {
     float row[MAX_DIM];
     for (int j = 0; j < KEY_TILE; j++) {
-        if (j >= n) {
-            for (int d = 0; d < dim; d++) { kt[(long)d * KEY_TILE + j] = 0.f; vf[(long)j * dim + d] = 0.f; }
-            continue;
-        }
-        long base = (head_base + slot_of[j]) * dim;
-        if (bf16) {
-            const uint16_t *k = (const uint16_t *)k_cache + base, *v = (const uint16_t *)v_cache + base;
-            for (int d = 0; d < dim; d++) row[d] = bf16_to_float(k[d]);
-            for (int d = 0; d < dim; d++) vf[(long)j * dim + d] = bf16_to_float(v[d]);
+        if (j < n) {
+            long base = (head_base + slot_of[j]) * dim;
+            load_row(bf16, k_cache, base, dim, row);
+            load_row(bf16, v_cache, base, dim, vf + (long)j * dim);
         } else {
-            memcpy(row, (const float *)k_cache + base, dim * sizeof(float));
-            memcpy(vf + (long)j * dim, (const float *)v_cache + base, dim * sizeof(float));
+            memset(row, 0, dim * sizeof(float));
+            memset(vf + (long)j * dim, 0, dim * sizeof(float));
         }
         for (int d = 0; d < dim; d++) kt[(long)d * KEY_TILE + j] = row[d];
     }
 }
 
-/* scores[r][0..KEY_TILE) = q[r] . k[j] for rows r0 .. r0 + ROW_BLOCK - 1, dim in blocks of 64. */
+/* scores[r][0..KEY_TILE) = q[r] . k[j] for rows r0 .. r0 + ROW_BLOCK - 1, the tile's 64 keys as four vectors. */
 static void block_scores(const float *qf, const float *kt, float *scores, int r0, int dim) {
     v16 s[ROW_BLOCK][4] = {{{0}}};
     for (int d = 0; d < dim; d++) {
@@ -162,12 +153,15 @@ int prefill_attention(int bf16, const void *q, long q_stride, const void *k_cach
         float *vf = kt + (long)KEY_TILE * dim;    /* [KEY_TILE][dim] */
         float *top = vf + (long)KEY_TILE * dim, *total = top + padded, *rescale = total + padded;
         for (int r = 0; r < blocks; r++) {
-            long row = query_start[seq] + t0 + r / group;
-            long head = (long)kh * group + r % group;
-            for (int d = 0; d < dim; d++) {
-                qf[(long)r * dim + d] = r < rows ? load(bf16, q, row * q_stride + head * dim + d) * scale : 0.f;
-                acc[(long)r * dim + d] = 0.f;
+            float *qr = qf + (long)r * dim;
+            if (r < rows) {
+                long row = query_start[seq] + t0 + r / group, head = (long)kh * group + r % group;
+                load_row(bf16, q, row * q_stride + head * dim, dim, qr);
+                for (int d = 0; d < dim; d++) qr[d] *= scale;
+            } else {
+                memset(qr, 0, dim * sizeof(float));
             }
+            memset(acc + (long)r * dim, 0, dim * sizeof(float));
             top[r] = -FLT_MAX;
             total[r] = 0.f;
         }
