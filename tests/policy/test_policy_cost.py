@@ -135,5 +135,17 @@ class TestOnlineFitter:
         for x in (16, 32, 64, 128, 256, 16, 32, 64, 128, 256):
             fitter.record(x, 0, 0.001 + 1e-4 * x)
         assert fitter.predict(500, 0) == pytest.approx(0.001 + 0.05)  # fitted: within 2 x 256
-        # beyond what was measured: the prior (here a constant) at the median measured level
-        assert fitter.predict(600, 0) == pytest.approx(0.001 + 1e-4 * 64)
+        # beyond what was measured: the fit's value at twice the range, growing as the prior does (a constant)
+        assert fitter.predict(600, 0) == pytest.approx(0.001 + 1e-4 * 512)
+
+    def test_a_prediction_never_falls_past_the_fitted_range(self):
+        """As measured live: a fit of decoding steps of up to 8 sequences, with a prior whose level the
+        measurements set far lower; a step of 17 was predicted from the prior alone at a seventh of the
+        fit's step of 16, and a burst placed on it saw gaps 25x its prediction."""
+        prior = DecodeCostModel((0.002, 0.0005, 0.0))
+        fitter = OnlineFitter(DecodeCostModel.fit, prior, min_samples=8, refit_every=1)
+        for batch in (1, 2, 4, 8, 1, 2, 4, 8):
+            fitter.record(batch, 0, 0.01 * batch if batch > 1 else 0.003)
+        steps = [fitter.predict(batch, 0) for batch in range(1, 40)]
+        assert all(later >= earlier for earlier, later in zip(steps, steps[1:]))
+        assert fitter.predict(17, 0) >= fitter.predict(16, 0) > 0.1

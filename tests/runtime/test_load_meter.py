@@ -62,6 +62,20 @@ class TestWindowSteps:
         window = meter.window_steps(now=101.0)
         assert window is not None and window.seconds == pytest.approx(0.15 + (6.0 - 0.15) / 10)
 
+    def test_each_step_counts_once_per_sequence_it_advanced(self):
+        """As measured live (8 streams of 512-token prompts): chunks came in as others finished, sharing steps
+        with 2-4 decoders where 8 decoded otherwise; counted per step, the window said 150 ms between tokens
+        where the streams saw 55-125."""
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        for i in range(9):
+            meter.on_step(self.at(100.0 + i * 0.1, 0.15, decoding=8, tokens=8))
+        meter.on_step(self.at(101.0, 6.0, decoding=2, tokens=2050))
+        window = meter.window_steps(now=101.0)
+        assert window is not None
+        gaps = 9 * 8 + 2  # tokens the streams received in the window
+        assert window.seconds == pytest.approx((9 * 8 * 0.15 + 2 * 6.0) / gaps)  # their mean gap
+        assert window.batch == pytest.approx((9 * 8 * 8 + 2 * 2) / gaps)
+
     def test_it_forgets(self):
         meter = LoadMeter(block_size=16, window_s=10.0)
         meter.on_step(self.at(100.0, 0.5))

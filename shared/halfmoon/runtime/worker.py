@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import nats
+import numpy as np
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.kv_spec import KVSpec
@@ -25,6 +26,7 @@ from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.host_memory import HostMemory
 from halfmoon.engine.interface import Engine, EngineStats, StepTiming
+from halfmoon.policy.cost import weighted_median
 from halfmoon.policy.state import SERVING_SLO, RecentSamples
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
@@ -161,25 +163,31 @@ class LoadMeter:
     def window_steps(self, now: float) -> StepSample | None:
         """The decoding steps of the last window as the time between tokens a decoding sequence saw: the
         median of those that computed no prompt tokens, plus what those a prompt chunk shared took beyond it
-        (their mean) in the share of steps they were (None: none in the window). The median, because one
-        step stalled by something outside (a NATS outage held one for 10 s) says nothing of the next ones;
-        the shared steps' mean, because their length is the prompts' (a chunk of 2,048 tokens took 6 s
-        where a decode-only step took 0.15 s), and the mix, because a stream's mean gap is that mix. One
-        heartbeat's steps alone swung from 0.15 s to 6 s with whether a chunk fell in them."""
+        in the share of tokens they gave (None: none in the window). Each step counts once per sequence it
+        advanced, as a stream's gaps do: a prompt chunk often shares a step with few decoders (it comes in
+        when others have just finished), and counted per step its excess stood for half again the gaps the
+        streams saw. The median, because one step stalled by something outside (a NATS outage held one for
+        10 s) says nothing of the next ones; the shared steps' excess in full, because their length is the
+        prompts' (a chunk of 2,048 tokens took 6 s where a decode-only step took 0.15 s) and a stream's mean
+        gap is that mix. One heartbeat's steps alone swung from 0.15 s to 6 s with whether a chunk fell in
+        them."""
         steps = self._decoding
         while steps and steps[0].ended < now - self._window_s:
             steps.popleft()
         window = tuple(steps)
         if not window:
             return None
-        alone = sorted(t.seconds for t in window if not t.shared_with_prefill)
-        shared = [t.seconds for t in window if t.shared_with_prefill]
-        typical = alone[(len(alone) - 1) // 2] if alone else sum(shared) / len(shared)  # the lower median
-        excess = sum(shared) / len(shared) - typical if shared and alone else 0.0
-        n = len(window)
-        return StepSample(steps=n, batch=sum(t.num_decoding for t in window) / n,
-                          kv_tokens=sum(t.kv_blocks for t in window) * self.block_size / n,
-                          seconds=typical + max(0.0, excess) * len(shared) / n)
+        gaps = sum(t.num_decoding for t in window)
+        alone = [t for t in window if not t.shared_with_prefill]
+        shared = [t for t in window if t.shared_with_prefill]
+        if alone:
+            typical = weighted_median(np.array([t.seconds for t in alone]), np.array([t.num_decoding for t in alone]))
+            excess = max(0.0, sum(t.num_decoding * (t.seconds - typical) for t in shared)) / gaps
+        else:
+            typical, excess = sum(t.num_decoding * t.seconds for t in shared) / gaps, 0.0
+        return StepSample(steps=len(window), batch=sum(t.num_decoding ** 2 for t in window) / gaps,
+                          kv_tokens=sum(t.num_decoding * t.kv_blocks for t in window) * self.block_size / gaps,
+                          seconds=typical + excess)
 
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)

@@ -258,6 +258,7 @@ class ConductorService(Service[ConductorConfig]):
             return await self._reject(request, choice.reason, choice.message, choice.retry_after_s)
         if aggregated and prefill and decode:
             self._record_serving(request, choice)
+        self._record_decode_load(choice, [*decode, *aggregated])
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
         placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
                         request_id=request.request_id, prefill_s=choice.prefill_s, prompt_tokens=request.prompt_len,
@@ -293,6 +294,23 @@ class ConductorService(Service[ConductorConfig]):
         self.log.debug("hand-off or whole", extra={"request_id": request.request_id, "serving": serving,
                                                     "instance": choice.prefill,
                                                     **{f"{name}_cost_s": value for name, value in costs.items()}})
+
+    @staticmethod
+    def _record_decode_load(choice: Placement, candidates: list[InstanceView]) -> None:
+        """The decode instance's load as this placement saw it: what its predicted TBT was made from, so a
+        prediction's error can be read from the request's trace."""
+        view = next((v for v in candidates if v.instance_id == choice.decode), None)
+        span = trace.get_current_span()
+        if view is None or not span.is_recording():
+            return
+        load, window = view.load, view.load.window_steps
+        span.set_attributes({
+            "halfmoon.decode.running": load.running, "halfmoon.decode.placed": view.outstanding.requests,
+            **({} if choice.predicted_tbt_ms is None else {"halfmoon.tbt.predicted_ms": choice.predicted_tbt_ms}),
+            **({} if load.shared_step_fraction is None else {"halfmoon.decode.shared_step_fraction":
+                                                            load.shared_step_fraction}),
+            **({} if window is None else {"halfmoon.decode.window_step_ms": window.seconds * 1000,
+                                          "halfmoon.decode.window_batch": window.batch})})
 
     def _incarnation(self, instance_id: str) -> str:
         view = self.table.get(instance_id)
