@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from halfmoon.engine.engine import LLMEngine
-from halfmoon.engine.interface import RequestKV
+from halfmoon.engine.interface import STORE_GENERATED_EVERY_BLOCKS, RequestKV
 from halfmoon.engine.weights import Projection
 from halfmoon.protocol.sampling import SamplingParams
-from halfmoon.runtime.generated_kv import STORE_EVERY_BLOCKS
 from tests.engine.conftest import make_engine, random_prompts
 
 SIZE = 16
@@ -66,8 +65,9 @@ def test_a_resumed_request_has_the_first_attempts_kv(tiny_llama: Path, prompt_le
     first_token, first_logprob, prompt_kv = prefill(engine(tiny_llama, 64), prompt, [], [])
     tokens, logprobs, pool = decode(engine(tiny_llama, 512), prompt, [first_token], prompt_kv, snapshot_at=resume_at)
     logprobs = [first_logprob, *logprobs]
-    # decode stores generated blocks STORE_EVERY_BLOCKS at a time after the prompt's: the newest are not there
-    stored = len(pool) - (len(pool) - prompt_len // SIZE) % STORE_EVERY_BLOCKS
+    # decode stores generated blocks STORE_GENERATED_EVERY_BLOCKS at a time after the prompt's: the newest are
+    # not there
+    stored = len(pool) - (len(pool) - prompt_len // SIZE) % STORE_GENERATED_EVERY_BLOCKS
     token, logprob, resumed_kv = prefill(engine(tiny_llama, 512), prompt, tokens[:resume_at], pool[:stored])
     assert stored * SIZE < prompt_len + resume_at - 1  # something is recomputed
     assert [bytes(b) for b in resumed_kv[stored:len(pool)]] == [bytes(b) for b in pool[stored:]]

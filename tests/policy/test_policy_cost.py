@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 
@@ -147,5 +149,5 @@ class TestOnlineFitter:
         for batch in (1, 2, 4, 8, 1, 2, 4, 8):
             fitter.record(batch, 0, 0.01 * batch if batch > 1 else 0.003)
         steps = [fitter.predict(batch, 0) for batch in range(1, 40)]
-        assert all(later >= earlier for earlier, later in zip(steps, steps[1:]))
+        assert all(later >= earlier for earlier, later in itertools.pairwise(steps))
         assert fitter.predict(17, 0) >= fitter.predict(16, 0) > 0.1

@@ -167,6 +167,12 @@ def complete_logging_hits(server: VllmServer, model: Path, prompt: list[int],
     return reply, pool_hits(server)[before:]
 
 
+def stores_from(server: VllmServer, first_block: int) -> list[str]:
+    """The connector's stores of a request's blocks from ``first_block`` on."""
+    return [line for line in server.log.read_text().splitlines() if f"blocks {first_block}.. of" in line
+            and "HalfmoonConnector: stored" in line]
+
+
 def generated(reply: dict) -> tuple[list[str], list[float]]:
     """The greedy tokens (as ``token_id:N``) and their logprobs."""
     logprobs = reply["choices"][0]["logprobs"]
@@ -248,6 +254,31 @@ def halfmoon_complete(cluster: LocalCluster, prompt: list[int]) -> dict:
     reply = httpx.post(f"{cluster.url}/v1/completions", json=body, headers=AUTH, timeout=300)
     assert reply.status_code == 200, reply.text
     return reply.json()
+
+
+def test_generated_blocks_are_stored_as_the_kv_of_prompt_and_output(servers, cluster: LocalCluster,
+                                                                     model_dir: Path) -> None:
+    """A's generated tokens' full blocks reach the pool a few at a time, chained on the prompt's keys, as the
+    KV of prompt and output: B, given both as its prompt (a migrated request, the next turn of a chat),
+    loads them rather than recomputing them."""
+    a, b = servers
+    prompt = tokens(5 * BLOCK, seed=7)
+    generated_stores = len(stores_from(a, 5))
+    reply = a.complete(model_dir, prompt, max_tokens=96, ignore_eos=True)
+    output = [int(token.removeprefix("token_id:")) for token in generated(reply)[0]]
+    assert len(output) == 96
+    deadline = time.monotonic() + 60
+    while len(stores_from(a, 5)) == generated_stores:  # stored in the background: its log line says when
+        assert time.monotonic() < deadline, "A never stored its generated blocks"
+        time.sleep(0.1)
+    context = prompt + output
+    blocks = pool_blocks(cluster, model_dir, context)
+    # the prompt's 5 blocks, then generated ones 4 at a time (3 where vLLM had not yet appended the newest
+    # token when it scheduled the step); the last token computed was the 175th
+    assert 5 + 3 <= len(blocks) <= (len(context) - 1) // BLOCK
+    assert_blocks_are_the_prompts_kv(blocks, model_dir, context[:len(blocks) * BLOCK])
+    _, hits = complete_logging_hits(b, model_dir, context)
+    assert len(hits) == 1 and f"pool hit of {len(blocks) * BLOCK} prompt tokens" in hits[0]
 
 
 def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalCluster, model_dir: Path) -> None:

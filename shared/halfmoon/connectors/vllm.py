@@ -55,11 +55,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from halfmoon.connectors.pool_session import CONNECTION_FIELDS, PoolSession, session_config
 from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
-from halfmoon.core.keys import BlockHasher, Namespace
+from halfmoon.core.keys import ROOT_KEY, BlockHasher, Namespace
 from halfmoon.core.kv_spec import describe
 from halfmoon.core.tenants import within_tenant
-from halfmoon.engine.interface import LayerUnavailable
-from halfmoon.engine.vllm_engine import KEYS_PARAM, TRACE_PARAM, kv_spec_of
+from halfmoon.engine.interface import STORE_GENERATED_EVERY_BLOCKS, LayerUnavailable
+from halfmoon.engine.vllm_engine import KEYS_PARAM, SALT_PARAM, TRACE_PARAM, kv_spec_of
 from halfmoon.protocol.cache import LookupResult
 from halfmoon.protocol.permissions import KV_CLIENT
 from halfmoon.protocol.work import BlockLocation
@@ -152,13 +152,16 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Prompt blocks ``first_block ..`` (keys ``keys``) were completed by this step: store them."""
+    """Blocks ``first_block ..`` (keys ``keys``) of a request were completed by this step: store them, before
+    the step ends when ``wait`` (a prompt's: a decode instance or another server may look them up next),
+    else in the background (generated ones)."""
 
     request_id: str
     block_ids: list[int]
     first_block: int
     keys: list[bytes]
     trace: dict[str, str]
+    wait: bool = True
 
 
 @dataclass
@@ -169,12 +172,21 @@ class HalfmoonConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Prompt:
-    """A scheduled request's prompt as the pool knows it."""
+    """A scheduled request as the pool knows it."""
 
-    keys: list[bytes]  # every full block of the prompt
+    request: Request  # the scheduler's own: its token ids grow as it generates
+    hasher: BlockHasher
+    keys: list[bytes]  # every full block of the prompt, then of generated tokens as they are stored
+    prompt_blocks: int
     trace: dict[str, str]
     block_ids: list[int] = field(default_factory=list)
-    stored: int = 0  # prompt blocks before this one need no store (computed by an earlier step, or loaded)
+    stored: int = 0  # blocks before this one need no store (computed by an earlier step, or loaded)
+
+    def extend_keys(self, blocks: int) -> None:
+        """Keys up to ``blocks`` (as far as the request's tokens go), chained on from the last."""
+        tokens, size = self.request.all_token_ids, self.hasher.block_size
+        for n in range(len(self.keys), min(blocks, len(tokens) // size)):
+            self.keys.append(self.hasher.key(self.keys[-1] if self.keys else ROOT_KEY, tokens[n * size:(n + 1) * size]))
 
 
 @dataclass
@@ -246,22 +258,26 @@ class HalfmoonConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def _hasher(self, request: Request) -> BlockHasher:
-        salt = getattr(request, "cache_salt", None)
-        if self.cache_salt is not None:
-            salt = within_tenant(self.cache_salt, salt)
+        params = request.kv_transfer_params or {}
+        if SALT_PARAM in params:  # Halfmoon's VllmEngine: its service's tenant salt
+            salt = params[SALT_PARAM]
+        else:
+            salt = getattr(request, "cache_salt", None)
+            if self.cache_salt is not None:
+                salt = within_tenant(self.cache_salt, salt)
         return BlockHasher(self.block_size, Namespace(self.spec.model_fingerprint, salt))
 
     def _prompt(self, request: Request) -> _Prompt:
         prompt = self._prompts.get(request.request_id)
         if prompt is None:
             params = request.kv_transfer_params or {}
-            given = params.get(KEYS_PARAM)
-            if given is not None:  # Halfmoon's VllmEngine: its service keyed the blocks (tenant salt included)
+            hasher, given = self._hasher(request), params.get(KEYS_PARAM)
+            if given is not None:  # Halfmoon's VllmEngine: its service keyed the blocks
                 keys = [bytes.fromhex(key) for key in given][:request.num_prompt_tokens // self.block_size]
             else:
-                keys = self._hasher(request).keys(list(request.prompt_token_ids or []))
+                keys = hasher.keys(list(request.prompt_token_ids or []))
             trace = dict(params.get(TRACE_PARAM) or getattr(request, "trace_headers", None) or {})
-            prompt = self._prompts[request.request_id] = _Prompt(keys, trace)
+            prompt = self._prompts[request.request_id] = _Prompt(request, hasher, keys, len(keys), trace)
         return prompt
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -336,10 +352,14 @@ class HalfmoonConnector(KVConnectorBase_V1):
         meta.loads.append(LoadSpec(req_id, list(prompt.block_ids), hit.start, hit.end, first, replicas, prompt.trace))
 
     def _add_save(self, meta: HalfmoonConnectorMetadata, req_id: str, prompt: _Prompt, computed: int) -> None:
-        full = min(computed // self.block_size, len(prompt.keys))
+        """The blocks ``computed`` tokens complete: the prompt's at once, generated ones a few at a time."""
+        full = computed // self.block_size
+        if full - len(prompt.keys) >= STORE_GENERATED_EVERY_BLOCKS:
+            prompt.extend_keys(full)
+        full = min(full, len(prompt.keys))
         if full > prompt.stored:
             meta.saves.append(SaveSpec(req_id, list(prompt.block_ids), prompt.stored, prompt.keys[prompt.stored:full],
-                                       prompt.trace))
+                                       prompt.trace, wait=prompt.stored < prompt.prompt_blocks))
             prompt.stored = full
 
     def _release(self, req_id: str) -> None:
@@ -521,10 +541,20 @@ class HalfmoonConnector(KVConnectorBase_V1):
         self._reading, self._layer_times = [], []
         saving, self._saving = self._saving, []
         for save, payloads, _bodies, _places in saving:
-            store = self.session.pool.store(save.keys, payloads, save.first_block)
-            stored = self.session.run(self._traced(save.trace, "vllm.kv_store", store, save.request_id), POOL_TIMEOUT_S)
-            log.info("HalfmoonConnector: stored %d of %d prompt blocks of %s in the pool", len(stored),
-                     len(save.keys), save.request_id)
+            if save.wait:
+                self.session.run(self._store(save, payloads), POOL_TIMEOUT_S)
+            else:
+                self.session.submit(self._store(save, payloads))
+
+    async def _store(self, save: SaveSpec, payloads: list[bytearray]) -> None:
+        try:
+            stored = await self._traced(save.trace, "vllm.kv_store",
+                                        self.session.pool.store(save.keys, payloads, save.first_block), save.request_id)
+        except Exception:  # a block not stored is recomputed by whoever wants it
+            log.exception("HalfmoonConnector: storing blocks %d.. of %s failed", save.first_block, save.request_id)
+            return
+        log.info("HalfmoonConnector: stored %d of %d blocks %d.. of %s in the pool", len(stored), len(save.keys),
+                 save.first_block, save.request_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

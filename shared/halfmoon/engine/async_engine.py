@@ -165,8 +165,8 @@ class AsyncEngine(Engine):
         return await future
 
     async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                       output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
-                       kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+                       output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), tenant_salt: str | None = None,
+                       prefill_only: bool = False, kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[Any] = asyncio.Queue()
 

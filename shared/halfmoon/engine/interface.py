@@ -25,6 +25,9 @@ from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.sampling import SamplingParams
 
 PREFILL_DONE = "prefill_done"
+# a request's generated KV goes to the pool once this many new full blocks are computed: a store per block
+# would cost a round trip every block_size tokens
+STORE_GENERATED_EVERY_BLOCKS = 4
 """The finish reason of a prefill-only request's first token when the output goes on in decode."""
 
 
@@ -231,14 +234,16 @@ class Engine(ABC):
 
     @abstractmethod
     def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                 output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
-                 kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+                 output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), tenant_salt: str | None = None,
+                 prefill_only: bool = False, kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
         """Add a request and stream its outputs.
 
         ``output_token_ids`` continues a request whose first tokens were produced elsewhere (a prefill
         instance, an earlier attempt); they count towards ``max_tokens``. ``block_keys`` are the content
         keys of the prompt's full blocks: matching ones are reused from the local prefix cache, and
-        computed ones are cached there. ``prefill_only`` stops after the first sampled token
+        computed ones are cached there. ``tenant_salt`` is the salt they were made with
+        (``kv_spec.hasher(tenant_salt)``): an engine that stores in the pool itself (``pool_kv``) keys the blocks
+        it generates past them with it; the others' services store those. ``prefill_only`` stops after the first sampled token
         (``PREFILL_DONE`` unless the output ends there) and keeps the KV until ``release``. ``kv`` is the
         KV the request loads and stores (``RequestKV``)."""
 

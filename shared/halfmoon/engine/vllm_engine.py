@@ -55,6 +55,7 @@ from halfmoon.telemetry.propagation import inject_headers
 CONNECTOR = "HalfmoonConnector"
 CONNECTOR_MODULE = "halfmoon.connectors.vllm"
 KEYS_PARAM = "halfmoon_block_keys"  # kv_transfer_params: the request's full-block keys, hex, for the connector
+SALT_PARAM = "halfmoon_tenant_salt"  # kv_transfer_params: the salt of those keys, to key the generated blocks
 TRACE_PARAM = "halfmoon_trace"  # kv_transfer_params: the request's trace context, so the connector's spans join it
 NOT_HERE = ("vLLM's KV moves through its KV connector, inside its workers (Engine.pool_kv): {what} is "
             "Halfmoon's own engine's")
@@ -114,9 +115,10 @@ def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, s
 
 
 def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, keys: Seq[bytes],
-                  trace: Mapping[str, str] = MappingProxyType({})) -> VllmSamplingParams:
+                  tenant_salt: str | None = None, trace: Mapping[str, str] = MappingProxyType({})) -> VllmSamplingParams:
     """vLLM's sampling parameters for the rest of a request that has ``produced`` output tokens already;
-    ``keys`` and ``trace`` (W3C trace-context headers) go to the connector."""
+    ``keys``, the ``tenant_salt`` they were made with and ``trace`` (W3C trace-context headers) go to the
+    connector."""
     remaining = params.max_tokens - produced
     if remaining < 1:
         raise InvalidRequestError(f"max_tokens {params.max_tokens} leaves nothing after {produced} output tokens")
@@ -125,7 +127,8 @@ def vllm_sampling(params: SamplingParams, produced: int, prefill_only: bool, key
         seed=params.seed, stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos, max_tokens=1 if prefill_only else remaining,
         logprobs=0 if params.logprobs else None, output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": {KEYS_PARAM: [key.hex() for key in keys], TRACE_PARAM: dict(trace)}})
+        extra_args={"kv_transfer_params": {KEYS_PARAM: [key.hex() for key in keys], SALT_PARAM: tenant_salt,
+                                           TRACE_PARAM: dict(trace)}})
 
 
 class _StepRecorder(StatLoggerBase):
@@ -233,8 +236,8 @@ class VllmEngine(Engine):
         return self._stats
 
     async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                       output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
-                       kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+                       output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), tenant_salt: str | None = None,
+                       prefill_only: bool = False, kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
         """``block_keys`` are the keys of the whole context's full blocks (prompt and ``output_token_ids``):
         the connector loads and stores the pool's blocks under them, and vLLM's own prefix cache is salted
         with the first, so it shares blocks only where the pool would (same tenant, same first block)."""
@@ -245,7 +248,7 @@ class VllmEngine(Engine):
         if request_id in self._active:
             raise InvalidRequestError(f"request {request_id} is already running")
         context = [*prompt_token_ids, *output_token_ids]
-        sampling = vllm_sampling(params, len(output_token_ids), prefill_only, block_keys, inject_headers())
+        sampling = vllm_sampling(params, len(output_token_ids), prefill_only, block_keys, tenant_salt, inject_headers())
         prompt = TokensPrompt(prompt_token_ids=context)
         if block_keys:
             prompt["cache_salt"] = block_keys[0].hex()

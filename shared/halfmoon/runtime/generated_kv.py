@@ -7,10 +7,8 @@ import contextlib
 from collections.abc import Sequence as Seq
 
 from halfmoon.core.errors import EngineError
-from halfmoon.engine.interface import RequestOutput
+from halfmoon.engine.interface import STORE_GENERATED_EVERY_BLOCKS, RequestOutput
 from halfmoon.runtime.worker import EngineWorker
-
-STORE_EVERY_BLOCKS = 4  # store generated KV once this many new full blocks are computed
 
 
 class GeneratedKV:
@@ -28,8 +26,8 @@ class GeneratedKV:
         self._task: asyncio.Task[None] | None = None
 
     def progress(self, out: RequestOutput) -> None:
-        """Note ``out``'s tokens; store once ``STORE_EVERY_BLOCKS`` new full blocks are computed. Payloads the
-        engine exported with the output (``prompt_kv``) are stored at once, even if it ended."""
+        """Note ``out``'s tokens; store once ``STORE_GENERATED_EVERY_BLOCKS`` new full blocks are computed. Payloads
+        the engine exported with the output (``prompt_kv``) are stored at once, even if it ended."""
         self.tokens.extend(out.new_token_ids)
         if out.prompt_kv:
             # NOTE: the first output is the only one with prompt_kv, so no store is in flight yet.
@@ -41,7 +39,7 @@ class GeneratedKV:
             return  # the engine has freed its KV
         # The newest sampled token has no KV yet: everything before it is computed.
         computed_blocks = (len(self.tokens) - 1) // self.size
-        if computed_blocks - self.stored >= STORE_EVERY_BLOCKS and (self._task is None or self._task.done()):
+        if computed_blocks - self.stored >= STORE_GENERATED_EVERY_BLOCKS and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._store(self.stored, computed_blocks, list(self.tokens)))
             self.stored = computed_blocks
 

@@ -75,6 +75,7 @@ class AggregatedService(EngineWorker):
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
                                                       block_keys=self.prefix.prompt_keys(req, prefix.keys),
+                                                      tenant_salt=req.tenant_salt,
                                                       # taken on the engine thread: a short answer may end, and
                                                       # its KV be freed, before a later export could run
                                                       kv=NO_KV if pooled else prefix.kv(export_prompt_from=prefix.reused)):

@@ -80,6 +80,7 @@ class DecodeService(EngineWorker):
             try:
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=outputs, block_keys=keys,
+                                                      tenant_salt=req.tenant_salt,
                                                       kv=NO_KV if pooled else RequestKV(source=payloads)):
                     produced += len(out.new_token_ids)
                     await self.publish_event(stream, token_event(out, req.sampling, self.instance_id,

@@ -120,7 +120,7 @@ class PrefillService(EngineWorker):
                 async for out in self.engine.generate(req.request_id, req.prompt_token_ids, req.sampling,
                                                       output_token_ids=req.output_token_ids,
                                                       block_keys=self.prefix.prompt_keys(req, prefix.keys),
-                                                      prefill_only=True,
+                                                      tenant_salt=req.tenant_salt, prefill_only=True,
                                                       kv=NO_KV if writer is None
                                                       else prefix.kv(writer.sink, writer.first_block)):
                     outputs.append(out)
