@@ -26,8 +26,9 @@ layers overlap its compute (a ``vllm.layer_forward`` span per layer, in the requ
 they are read whole before the first layer. Each layer is copied into vLLM's paged cache just before that
 layer's attention; a block that is missing or fails its MAC is reported through
 ``get_block_ids_with_load_errors``, and vLLM recomputes from there (``kv_load_failure_policy: recompute``).
-Every prompt block that a step completes is copied out layer by layer as each layer finishes and stored
-(put_start, the bytes, put_end) before the step ends, so vLLM's blocks are never held after it.
+Every block that a step completes is copied out layer by layer as each layer finishes, so vLLM's blocks are
+never held after the step: a prompt's are stored (put_start, the bytes, put_end) before the step ends,
+generated ones (keyed on from the prompt's) four at a time in the background.
 """
 
 from __future__ import annotations
