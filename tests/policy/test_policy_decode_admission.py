@@ -74,6 +74,28 @@ class TestSloAwareDecode:
         assert decode.predicted_tbt(busy("a", 0, 0)._replace(interleaves_prefill=True), 1_000) == pytest.approx(0.012)
 
 
+    def test_an_aggregated_instance_counts_the_prompt_work_queued_on_it(self):
+        """As measured live: a burst of 26 prompts placed in 3 s on an aggregated instance whose recent steps
+        took 52 ms; each was predicted 52-59 ms and admitted, and the sequences decoding there got
+        140-1,226 ms between tokens while the burst's prompts shared their steps."""
+        decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        calm = DecodeInstanceState("a0", 4, 0, 10**6, interleaves_prefill=True, queued_prefill_s=1.0)
+        burst = calm._replace(queued_prefill_s=6.0)
+        # 32 tokens each: 0.05 + 1 / 32 = 0.081 s is within the SLO, 0.05 + 6 / 32 = 0.2375 s is not
+        choice = decode.choose([calm], 100, decode_tokens=32)
+        assert choice is not None and choice.predicted_tbt_s == pytest.approx(0.05)  # the request's own
+        assert decode.choose([burst], 100, decode_tokens=32) is None
+        nearest = decode.nearest([burst], 100, decode_tokens=32)
+        assert nearest is not None and nearest.predicted_tbt_s == pytest.approx(0.05 + 6.0 / 32)
+        assert decode.choose([burst], 100) is not None  # max_tokens not known: its steps alone
+        # an instance that computes no prompts is not slowed by any
+        assert decode.choose([burst._replace(interleaves_prefill=False)], 100, decode_tokens=32) is not None
+        admission = PredictiveEarlyRejection(decode)
+        verdict = admission.admit([burst], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32)
+        assert not verdict.accepted and verdict.decode is not None
+        assert admission.admit([calm], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32).accepted
+
+
 class TestAdmission:
     def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):
         decode = SloAwareDecode(cost.decode, SLO_50MS)

@@ -39,8 +39,8 @@ def retry_after(instances: Sequence[DecodeInstanceState], after: float) -> float
 class AdmissionPolicy(ABC):
     """Decides before prefill whether the decode pool can take a request.
 
-    Contract: pure; ``now`` is the current time and ``prefill_done_at`` the predicted end of
-    this request's prefill (>= now). An accepted decision carries the decode instance judged
+    Contract: pure; ``now`` is the current time, ``prefill_done_at`` the predicted end of
+    this request's prefill (>= now) and ``decode_tokens`` its ``max_tokens`` (0: not known). An accepted decision carries the decode instance judged
     best (None means: choose at hand-off). A rejection names its reason and a retry-after.
     """
 
@@ -51,7 +51,8 @@ class AdmissionPolicy(ABC):
 
     @abstractmethod
     def admit(
-        self, instances: Sequence[DecodeInstanceState], context_tokens: int, now: float, prefill_done_at: float
+        self, instances: Sequence[DecodeInstanceState], context_tokens: int, now: float, prefill_done_at: float,
+        decode_tokens: int = 0,
     ) -> AdmissionDecision: ...
 
 
@@ -60,7 +61,7 @@ class NoAdmission(AdmissionPolicy):
 
     name = "none"
 
-    def admit(self, instances, context_tokens, now, prefill_done_at):
+    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0):
         return AdmissionDecision(True, "ok", 0.0, self.decode.choose(instances, context_tokens))
 
 
@@ -73,12 +74,12 @@ class EarlyRejection(AdmissionPolicy):
     def _judged_at(self, now: float, prefill_done_at: float) -> float | None:
         return None
 
-    def admit(self, instances, context_tokens, now, prefill_done_at):
+    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0):
         at = self._judged_at(now, prefill_done_at)
-        choice = self.decode.choose(instances, context_tokens, at=at)
+        choice = self.decode.choose(instances, context_tokens, at=at, decode_tokens=decode_tokens)
         if choice is not None:
             return AdmissionDecision(True, "ok", 0.0, choice)
-        nearest = self.decode.nearest(instances, context_tokens, at=at)
+        nearest = self.decode.nearest(instances, context_tokens, at=at, decode_tokens=decode_tokens)
         return AdmissionDecision(False, self.reason, retry_after(instances, now), nearest)
 
 

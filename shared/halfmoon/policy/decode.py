@@ -81,6 +81,12 @@ class SloAwareDecode:
     its steps with this request decoding, and those a prompt chunk shares, mixed in the proportion the
     instance measured lately (``shared_step_fraction``); what a client measures as its time between
     tokens is that mean. Without a measured proportion, the slower of the two.
+    ``decode_tokens`` (the request's ``max_tokens``; 0: not known): an instance that interleaves prefill
+    qualifies only while the sequences decoding there stay within the SLO too, and those see the prompt
+    work queued there (``queued_prefill_s``) in their steps, spread over their tokens (taken to be as many as
+    this request's). The instance's recent steps say nothing of a burst just placed on it: judged by them
+    alone, 26 prompts placed in 3 s were each predicted 52-59 ms and got 140-1,226 ms between tokens.
+    The prediction returned is the request's own.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
@@ -116,12 +122,20 @@ class SloAwareDecode:
             tbt = max(tbt, shared) if fraction is None else tbt + fraction * max(0.0, shared - tbt)
         return tbt
 
+    @staticmethod
+    def with_queued_prompts(inst: DecodeInstanceState, tbt: float, decode_tokens: int) -> float:
+        """The mean gap of the sequences decoding on ``inst`` while its queued prompt work is computed."""
+        if not inst.interleaves_prefill or decode_tokens <= 0:
+            return tbt
+        return tbt + inst.queued_prefill_s / decode_tokens
+
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
         context = inst.context_tokens if at is None else inst.load_at(at)[1]
         return context + context_tokens <= inst.capacity_tokens
 
     def choose(
-        self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
+        self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
+        decode_tokens: int = 0,
     ) -> DecodeChoice | None:
         limit = self.headroom * self.slo.tbt_s
         peers = self._peer_corrections(instances)
@@ -131,7 +145,8 @@ class SloAwareDecode:
                 continue
             tbt = self._predicted(inst, context_tokens, at, peers)
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
-            if tbt > limit and not (self.idle_qualifies and batch == 0):
+            if (self.with_queued_prompts(inst, tbt, decode_tokens) > limit
+                    and not (self.idle_qualifies and batch == 0)):
                 continue
             # the share is weighed by the model alone: an instance's correction (its latest steps) is noise
             # of a few tens of percent between instances on shared cores, and with a model flat in the batch,
@@ -144,13 +159,14 @@ class SloAwareDecode:
         return None if best is None else DecodeChoice(best[3], best[2])
 
     def nearest(
-        self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None
+        self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
+        decode_tokens: int = 0,
     ) -> DecodeChoice | None:
-        """The instance with the lowest predicted TBT among those the request fits, qualifying or not:
-        what a rejection reports (None when it fits none)."""
+        """The instance with the lowest predicted TBT (counting its queued prompts' work) among those the
+        request fits, qualifying or not: what a rejection reports (None when it fits none)."""
         peers = self._peer_corrections(instances)
-        predicted = [(self._predicted(inst, context_tokens, at, peers), inst.id) for inst in instances
-                     if self.fits(inst, context_tokens, at)]
+        predicted = [(self.with_queued_prompts(inst, self._predicted(inst, context_tokens, at, peers), decode_tokens),
+                      inst.id) for inst in instances if self.fits(inst, context_tokens, at)]
         if not predicted:
             return None
         tbt, instance_id = min(predicted)

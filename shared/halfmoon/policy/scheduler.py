@@ -75,7 +75,8 @@ class KVCentricScheduler:
         if choice.ttft_s > self.slo.ttft_s:
             wait = max(MIN_RETRY_AFTER_S, choice.ttft_s - self.slo.ttft_s)
             return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
-        verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s)
+        verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s,
+                                       request.max_tokens)
         if not verdict.accepted:
             return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, verdict.decode, pipeline,
                                     model_ttft)

@@ -36,11 +36,12 @@ SERVING_SLO = SLO(ttft_s=30.0, tbt_s=0.2)
 
 
 class RouteRequest(NamedTuple):
-    """What the conductor knows about a request when it routes it."""
+    """What the conductor knows about a request when it routes it (``max_tokens`` 0: not known)."""
 
     block_keys: tuple[Hashable, ...]
     prompt_tokens: int
     block_size: int
+    max_tokens: int = 0
 
     def cached_tokens(self, blocks: int) -> int:
         """Tokens covered by a matched prefix of ``blocks`` blocks; one token is always computed."""
@@ -79,7 +80,9 @@ class DecodeInstanceState(NamedTuple):
     prefills what it decodes (aggregated), in chunks that share its decoding steps.
     ``measured`` / ``measured_shared``: the instance's latest decoding steps without and with a prefill
     chunk in them (None: none lately), which set the level of its predictions. ``shared_step_fraction``: of
-    its recent decoding steps, the share a prefill chunk shared (None: not measured)."""
+    its recent decoding steps, the share a prefill chunk shared (None: not measured). ``queued_prefill_s``: an
+    aggregated instance's prompt work placed there and not yet computed, in seconds; its chunks will share
+    the steps of everything decoding there meanwhile."""
 
     id: str
     batch_size: int
@@ -91,6 +94,7 @@ class DecodeInstanceState(NamedTuple):
     measured: MeasuredStep | None = None
     measured_shared: MeasuredStep | None = None
     shared_step_fraction: float | None = None
+    queued_prefill_s: float = 0.0
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""

@@ -102,7 +102,7 @@ class DisaggregatedSim(SimBase):
 
     def _route(self, rid: int) -> RouteRequest:
         req = self.trace[rid]
-        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size, req.output_length)
 
     def _schedule(self, sched_req: RouteRequest) -> ScheduleDecision:
         """The Conductor's decision for a hand-off over the prefill and decode pools."""

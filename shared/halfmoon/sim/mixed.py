@@ -49,7 +49,8 @@ class _AggregatedNodes(CoupledSim):
     def decode_states(self) -> list[DecodeInstanceState]:
         """Each node as a decode instance that interleaves prefill: its batch and the prompts queued on it."""
         return [DecodeInstanceState(n.id, len(n.batch.members) + len(n.waiting) + (n.chunk is not None),
-                                    n.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True)
+                                    n.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
+                                    queued_prefill_s=n.pending_s)
                 for n in self.nodes]
 
 

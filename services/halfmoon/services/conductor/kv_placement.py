@@ -63,7 +63,7 @@ class KVCentricPlacement(PlacementPolicy):
     def route(self, request: ScheduleRequest) -> RouteRequest:
         assert self.spec is not None
         keys = self.spec.hasher(request.tenant_salt).keys(request.prompt_token_ids)
-        return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size)
+        return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size, request.sampling.max_tokens)
 
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
         placed = view.outstanding
@@ -84,7 +84,8 @@ class KVCentricPlacement(PlacementPolicy):
                                    view.load.total_kv_blocks * self.block_size, recent,
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
                                    measured_shared=measured_step(shared),
-                                   shared_step_fraction=view.load.shared_step_fraction if aggregated else None)
+                                   shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
+                                   queued_prefill_s=self._prefill_state(view).queue_seconds if aggregated else 0.0)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:
