@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from halfmoon.engine.interface import EngineStats, StepTiming
-from halfmoon.runtime.worker import LoadMeter
+from halfmoon.runtime.load_meter import LoadMeter
 
 
 def step(seconds: float, outputs: int, decoding: int, kv_blocks: int, tokens: int) -> StepTiming:

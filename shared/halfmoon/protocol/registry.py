@@ -82,7 +82,7 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     # time between tokens mixes both kinds in this proportion (None until it decoded)
     shared_step_fraction: float | None = None
     # the decoding steps of the last window, as the time between tokens a decoding sequence saw (robust to a
-    # stalled step; runtime/worker.py LoadMeter.window_steps): what TBT predictions start from
+    # stalled step; runtime/load_meter.py LoadMeter.window_steps): what TBT predictions start from
     window_steps: StepSample | None = None
 
     def __post_init__(self) -> None:

@@ -4,7 +4,6 @@ and the directory of transfer nodes they move KV through."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import json
 import math
@@ -16,7 +15,6 @@ from typing import Any, ClassVar
 
 import msgspec
 import nats
-import numpy as np
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.kv_spec import KVSpec
@@ -25,17 +23,17 @@ from halfmoon.engine.async_engine import AsyncEngine
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.host_memory import HostMemory
-from halfmoon.engine.interface import Engine, EngineStats, StepTiming
-from halfmoon.policy.cost import weighted_median
-from halfmoon.policy.state import SERVING_SLO, RecentSamples
+from halfmoon.engine.interface import Engine, StepTiming
+from halfmoon.policy.state import SERVING_SLO
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, Codec, ErrorCode, ErrorReply, Message
-from halfmoon.protocol.registry import KernelReport, Load, Role, StepSample
+from halfmoon.protocol.registry import KernelReport, Load, Role
 from halfmoon.protocol.stream import ErrorEvent, ResumeRequest, TokenEvent
 from halfmoon.protocol.work import CancelRequest, WorkDone, WorkOutcome
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.data_plane import DataPlaneConfig, OneSidedEndpoints
 from halfmoon.runtime.handoff import KVHandOff
+from halfmoon.runtime.load_meter import LoadMeter
 from halfmoon.runtime.memory import MemoryReport, engine_report
 from halfmoon.runtime.pool_client import PoolClient
 from halfmoon.runtime.replay import ReplayBuffer
@@ -44,7 +42,6 @@ from halfmoon.telemetry.metrics import METRICS
 from halfmoon.transfer.client import TransferClient
 
 ENGINES = ("halfmoon", "vllm")
-LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
 
 
 @dataclass(frozen=True)
@@ -117,101 +114,6 @@ class WorkerConfig(DataPlaneConfig):
             max_num_batched_tokens=self.max_num_batched_tokens, prefill_chunk_size=self.prefill_chunk_size,
             max_model_len=self.max_model_len, step_time_target_s=self.tbt_slo_s if self.tbt_chunking else 0.0,
         )
-
-
-class LoadMeter:
-    """Recent step timings, turned into the load figures a heartbeat carries.
-
-    ``on_step`` runs on the engine thread and ``load`` on the event loop: they share only deques,
-    whose appends and pops are atomic (``RecentSamples`` is written for one writer and one reader)."""
-
-    def __init__(self, block_size: int, window_s: float = LOAD_WINDOW_S) -> None:
-        self.block_size = block_size
-        self._ttft_s = RecentSamples(window_s)
-        self._step_s = RecentSamples(window_s)
-        self._shared = RecentSamples(window_s)  # 1.0 for each decoding step a prompt chunk shared, else 0.0
-        self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
-        self._window_s = window_s
-        self._decoding: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # those of the window
-
-    def on_step(self, timing: StepTiming) -> None:
-        if timing.num_outputs:
-            self._step_s.add(timing.ended, timing.seconds)
-        if timing.num_decoding:
-            self._unreported.append(timing)
-            self._decoding.append(timing)
-            self._shared.add(timing.ended, float(timing.shared_with_prefill))
-
-    def take_steps(self) -> tuple[StepSample | None, StepSample | None]:
-        """The steps since the last call that advanced a decoding sequence, averaged: those that computed
-        no prompt tokens, and those a prefill chunk shared (None where there were none). Their seconds are
-        the time between tokens the decoding sequences saw."""
-        taken = []
-        while self._unreported:
-            taken.append(self._unreported.popleft())
-        return (self._average([t for t in taken if not t.shared_with_prefill]),
-                self._average([t for t in taken if t.shared_with_prefill]))
-
-    def _average(self, steps: list[StepTiming]) -> StepSample | None:
-        if not steps:
-            return None
-        n = len(steps)
-        return StepSample(steps=n, batch=sum(t.num_decoding for t in steps) / n,
-                          kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
-                          seconds=sum(t.seconds for t in steps) / n)
-
-    def window_steps(self, now: float) -> StepSample | None:
-        """The decoding steps of the last window as the time between tokens a decoding sequence saw: the
-        median of those that computed no prompt tokens, plus what those a prompt chunk shared took beyond it
-        in the share of tokens they gave (None: none in the window). Each step counts once per sequence it
-        advanced, as a stream's gaps do: a prompt chunk often shares a step with few decoders (it comes in
-        when others have just finished), and counted per step its excess stood for half again the gaps the
-        streams saw. The median, because one step stalled by something outside (a NATS outage held one for
-        10 s) says nothing of the next ones; the shared steps' excess in full, because their length is the
-        prompts' (a chunk of 2,048 tokens took 6 s where a decode-only step took 0.15 s) and a stream's mean
-        gap is that mix. One heartbeat's steps alone swung from 0.15 s to 6 s with whether a chunk fell in
-        them."""
-        steps = self._decoding
-        while steps and steps[0].ended < now - self._window_s:
-            steps.popleft()
-        window = tuple(steps)
-        if not window:
-            return None
-        gaps = sum(t.num_decoding for t in window)
-        alone = [t for t in window if not t.shared_with_prefill]
-        shared = [t for t in window if t.shared_with_prefill]
-        if alone:
-            typical = weighted_median(np.array([t.seconds for t in alone]), np.array([t.num_decoding for t in alone]))
-            excess = max(0.0, sum(t.num_decoding * (t.seconds - typical) for t in shared)) / gaps
-        else:
-            typical, excess = sum(t.num_decoding * t.seconds for t in shared) / gaps, 0.0
-        return StepSample(steps=len(window), batch=sum(t.num_decoding ** 2 for t in window) / gaps,
-                          kv_tokens=sum(t.num_decoding * t.kv_blocks for t in window) * self.block_size / gaps,
-                          seconds=typical + excess)
-
-    def on_first_token(self, seconds: float, now: float | None = None) -> None:
-        self._ttft_s.add(time.time() if now is None else now, seconds)
-
-    def load(self, stats: EngineStats, in_flight: int, accepted_total: int, now: float | None = None) -> Load:
-        """Running: sequences in the engine's batch; queued: every other request taken and not done
-        (waiting in the engine, or still fetching its prefix). TTFT and TBT are means over the last
-        window: an instance idle that long reports none, so a slow spell it had cannot keep the
-        conductor's balance away from it after the spell ends."""
-        now = time.time() if now is None else now
-        return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
-                    free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
-                    ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
-                    accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)),
-                    window_steps=self.window_steps(now))
-
-
-def _mean(values: tuple[float, ...]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def _mean_ms(seconds: tuple[float, ...]) -> float | None:
-    mean = _mean(seconds)
-    return None if mean is None else mean * 1000
 
 
 class EngineWorker(Service[WorkerConfig]):
