@@ -43,7 +43,7 @@ def batch_of(spans: list[tuple[tuple[int, int], ...]], prefill_at: int | None = 
 
 class TestAgainstSdpa:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
+    @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 2, 80)])
     def test_every_decode_row_matches_and_prefill_rows_are_untouched(self, kernel, dtype, heads, kv_heads, dim) -> None:
         gen = torch.Generator().manual_seed(heads * 100 + dim)
         k_cache = torch.randn(kv_heads, 4096, dim, generator=gen).to(dtype)
@@ -74,7 +74,8 @@ class TestAgainstSdpa:
 
     def test_shapes_it_does_not_take_are_left_to_sdpa(self, kernel) -> None:
         batch = batch_of([((0, 10),)])
-        assert kernel(torch.randn(1, 34, 8), torch.randn(2, 16, 8), torch.randn(2, 16, 8), batch.decode, 1.0) is None
+        assert kernel(torch.randn(1, 34, 16), torch.randn(2, 16, 16), torch.randn(2, 16, 16), batch.decode, 1.0) is None
+        assert kernel(torch.randn(1, 4, 24), torch.randn(2, 16, 24), torch.randn(2, 16, 24), batch.decode, 1.0) is None
         assert kernel(torch.randn(1, 4, 8).half(), torch.randn(2, 16, 8).half(), torch.randn(2, 16, 8).half(),
                       batch.decode, 1.0) is None
 
