@@ -41,12 +41,8 @@ static inline void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-/* Row index of base (bfloat16 where bf16, else float), dim a multiple of 16, as floats into out. */
-static inline void load_vectors(int bf16, const void *base, long index, int dim, float *out) {
-    if (!bf16) {
-        memcpy(out, (const float *)base + index, dim * sizeof(float));
-        return;
-    }
+/* Row index of a bfloat16 base, dim a multiple of 16, as floats into out. */
+static inline void widen_row(const void *base, long index, int dim, float *out) {
     const uint16_t *row = (const uint16_t *)base + index;
     for (int c = 0; c < dim; c += 16) {
         v16h h;
@@ -80,10 +76,10 @@ typedef struct {
     float top[MAX_GROUP], total[MAX_GROUP];
 } Heads;
 
-/* Folds keys kf[0 .. n) (values vf) into every query head's state; rows n .. KEY_TILE - 1 are zeros.
+/* Folds keys k[0 .. n) (values v) into every query head's state; rows n .. KEY_TILE - 1 point at zeros.
  * Inlined into one copy per common head_dim (attend_64, attend_128), where the loops over the head
  * dimension unroll and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_tile(Heads *h, int group, int vecs, const float (*kf)[MAX_DIM], const float (*vf)[MAX_DIM],
+static inline __attribute__((always_inline)) void attend_tile(Heads *h, int group, int vecs, const float *const *kf, const float *const *vf,
                         int n) {
     float valid[KEY_TILE];  /* 1 for the tile's keys, 0 for its padding: multiplied, not branched on, to vectorize */
     for (int j = 0; j < KEY_TILE; j++) valid[j] = j < n ? 1.f : 0.f;
@@ -124,19 +120,21 @@ static inline __attribute__((always_inline)) void attend_tile(Heads *h, int grou
     }
 }
 
-typedef void (*AttendTile)(Heads *, int, int, const float (*)[MAX_DIM], const float (*)[MAX_DIM], int);
+static const float ZEROS[MAX_DIM];
 
-static void attend_64(Heads *h, int group, int vecs, const float (*kf)[MAX_DIM], const float (*vf)[MAX_DIM], int n) {
+typedef void (*AttendTile)(Heads *, int, int, const float *const *, const float *const *, int);
+
+static void attend_64(Heads *h, int group, int vecs, const float *const *kf, const float *const *vf, int n) {
     (void)vecs;
     attend_tile(h, group, 4, kf, vf, n);
 }
 
-static void attend_128(Heads *h, int group, int vecs, const float (*kf)[MAX_DIM], const float (*vf)[MAX_DIM], int n) {
+static void attend_128(Heads *h, int group, int vecs, const float *const *kf, const float *const *vf, int n) {
     (void)vecs;
     attend_tile(h, group, 8, kf, vf, n);
 }
 
-static void attend_any(Heads *h, int group, int vecs, const float (*kf)[MAX_DIM], const float (*vf)[MAX_DIM], int n) {
+static void attend_any(Heads *h, int group, int vecs, const float *const *kf, const float *const *vf, int n) {
     attend_tile(h, group, vecs, kf, vf, n);
 }
 
@@ -155,7 +153,8 @@ int decode_attention(int bf16, const void *q, const void *k_cache, const void *v
     for (int b = 0; b < batch; b++) {
         for (int kh = 0; kh < kv_heads; kh++) {
             Heads h;
-            float kf[KEY_TILE][MAX_DIM], vf[KEY_TILE][MAX_DIM], row[MAX_DIM];
+            float kt[KEY_TILE][MAX_DIM], vt[KEY_TILE][MAX_DIM], row[MAX_DIM];
+            const float *kf[KEY_TILE], *vf[KEY_TILE];  /* float32 rows are read in place, bfloat16 ones widened */
             for (int g = 0; g < group; g++) {
                 load_row(bf16, q, ((long)b * heads + kh * group + g) * dim, dim, row);
                 for (int c = 0; c < vecs; c++) {
@@ -175,20 +174,25 @@ int decode_attention(int bf16, const void *q, const void *k_cache, const void *v
                             __builtin_prefetch((const char *)v_cache + ahead + byte);
                         }
                     }
-                    load_vectors(bf16, k_cache, ((long)kh * slots + t) * dim, dim, kf[n]);
-                    load_vectors(bf16, v_cache, ((long)kh * slots + t) * dim, dim, vf[n]);
+                    long index = ((long)kh * slots + t) * dim;
+                    if (bf16) {
+                        widen_row(k_cache, index, dim, kt[n]);
+                        widen_row(v_cache, index, dim, vt[n]);
+                        kf[n] = kt[n];
+                        vf[n] = vt[n];
+                    } else {
+                        kf[n] = (const float *)k_cache + index;
+                        vf[n] = (const float *)v_cache + index;
+                    }
                     if (++n == KEY_TILE) {
-                        attend(&h, group, vecs, (const float (*)[MAX_DIM])kf, (const float (*)[MAX_DIM])vf, n);
+                        attend(&h, group, vecs, kf, vf, n);
                         n = 0;
                     }
                 }
             }
             if (n) {
-                for (int j = n; j < KEY_TILE; j++) {
-                    memset(kf[j], 0, dim * sizeof(float));
-                    memset(vf[j], 0, dim * sizeof(float));
-                }
-                attend(&h, group, vecs, (const float (*)[MAX_DIM])kf, (const float (*)[MAX_DIM])vf, n);
+                for (int j = n; j < KEY_TILE; j++) kf[j] = vf[j] = ZEROS;
+                attend(&h, group, vecs, kf, vf, n);
             }
             for (int g = 0; g < group; g++) {
                 long o = ((long)b * heads + kh * group + g) * dim;
