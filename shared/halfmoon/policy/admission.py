@@ -40,8 +40,9 @@ class AdmissionPolicy(ABC):
     """Decides before prefill whether the decode pool can take a request.
 
     Contract: pure; ``now`` is the current time, ``prefill_done_at`` the predicted end of
-    this request's prefill (>= now) and ``decode_tokens`` its ``max_tokens`` (0: not known). An accepted decision carries the decode instance judged
-    best (None means: choose at hand-off). A rejection names its reason and a retry-after.
+    this request's prefill (>= now) and ``decode_tokens`` its ``max_tokens`` (0: not known). An
+    accepted decision carries the decode instance judged best (None means: choose at hand-off). A
+    rejection names its reason and a retry-after.
     """
 
     name: str

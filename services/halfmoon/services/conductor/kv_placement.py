@@ -65,12 +65,17 @@ class KVCentricPlacement(PlacementPolicy):
         keys = self.spec.hasher(request.tenant_salt).keys(request.prompt_token_ids)
         return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size, request.sampling.max_tokens)
 
-    def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
+    @staticmethod
+    def _queued(view: InstanceView) -> tuple[float, int]:
+        """Prompt work placed on ``view`` and not yet computed: (seconds, tokens)."""
         placed = view.outstanding
-        waiting = view.pending
-        scale = waiting / placed.requests if placed.requests else 0.0  # requests it reports beyond the ledger's: the mean
+        scale = view.pending / placed.requests if placed.requests else 0.0  # requests it reports beyond the ledger's: the mean
+        return placed.work_s * scale, round(placed.tokens * scale)
+
+    def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
+        seconds, tokens = self._queued(view)
         recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
-        return PrefillInstanceState(view.instance_id, placed.work_s * scale, round(placed.tokens * scale), recent)
+        return PrefillInstanceState(view.instance_id, seconds, tokens, recent)
 
     def _decode_state(self, view: InstanceView) -> DecodeInstanceState:
         used = view.load.total_kv_blocks - view.load.free_kv_blocks
@@ -85,7 +90,7 @@ class KVCentricPlacement(PlacementPolicy):
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
                                    measured_shared=measured_step(shared),
                                    shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
-                                   queued_prefill_s=self._prefill_state(view).queue_seconds if aggregated else 0.0)
+                                   queued_prefill_s=self._queued(view)[0] if aggregated else 0.0)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:
