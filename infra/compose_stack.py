@@ -178,25 +178,38 @@ class Stack:
         """`down -v`, then whatever it could not remove. A container killed from the host can leave a stale
         endpoint on the project's network that `network inspect` does not list and that fails `down`
         with "has active endpoints", in this run and in every later one: each endpoint a container of the
-        project could have had is force-disconnected and the network removed."""
-        self.containers()  # what is there now names endpoints too
+        project could have had is force-disconnected and the network removed. A container that `down` had
+        to kill after its stop timeout releases its endpoint a moment after it is gone, so the removal is
+        retried until the networks are gone."""
+        self.containers()  # what is there now names endpoints too; each service stops within its own grace period
         subprocess.run([DOCKER, "rm", "-f", f"{self.project}-reference"], capture_output=True)
-        result = self.run("down", "-v", "--remove-orphans", "--timeout", "20", capture=True, timeout=600, check=False)
-        networks = run([DOCKER, "network", "ls", "-q", "--filter", self.label], capture=True, quiet=True).stdout.split()
+        result = self.run("down", "-v", "--remove-orphans", capture=True, timeout=600, check=False)
+        networks = self.networks()
         if result.returncode == 0 and not networks:
             return
         log(f"`down` exited {result.returncode}: {(result.stderr or '').strip().splitlines()[-1:]}; removing "
             f"{len(networks)} network(s) of {self.project} by hand")
+        poll(f"the networks of {self.project} removed", self._remove_networks, 60)
+        self.run("down", "-v", "--remove-orphans", capture=True, timeout=600)  # the volumes
+
+    def networks(self) -> list[str]:
+        return run([DOCKER, "network", "ls", "-q", "--filter", self.label], capture=True, quiet=True).stdout.split()
+
+    def _remove_networks(self) -> bool:
+        """One try at removing the project's networks and everything attached to them: True when none is left."""
         for container in run([DOCKER, "ps", "-aq", "--filter", self.label], capture=True, quiet=True).stdout.split():
             run([DOCKER, "rm", "-f", "-v", container], capture=True, quiet=True, check=False)
-        names = self.endpoint_names()
-        for network in networks:
-            for name in sorted(names):
+        for network in self.networks():
+            listed = run([DOCKER, "network", "inspect", "-f", "{{range .Containers}}{{.Name}} {{end}}", network],
+                         capture=True, quiet=True, check=False).stdout.split()
+            for name in sorted(self.endpoint_names() | set(listed)):
                 if run([DOCKER, "network", "disconnect", "-f", network, name], capture=True, quiet=True,
                        check=False).returncode == 0:
                     log(f"force-disconnected endpoint {name} from network {network}")
-            run([DOCKER, "network", "rm", network], capture=True)
-        self.run("down", "-v", "--remove-orphans", "--timeout", "20", capture=True, timeout=600)  # the volumes
+            removed = run([DOCKER, "network", "rm", network], capture=True, quiet=True, check=False)
+            if removed.returncode != 0:
+                log(f"network {network} not removed yet: {removed.stderr.strip()}")
+        return not self.networks()
 
 
 # ---------------------------------------------------------------------------------------------- HTTP
