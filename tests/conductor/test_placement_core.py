@@ -259,6 +259,9 @@ class TestPerRequestDisaggregation:
         assert isinstance(refused, Rejection) and refused.reason is RejectReason.OVERLOADED, refused
         assert refused.message.startswith("no_option_within_slo") and "hand-off rejected" in refused.message
         assert "whole TTFT" in refused.message
+        # the same request migrating (admitted once, tokens streamed) is placed: rejected, it would be lost
+        migrated = place_pair(policy, msgspec.structs.replace(request, attempt=1), prefill, decode, aggregated, now=0.0)
+        assert isinstance(migrated, Placement), migrated
 
     def test_before_the_kv_spec_the_least_loaded_choice_stands(self):
         placed = self.place(build_placement(self.SETTINGS).policy, 2000)

@@ -93,6 +93,12 @@ class TestBySlo:
         decision = self.policy(cost).choose(handoff, whole)
         assert decision.serving is None and decision.handoff == handoff and decision.whole == whole
 
+    def test_a_migrated_request_takes_the_cheaper_option_when_both_miss(self, cost):
+        handoff, whole = ServingOption(31.0, 0.05, 1.0), ServingOption(1.0, 0.3, 0.5)
+        assert self.policy(cost).choose(handoff, whole, admitted=True).serving is Serving.WHOLE
+        assert self.policy(cost).choose(handoff, None, admitted=True).serving is Serving.HANDOFF
+        assert self.policy(cost).choose(None, None, admitted=True).serving is None
+
     def test_an_option_the_scheduler_rejected_is_not_offered(self, cost):
         policy = self.policy(cost)
         assert policy.choose(None, ServingOption(1.0, 0.05, 9.0)).serving is Serving.WHOLE

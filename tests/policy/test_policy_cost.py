@@ -100,6 +100,8 @@ class TestOnlineFitter:
             values = rng.random(size)
             assert weighted_median(values, np.ones(size)) == pytest.approx(float(np.median(values)))
         assert weighted_median(np.array([1.0, 2.0, 9.0]), np.array([1.0, 1.0, 5.0])) == 9.0
+        assert weighted_median(np.array([20.0, 0.007]), np.ones(2)) == pytest.approx(10.0035)
+        assert weighted_median(np.array([20.0, 0.007]), np.ones(2), lower=True) == 0.007
 
     def test_uses_prior_then_measurements(self):
         prior = DecodeCostModel((1.0, 0.0, 0.0))

@@ -149,6 +149,19 @@ class TestScheduler:
         assert not decision.accepted and decision.reason == "ttft_slo"
         assert decision.retry_after_s == pytest.approx(11.0)
 
+    def test_a_migrated_request_is_placed_whatever_the_predictions(self, cost):
+        """It was admitted once and has streamed: rejected now, it would be lost. The decode instance is the
+        nearest miss; with none within SLO it is still the one predicted fastest."""
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), PredictiveEarlyRejection(decode), SLO_50MS)
+        migrated = self.REQUEST._replace(admitted=True)
+        overloaded = [busy("d", 40, 40_000), busy("e", 45, 45_000)]
+        assert not sched.schedule(self.REQUEST, [PrefillInstanceState("p", 0.0)], overloaded, {}, 0.0).accepted
+        decision = sched.schedule(migrated, [PrefillInstanceState("p", 0.0)], overloaded, {}, 0.0)
+        assert decision.accepted and decision.decode is not None and decision.decode.instance_id == "d"
+        late = sched.schedule(migrated, [PrefillInstanceState("p", 40.0)], [busy("d", 1, 100)], {}, 0.0)
+        assert late.accepted and late.prefill.ttft_s > SLO_50MS.ttft_s
+
     def test_accepts_with_both_choices(self, cost):
         decode = SloAwareDecode(cost.decode, SLO_50MS)
         sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), PredictiveEarlyRejection(decode), SLO_50MS)

@@ -54,6 +54,15 @@ class TestWindowSteps:
         assert window is not None and window.steps == 5
         assert (window.batch, window.kv_tokens, window.seconds) == pytest.approx((4.0, 8 * 16, 0.11))
 
+    def test_a_stalled_step_and_one_more_do_not_set_it(self):
+        """As measured live: a decode instance stopped for 20 s woke with that step and one more in its window;
+        their midpoint predicted 10 s between tokens."""
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(self.at(100.0, 20.0, decoding=1, tokens=1))
+        meter.on_step(self.at(100.1, 0.007, decoding=1, tokens=1))
+        window = meter.window_steps(now=100.2)
+        assert window is not None and window.seconds == pytest.approx(0.007)
+
     def test_steps_a_prompt_chunk_shared_add_their_excess_in_their_share(self):
         meter = LoadMeter(block_size=16, window_s=10.0)
         for i in range(9):

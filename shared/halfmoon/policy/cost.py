@@ -141,14 +141,14 @@ class CostModels(NamedTuple):
     transfer: TransferModel
 
 
-def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+def weighted_median(values: np.ndarray, weights: np.ndarray, lower: bool = False) -> float:
     """The value where the cumulative weight reaches half (between two values when it lands on one
-    exactly, as ``np.median`` does for equal weights)."""
+    exactly, as ``np.median`` does for equal weights; ``lower``: the lower of the two)."""
     order = np.argsort(values)
     values, cumulative = values[order], np.cumsum(weights[order])
     half = cumulative[-1] / 2
     i = int(np.searchsorted(cumulative, half))
-    if np.isclose(cumulative[i], half) and i + 1 < len(values):
+    if np.isclose(cumulative[i], half) and i + 1 < len(values) and not lower:
         return float((values[i] + values[i + 1]) / 2)
     return float(values[i])
 

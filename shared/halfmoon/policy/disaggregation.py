@@ -64,7 +64,8 @@ class PerRequestDisaggregation:
     available, e.g. its pool is empty or the scheduler rejected it) and returns the one of lower cost
     among those meeting the SLOs (TTFT within ``slo.ttft_s`` and TBT within ``slo.tbt_s``, or an idle
     decode instance when ``idle_qualifies``); a tie serves whole (nothing to move). Neither meeting them:
-    ``serving`` is None, a rejection. ``handoff`` and ``whole`` build the options from the scheduler's
+    ``serving`` is None, a rejection, unless the request was ``admitted`` before (a migration): then the
+    lower cost of those available. ``handoff`` and ``whole`` build the options from the scheduler's
     decisions for the two pools.
     """
 
@@ -85,10 +86,11 @@ class PerRequestDisaggregation:
             return False
         return option.tbt_s <= self.slo.tbt_s or (option.idle and self.decode.idle_qualifies)
 
-    def choose(self, handoff: ServingOption | None, whole: ServingOption | None) -> DisaggregationDecision:
-        meeting = [(option.cost_s, serving != Serving.WHOLE, serving)
-                   for serving, option in ((Serving.HANDOFF, handoff), (Serving.WHOLE, whole))
-                   if option is not None and self.meets(option)]
+    def choose(self, handoff: ServingOption | None, whole: ServingOption | None,
+               admitted: bool = False) -> DisaggregationDecision:
+        available = [(option.cost_s, serving != Serving.WHOLE, serving, self.meets(option))
+                     for serving, option in ((Serving.HANDOFF, handoff), (Serving.WHOLE, whole)) if option is not None]
+        meeting = [a[:3] for a in available if a[3]] or ([a[:3] for a in available] if admitted else [])
         return DisaggregationDecision(min(meeting)[2] if meeting else None, handoff, whole)
 
     def handoff_cost(self, prefill_s: float, transfer_s: float, prompt_tokens: int) -> float:

@@ -37,7 +37,8 @@ class ScheduleDecision(NamedTuple):
 
 
 class KVCentricScheduler:
-    """Prefill choice, then the TTFT-SLO check (Algorithm 1 line 18), then decode admission.
+    """Prefill choice, then the TTFT-SLO check (Algorithm 1 line 18), then decode admission; a request
+    ``admitted`` before skips both and takes the decode instance admission judged best or nearest.
 
     Contract: pure apart from ``calibration``, which the caller feeds with delivered TTFTs; the caller
     applies the decision (enqueue, pull blocks, reserve decode).
@@ -72,12 +73,12 @@ class KVCentricScheduler:
         model_ttft = choice.ttft_s
         if self.calibration is not None:
             choice = choice._replace(ttft_s=self.calibration.correct(model_ttft, now))
-        if choice.ttft_s > self.slo.ttft_s:
+        if choice.ttft_s > self.slo.ttft_s and not request.admitted:
             wait = max(MIN_RETRY_AFTER_S, choice.ttft_s - self.slo.ttft_s)
             return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s,
                                        request.max_tokens)
-        if not verdict.accepted:
+        if not verdict.accepted and not request.admitted:
             return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, verdict.decode, pipeline,
                                     model_ttft)
         return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline, model_ttft)

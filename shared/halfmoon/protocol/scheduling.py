@@ -16,7 +16,9 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
     its chained block keys (cache-aware policies use either). ``deadline`` is absolute unix
     time in seconds by which the first token is wanted. ``tenant_salt`` keeps tenants'
     cache blocks apart. ``exclude`` names instances the sender saw fail this request (a
-    migration): the conductor places elsewhere even before it notices they are gone.
+    migration): the conductor places elsewhere even before it notices they are gone. ``attempt``: 0 for
+    the request's first placement; later ones continue a request admitted before (a migration, with the
+    tokens streamed so far in the prompt), and are placed rather than rejected for predicted overload.
     """
 
     request_id: str
@@ -28,9 +30,12 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
     block_keys: tuple[bytes, ...] = ()
     tenant_salt: str | None = None
     exclude: tuple[str, ...] = ()
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
+        if self.attempt < 0:
+            raise ValueError(f"attempt must be >= 0, got {self.attempt}")
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len must be at least 1, got {self.prompt_len}")
         if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_len:

@@ -63,11 +63,12 @@ class LoadMeter:
         in the share of tokens they gave (None: none in the window). Each step counts once per sequence it
         advanced, as a stream's gaps do: a prompt chunk often shares a step with few decoders (it comes in
         when others have just finished), and counted per step its excess stood for half again the gaps the
-        streams saw. The median, because one step stalled by something outside (a NATS outage held one for
-        10 s) says nothing of the next ones; the shared steps' excess in full, because their length is the
-        prompts' (a chunk of 2,048 tokens took 6 s where a decode-only step took 0.15 s) and a stream's mean
-        gap is that mix. One heartbeat's steps alone swung from 0.15 s to 6 s with whether a chunk fell in
-        them."""
+        streams saw. The lower median, because one step stalled by something outside says nothing of the next
+        ones (a decode instance stopped for 20 s woke with that step and one more in its window, whose midpoint
+        predicted 10 s between tokens and had a migrated stream rejected); the shared steps' excess in full,
+        because their length is the prompts' (a chunk of 2,048 tokens took 6 s where a decode-only step took
+        0.15 s) and a stream's mean gap is that mix. One heartbeat's steps alone swung from 0.15 s to 6 s with
+        whether a chunk fell in them."""
         steps = self._decoding
         while steps and steps[0].ended < now - self._window_s:
             steps.popleft()
@@ -78,7 +79,8 @@ class LoadMeter:
         alone = [t for t in window if not t.shared_with_prefill]
         shared = [t for t in window if t.shared_with_prefill]
         if alone:
-            typical = weighted_median(np.array([t.seconds for t in alone]), np.array([t.num_decoding for t in alone]))
+            typical = weighted_median(np.array([t.seconds for t in alone]), np.array([t.num_decoding for t in alone]),
+                                      lower=True)
             excess = max(0.0, sum(t.num_decoding * (t.seconds - typical) for t in shared)) / gaps
         else:
             typical, excess = sum(t.num_decoding * t.seconds for t in shared) / gaps, 0.0

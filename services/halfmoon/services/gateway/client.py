@@ -211,7 +211,7 @@ class Generation:
         request = ScheduleRequest(
             request_id=self.request_id, model=self.client.model, prompt_len=len(context),
             prompt_token_ids=context, sampling=self.sampling, deadline=deadline, tenant_salt=self.tenant_salt,
-            exclude=tuple(sorted(self.recovery.excluded)),
+            exclude=tuple(sorted(self.recovery.excluded)), attempt=self.attempt,
         )
         return await schedule(svc, request, deadline, dl.schedule_timeout_s,
                               lambda error: self._event("schedule_retry", {"halfmoon.error": error}),
