@@ -68,11 +68,13 @@ class DecodeWork(NamedTuple):
 
 class MeasuredStep(NamedTuple):
     """What an instance's recent decoding steps took: ``seconds`` each, advancing ``batch`` sequences
-    over ``context_tokens`` of KV (averages)."""
+    over ``context_tokens`` of KV (averages); ``interleaved_s`` of those seconds came from prompt chunks
+    sharing the steps."""
 
     batch: float
     context_tokens: float
     seconds: float
+    interleaved_s: float = 0.0
 
 
 class DecodeInstanceState(NamedTuple):
