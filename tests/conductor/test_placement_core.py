@@ -380,6 +380,20 @@ class TestLearnedDecodeCost:
         quiet = self.aggregated(running=1, used_blocks=10)
         assert isinstance(place_pair(built.policy, self.REQUEST, [], [], quiet, now=0.0), Placement)
 
+    def test_a_heartbeat_behind_the_ledger_does_not_multiply_the_queued_prompt_work(self):
+        """As measured (aiperf, 8 streams beside a busy loop): a wave of 8 streams ended together, the last
+        heartbeat still said 8 running, and the one prompt placed since counted eight times."""
+        built = build_placement(PolicySettings(admission="none"))  # the predicted TTFT is what is read
+        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
+        one_prompt = Outstanding(count=2, work_s=1.0, tokens=512, requests=1)
+        stale = [v._replace(outstanding=one_prompt) for v in self.aggregated(running=8, used_blocks=100)]
+        placement = place_pair(built.policy, self.REQUEST, [], [], stale, now=0.0)
+        assert isinstance(placement, Placement) and 1000 <= placement.predicted_ttft_ms < 2000, placement
+        # four reported waiting where the ledger holds one (placed before this conductor took over): four prompts
+        waiting = [v._replace(load=msgspec.structs.replace(v.load, queue_len=4)) for v in stale]
+        placement = place_pair(built.policy, self.REQUEST, [], [], waiting, now=0.0)
+        assert isinstance(placement, Placement) and 4000 <= placement.predicted_ttft_ms < 5000, placement
+
     def test_the_instances_own_latest_steps_set_the_scale(self):
         # the model, soured by a slow spell, says 0.27 s a step for five; the instance's heartbeat says its
         # four sequences step in 40 ms now, so five are predicted near 50 ms and the request is placed

@@ -68,9 +68,14 @@ class KVCentricPlacement(PlacementPolicy):
 
     @staticmethod
     def _queued(view: InstanceView) -> tuple[float, int]:
-        """Prompt work placed on ``view`` and not yet computed: (seconds, tokens)."""
+        """Prompt work placed on ``view`` and not yet computed: (seconds, tokens). The ledger's, scaled up
+        where the instance reports more requests waiting than the ledger holds (placed by a conductor this
+        one took over from), each at the ledger's mean. Waiting, not running: a heartbeat lags the ledger by
+        up to an interval, and when a wave of 8 streams ended together the last one still said 8 running
+        while the ledger held the one request placed since; scaled by those, its prompt counted eight times
+        (11.7 s of predicted TTFT) and the next 31 requests were turned away."""
         placed = view.outstanding
-        scale = view.pending / placed.requests if placed.requests else 0.0  # requests it reports beyond the ledger's: the mean
+        scale = max(1.0, view.load.queue_len / placed.requests) if placed.requests else 0.0
         return placed.work_s * scale, round(placed.tokens * scale)
 
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
