@@ -95,22 +95,6 @@ class TestSloAwareDecode:
         assert not verdict.accepted and verdict.decode is not None
         assert admission.admit([calm], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32).accepted
 
-    def test_queued_prompt_work_counts_only_beyond_what_the_measured_gaps_already_carry(self):
-        """As measured beside a busy loop: gaps of 123 ms, 30 ms of them from prompt chunks, and 5.6 s of prompts
-        queued; counted on top of the measured gaps it predicted 0.21 s, and 31 of the 34 requests it turned
-        away were served within 0.2 s without admission."""
-        decode = SloAwareDecode(DecodeCostModel((0.123, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
-        measured = MeasuredStep(batch=4, context_tokens=0, seconds=0.123, interleaved_s=0.03)
-        inst = DecodeInstanceState("a0", 4, 0, 10**6, interleaves_prefill=True, queued_prefill_s=5.6,
-                                   measured=measured)
-        assert decode.with_queued_prompts(inst, 0.123, 64) == pytest.approx(0.123 + 5.6 / 64 - 0.03)
-        assert decode.choose([inst], 100, decode_tokens=64) is not None
-        # a burst beyond what the gaps carry still counts: 12 s queued is 0.19 s a token, 0.16 s beyond
-        assert decode.choose([inst._replace(queued_prefill_s=12.0)], 100, decode_tokens=64) is None
-        # without a window's figure, the queue counts in full
-        bare = inst._replace(measured=measured._replace(interleaved_s=0.0))
-        assert decode.with_queued_prompts(bare, 0.123, 64) == pytest.approx(0.123 + 5.6 / 64)
-
 
 class TestAdmission:
     def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):

@@ -68,13 +68,11 @@ class DecodeWork(NamedTuple):
 
 class MeasuredStep(NamedTuple):
     """What an instance's recent decoding steps took: ``seconds`` each, advancing ``batch`` sequences
-    over ``context_tokens`` of KV (averages); ``interleaved_s`` of those seconds came from prompt chunks
-    sharing the steps."""
+    over ``context_tokens`` of KV (averages)."""
 
     batch: float
     context_tokens: float
     seconds: float
-    interleaved_s: float = 0.0
 
 
 class DecodeInstanceState(NamedTuple):

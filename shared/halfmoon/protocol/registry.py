@@ -37,17 +37,15 @@ class Leaving(StrEnum):
 class StepSample(msgspec.Struct, frozen=True, kw_only=True):
     """Engine steps that advanced decoding sequences since the previous heartbeat, averaged: a step
     advancing ``batch`` of them while the KV cache held ``kv_tokens`` took ``seconds``. What the
-    conductor's decode cost models learn from. ``interleaved_s``: of ``seconds``, what prompt chunks
-    sharing the steps added (a window's; 0 where not measured)."""
+    conductor's decode cost models learn from."""
 
     steps: int
     batch: float
     kv_tokens: float
     seconds: float
-    interleaved_s: float = 0.0
 
     def __post_init__(self) -> None:
-        averages = (self.batch, self.kv_tokens, self.seconds, self.interleaved_s)
+        averages = (self.batch, self.kv_tokens, self.seconds)
         if self.steps < 1 or not all(math.isfinite(a) and a >= 0 for a in averages):
             raise ValueError("a step sample needs steps >= 1 and finite, non-negative averages")
 

@@ -86,7 +86,7 @@ class LoadMeter:
             typical, excess = sum(t.num_decoding * t.seconds for t in shared) / gaps, 0.0
         return StepSample(steps=len(window), batch=sum(t.num_decoding ** 2 for t in window) / gaps,
                           kv_tokens=sum(t.num_decoding * t.kv_blocks for t in window) * self.block_size / gaps,
-                          seconds=typical + excess, interleaved_s=excess)
+                          seconds=typical + excess)
 
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)

@@ -168,4 +168,4 @@ def _figures(option: ServingOption | None) -> str:
 
 
 def measured_step(sample: StepSample | None) -> MeasuredStep | None:
-    return None if sample is None else MeasuredStep(sample.batch, sample.kv_tokens, sample.seconds, sample.interleaved_s)
+    return None if sample is None else MeasuredStep(sample.batch, sample.kv_tokens, sample.seconds)
