@@ -27,6 +27,7 @@ from halfmoon.protocol import (
 )
 from halfmoon.protocol.registry import Leaving, StepSample
 from halfmoon.protocol.scheduling import Readiness, ReadinessRequest, Rejected
+from halfmoon.protocol.work import WorkDone, WorkOutcome
 from halfmoon.runtime import ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 
@@ -114,6 +115,30 @@ class TestChoosesLeastLoaded:
             hosts[1].service.current_load = Load(queue_len=9)
             await wait_until(lambda: conductor.table.get("p-idle").load.queue_len == 9, what="new load seen")
             assert (await schedule(nc, namespace, schedule_request("r2"))).prefill_instance == "p-busy"
+        finally:
+            for host in hosts:
+                await host.stop()
+
+
+class TestRequestsLeavingTheBatch:
+    async def test_a_request_reported_done_leaves_its_instances_batch_before_the_next_heartbeat(
+        self, conductor, nats_server, namespace, nc
+    ):
+        # heartbeats 30 s apart: only WorkDone can tell the conductor the batch shrank
+        hosts = [reporter_host(nats_server.url, namespace, "p0", Role.PREFILL, Load(), interval_s=30.0),
+                 reporter_host(nats_server.url, namespace, "d0", Role.DECODE, Load(running=3, free_kv_blocks=10),
+                               interval_s=30.0)]
+        for host in hosts:
+            await host.start()
+        try:
+            await wait_until(lambda: len(conductor.table.candidates(Role.DECODE)) == 1
+                             and len(conductor.table.candidates(Role.PREFILL)) == 1, what="2 instances registered")
+            assert isinstance(await schedule(nc, namespace), ScheduleAccepted)
+            for instance in ("p0", "d0", "d0"):  # the hand-off, the end of decoding, and a repeat that changes nothing
+                done = WorkDone(request_id="r1", instance_id=instance, outcome=WorkOutcome.COMPLETED)
+                await nc.publish(Subjects(namespace).work_done_from("decode"), codecs.WORK_DONE.encode(done))
+            await wait_until(lambda: conductor.table.get("d0").running == 2, what="d0's batch one smaller")
+            assert conductor.table.get("p0").left == 1 and conductor.table.get("d0").left == 1
         finally:
             for host in hosts:
                 await host.stop()

@@ -59,6 +59,18 @@ class TestInstanceTable:
         assert table.get("a").load.queue_len == 3 and table.get("a").pending == 3
         assert table.expire(now=1.5) == []
 
+    def test_requests_reported_done_leave_the_batch_until_the_next_heartbeat(self):
+        table = InstanceTable(timeout_s=1.0)
+        table.observe(hb("a", role=Role.AGGREGATED, running=8), now=0.0)
+        for _ in range(8):  # a wave of 8 streams ended together
+            table.request_left("a")
+        assert table.get("a").running == 0 and table.get("a").pending == 0
+        table.request_left("a")  # a heartbeat that already counted it out: never below none
+        assert table.get("a").running == 0
+        table.observe(hb("a", role=Role.AGGREGATED, running=3), now=0.5)
+        assert table.get("a").running == 3
+        table.request_left("gone")  # an instance it no longer lists
+
     def test_slow_heartbeaters_get_three_intervals(self):
         table = InstanceTable(timeout_s=1.0)
         table.observe(hb("slow", interval=2.0), now=0.0)

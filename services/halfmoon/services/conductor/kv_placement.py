@@ -86,7 +86,7 @@ class KVCentricPlacement(PlacementPolicy):
     def _decode_state(self, view: InstanceView) -> DecodeInstanceState:
         used = view.load.total_kv_blocks - view.load.free_kv_blocks
         recent = (view.load.tbt_ms / 1000,) if view.load.tbt_ms is not None else ()
-        batch = max(view.load.running, view.outstanding.requests)
+        batch = max(view.running, view.outstanding.requests)
         aggregated = view.role is Role.AGGREGATED
         steps, shared = view.load.steps, view.load.shared_steps
         if self.pools_steps:
@@ -154,7 +154,7 @@ class KVCentricPlacement(PlacementPolicy):
         assert decision.prefill is not None
         chosen = decision.prefill
         decode_id = decision.decode.instance_id if decision.decode else min(
-            decode, key=lambda v: (max(v.load.running, v.outstanding.requests), v.instance_id)).instance_id
+            decode, key=lambda v: (max(v.running, v.outstanding.requests), v.instance_id)).instance_id
         pipeline = decision.pipeline.stages[1:] if decision.pipeline else ()
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
                          chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,

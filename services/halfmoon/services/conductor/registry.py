@@ -19,22 +19,32 @@ class InstanceView(NamedTuple):
     leaving: Leaving | None
     outstanding: Outstanding = Outstanding()  # the conductor's ledger of work placed here and not done
     incarnation: str = ""  # the run of the process its last heartbeat named
+    left: int = 0  # requests it reported done since its last heartbeat
+
+    @property
+    def running(self) -> int:
+        """Sequences in its batch: its last heartbeat's, less those it reported done since. A heartbeat lags
+        by up to an interval: when a wave of 8 streams ended together, the requests that took their places
+        were judged beside a batch of 8 that had left, and turned away."""
+        return max(0, self.load.running - self.left)
 
     @property
     def pending(self) -> int:
         """Requests here: those it reports, or those placed here and not done, whichever is more
         (placed work may not have arrived yet; reported work may predate this conductor)."""
-        return max(self.load.queue_len + self.load.running, self.outstanding.requests)
+        return max(self.load.queue_len + self.running, self.outstanding.requests)
 
 
 @dataclass(slots=True)
 class _Entry:
     heartbeat: Heartbeat
     last_seen: float
+    left: int = 0
 
     def view(self) -> InstanceView:
         hb = self.heartbeat
-        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.leaving, incarnation=hb.incarnation)
+        return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.leaving, incarnation=hb.incarnation,
+                            left=self.left)
 
 
 class InstanceTable:
@@ -58,8 +68,14 @@ class InstanceTable:
         if entry is None:
             self._entries[heartbeat.instance_id] = _Entry(heartbeat, now)
             return True
-        entry.heartbeat, entry.last_seen = heartbeat, now
+        entry.heartbeat, entry.last_seen, entry.left = heartbeat, now, 0
         return False
+
+    def request_left(self, instance_id: str) -> None:
+        """``instance_id`` reported a request done: it is no longer in the batch its last heartbeat counted."""
+        entry = self._entries.get(instance_id)
+        if entry is not None:
+            entry.left += 1
 
     def remove(self, instance_id: str) -> InstanceView | None:
         entry = self._entries.pop(instance_id, None)

@@ -124,7 +124,10 @@ class ConductorService(Service[ConductorConfig]):
             self.ledger.place(placed.request_id, placement_stages(placed, time.monotonic()), time.monotonic())
 
     async def _on_work_done(self, done: WorkDone, _headers: Mapping[str, str]) -> None:
+        held = any(s.instance_id == done.instance_id for s in self.ledger.stages(done.request_id))
         self.ledger.done(done.request_id, done.instance_id, _CLEARED[done.outcome], time.monotonic())
+        if held and not any(s.instance_id == done.instance_id for s in self.ledger.stages(done.request_id)):
+            self.table.request_left(done.instance_id)  # its last part there: out of the batch
         # NOTE: an instance reports its prefill part done as it sends the first token (prefill before the
         # hand-off, aggregated right after the token), so this is the TTFT delivered, from the placement.
         now = time.time()
@@ -305,7 +308,7 @@ class ConductorService(Service[ConductorConfig]):
             return
         load, window = view.load, view.load.window_steps
         span.set_attributes({
-            "halfmoon.decode.running": load.running, "halfmoon.decode.placed": view.outstanding.requests,
+            "halfmoon.decode.running": view.running, "halfmoon.decode.placed": view.outstanding.requests,
             **({} if choice.predicted_tbt_ms is None else {"halfmoon.tbt.predicted_ms": choice.predicted_tbt_ms}),
             **({} if load.shared_step_fraction is None else {"halfmoon.decode.shared_step_fraction":
                                                             load.shared_step_fraction}),
