@@ -88,10 +88,11 @@ class PerRequestDisaggregation:
 
     def choose(self, handoff: ServingOption | None, whole: ServingOption | None,
                admitted: bool = False) -> DisaggregationDecision:
-        available = [(option.cost_s, serving != Serving.WHOLE, serving, self.meets(option))
-                     for serving, option in ((Serving.HANDOFF, handoff), (Serving.WHOLE, whole)) if option is not None]
-        meeting = [a[:3] for a in available if a[3]] or ([a[:3] for a in available] if admitted else [])
-        return DisaggregationDecision(min(meeting)[2] if meeting else None, handoff, whole)
+        available = {serving: option for serving, option in ((Serving.HANDOFF, handoff), (Serving.WHOLE, whole))
+                     if option is not None}
+        meeting = {s: o for s, o in available.items() if self.meets(o)} or (available if admitted else {})
+        best = min(meeting, key=lambda s: (meeting[s].cost_s, s != Serving.WHOLE), default=None)
+        return DisaggregationDecision(best, handoff, whole)
 
     def handoff_cost(self, prefill_s: float, transfer_s: float, prompt_tokens: int) -> float:
         return prefill_s + transfer_s + self.cost.transfer.seconds(prompt_tokens) + self.handoff_overhead_s
