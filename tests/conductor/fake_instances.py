@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime import Service, ServiceConfig, ServiceHost
 
@@ -47,3 +48,7 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, what
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+# A small model's KV layout, for placement policies that need one adopted
+SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_layers=4, num_kv_heads=2, head_dim=16)

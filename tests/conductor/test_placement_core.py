@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from fake_instances import SPEC
 
-from halfmoon.core.kv_spec import KVSpec
 from halfmoon.policy.ledger import Cleared, Outstanding, Stage, WorkLedger
 from halfmoon.protocol import (
     Heartbeat,
@@ -16,7 +16,7 @@ from halfmoon.protocol import (
     SamplingParams,
     ScheduleRequest,
 )
-from halfmoon.protocol.registry import Leaving, StepSample
+from halfmoon.protocol.registry import Leaving
 from halfmoon.protocol.work import WorkDone, WorkOutcome
 from halfmoon.services.conductor.kv_index import LiveBlockIndex
 from halfmoon.services.conductor.placement import (
@@ -232,7 +232,7 @@ class TestPerRequestDisaggregation:
 
     def test_short_prompts_are_served_whole_and_long_ones_handed_off(self):
         policy = build_placement(self.SETTINGS).policy
-        policy.adopt(TestCalibrationSetting.SPEC, "p0")
+        policy.adopt(SPEC, "p0")
         short, long = self.place(policy, 3), self.place(policy, 2000)
         assert (short.prefill, short.decode, short.whole) == ("a0", "a0", True)
         assert short.whole_cost_s == pytest.approx(0.003 * 5) and short.handoff_cost_s > short.whole_cost_s
@@ -243,7 +243,7 @@ class TestPerRequestDisaggregation:
         # the ledger holds two entries (prefill, decode) of a request placed whole until its first token: the
         # batch its TBT is predicted for counts requests, so three prompts waiting there weigh as three decoding
         policy = build_placement(self.SETTINGS).policy
-        policy.adopt(TestCalibrationSetting.SPEC, "a0")
+        policy.adopt(SPEC, "a0")
         aggregated = [InstanceView("a0", Role.AGGREGATED, "a0", Load(total_kv_blocks=1000, free_kv_blocks=1000), None)]
         both, decoding = WorkLedger(), WorkLedger()
         for i in range(3):
@@ -262,7 +262,7 @@ class TestPerRequestDisaggregation:
         # the prefill instance holds 100 s of work (TTFT SLO 60 s); serving whole, the batch of 4 would take
         # 12 ms + 512 ms steps with the prompt's last chunk in them (TBT SLO 0.3 s)
         policy = build_placement(PolicySettings(prefill_tokens_per_s=1000.0, ttft_slo_s=60.0, tbt_slo_s=0.3)).policy
-        policy.adopt(TestCalibrationSetting.SPEC, "p0")
+        policy.adopt(SPEC, "p0")
         prefill, decode, aggregated = self.views()
         prefill = [prefill[0]._replace(outstanding=Outstanding(1, 100.0, 1000, 1))]
         request = ScheduleRequest(request_id="r", model="m", prompt_len=2000, prompt_token_ids=tuple(range(3, 2003)),
@@ -340,135 +340,3 @@ class TestFirstTokenWatch:
             watch.expect(f"r{i}", "p0", model_ttft_s=0.1, now=float(i))
         assert len(watch) == 2 and watch.done(self.done("p0", request="r0"), now=5.0) is None
         assert watch.done(self.done("p0", request="r2"), now=5.0) is not None
-
-
-class TestCalibrationSetting:
-    SPEC = KVSpec(model_fingerprint="ab" * 16, block_size=16, dtype="float32", num_layers=4, num_kv_heads=2,
-                  head_dim=16)
-
-    def test_off_by_default(self):
-        placement = build_placement(PolicySettings()).policy
-        placement.adopt(self.SPEC, "prefill-0")
-        assert placement.calibration is None and placement.scheduler.calibration is None
-
-    def test_when_set_the_placement_feeds_the_calibration_its_scheduler_reads(self):
-        placement = build_placement(PolicySettings(ttft_calibration_s=120.0)).policy
-        placement.adopt(self.SPEC, "prefill-0")
-        assert placement.calibration is not None and placement.scheduler.calibration is placement.calibration
-        for i in range(8):
-            placement.observe_ttft(0.5 + i * 0.25, 2 * (0.5 + i * 0.25), now=float(i))
-        assert placement.scheduler.calibration.correct(1.0, now=8.0) == pytest.approx(2.0)
-
-    def test_a_negative_horizon_is_refused(self):
-        with pytest.raises(ValueError, match="ttft_calibration_s"):
-            PolicySettings(ttft_calibration_s=-1.0).check_policy()
-
-
-class TestLearnedDecodeCost:
-    """TBT admission judges an instance by the steps decoding instances report (prefill chunks sharing an
-    aggregated instance's steps included), not by the configured prior alone."""
-
-    PROMPT = tuple(range(3, 40))
-    REQUEST = ScheduleRequest(request_id="r", model="m", prompt_len=len(PROMPT), prompt_token_ids=PROMPT,
-                              sampling=SamplingParams(), deadline=0.0)
-
-    def aggregated(self, running: int, used_blocks: int) -> list[InstanceView]:
-        load = Load(running=running, total_kv_blocks=1000, free_kv_blocks=1000 - used_blocks)
-        return [InstanceView("agg-0", Role.AGGREGATED, "agg-0", load, False)]
-
-    def test_slow_reported_steps_turn_requests_away_and_a_small_batch_still_gets_them(self):
-        built = build_placement(PolicySettings(tbt_slo_s=0.25))
-        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
-        busy = self.aggregated(running=4, used_blocks=100)
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], busy, now=0.0), Placement)  # prior: 12 ms
-        assert built.decode_cost is not None
-        for batch in range(1, 9):  # as an AVX2 CPU ran them: about 50 ms per sequence with chunks interleaved
-            for kv_tokens in (500, 4000):
-                built.decode_cost.record(batch, kv_tokens, 0.02 + 0.05 * batch + 1e-6 * kv_tokens)
-        refused = place_pair(built.policy, self.REQUEST, [], [], busy, now=0.0)
-        assert isinstance(refused, Rejection) and refused.reason is RejectReason.OVERLOADED, refused
-        assert "decode" in refused.message and refused.retry_after_s is not None and refused.retry_after_s >= 1
-        # five sequences predicted 0.27 s a step, over the 0.25 s SLO; two are 0.12 s
-        quiet = self.aggregated(running=1, used_blocks=10)
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], quiet, now=0.0), Placement)
-
-    def test_a_heartbeat_behind_the_ledger_does_not_multiply_the_queued_prompt_work(self):
-        """As measured (aiperf, 8 streams beside a busy loop): a wave of 8 streams ended together, the last
-        heartbeat still said 8 running, and the one prompt placed since counted eight times."""
-        built = build_placement(PolicySettings(admission="none"))  # the predicted TTFT is what is read
-        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
-        one_prompt = Outstanding(count=2, work_s=1.0, tokens=512, requests=1)
-        stale = [v._replace(outstanding=one_prompt) for v in self.aggregated(running=8, used_blocks=100)]
-        placement = place_pair(built.policy, self.REQUEST, [], [], stale, now=0.0)
-        assert isinstance(placement, Placement) and 1000 <= placement.predicted_ttft_ms < 2000, placement
-        # four reported waiting where the ledger holds one (placed before this conductor took over): four prompts
-        waiting = [v._replace(load=msgspec.structs.replace(v.load, queue_len=4)) for v in stale]
-        placement = place_pair(built.policy, self.REQUEST, [], [], waiting, now=0.0)
-        assert isinstance(placement, Placement) and 4000 <= placement.predicted_ttft_ms < 5000, placement
-
-    def test_the_instances_own_latest_steps_set_the_scale(self):
-        # the model, soured by a slow spell, says 0.27 s a step for five; the instance's heartbeat says its
-        # four sequences step in 40 ms now, so five are predicted near 50 ms and the request is placed
-        built = build_placement(PolicySettings(tbt_slo_s=0.25))
-        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
-        assert built.decode_cost is not None
-        for batch in range(1, 9):
-            for kv_tokens in (500, 4000):
-                built.decode_cost.record(batch, kv_tokens, 0.02 + 0.05 * batch + 1e-6 * kv_tokens)
-        view = self.aggregated(running=4, used_blocks=100)[0]
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], [view], now=0.0), Rejection)
-        measured = view._replace(load=msgspec.structs.replace(
-            view.load, steps=StepSample(steps=20, batch=4, kv_tokens=1600, seconds=0.04)))
-        placed = place_pair(built.policy, self.REQUEST, [], [], [measured], now=0.0)
-        assert isinstance(placed, Placement), placed
-        assert placed.predicted_tbt_ms is not None and 40 < placed.predicted_tbt_ms < 60
-
-    def test_predictions_start_from_the_window_not_from_one_heartbeats_steps(self):
-        # the last heartbeat's steps were one step a 2,048-token prompt chunk shared (6 s); over the window its
-        # decoding sequences saw 0.2 s between tokens, and that is what the request is judged by
-        built = build_placement(PolicySettings(tbt_slo_s=0.25))
-        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
-        view = self.aggregated(running=4, used_blocks=100)[0]
-        spike = StepSample(steps=1, batch=4, kv_tokens=1600, seconds=6.0)
-        one_beat = view._replace(load=msgspec.structs.replace(view.load, shared_steps=spike))
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], [one_beat], now=0.0), Rejection)
-        window = StepSample(steps=60, batch=4, kv_tokens=1600, seconds=0.2)
-        windowed = one_beat._replace(load=msgspec.structs.replace(one_beat.load, window_steps=window))
-        placed = place_pair(built.policy, self.REQUEST, [], [], [windowed], now=0.0)
-        assert isinstance(placed, Placement), placed
-        assert placed.predicted_tbt_ms is not None and 200 <= placed.predicted_tbt_ms < 250
-
-    def test_least_loaded_placement_learns_nothing_and_learning_decode_can_be_off(self):
-        built = build_placement(PolicySettings(placement="least-loaded"))
-        assert built.prefill_cost is None and built.decode_cost is None
-        assert build_placement(PolicySettings(learn_decode_cost=False)).decode_cost is None
-
-    def test_an_idle_instance_is_never_refused_for_tbt(self):
-        # a slow spell (a CPU hog beside the engine) soured the model: even one sequence is over the SLO
-        built = build_placement(PolicySettings(tbt_slo_s=0.25))
-        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
-        assert built.decode_cost is not None
-        for batch in range(1, 9):
-            for kv_tokens in (500, 4000):
-                built.decode_cost.record(batch, kv_tokens, 0.3 + 0.05 * batch)
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(1, 10), now=0.0), Rejection)
-        # refusing the idle instance too would stop the steps that can correct the model
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(0, 0), now=0.0), Placement)
-
-    def test_with_prefill_interference_steps_a_chunk_shared_judge_aggregated_instances(self):
-        built = build_placement(PolicySettings(tbt_slo_s=0.25, prefill_interference=True))
-        built.policy.adopt(TestCalibrationSetting.SPEC, "agg-0")
-        assert built.decode_cost is not None and built.shared_cost is not None
-        for batch in range(1, 9):  # decoding alone is fast; a step carrying a prompt's chunk is not
-            for kv_tokens in (500, 4000):
-                built.decode_cost.record(batch, kv_tokens, 0.02 + 0.01 * batch)
-                built.shared_cost.record(batch, kv_tokens, 0.3 + 0.01 * batch)
-        busy = self.aggregated(running=2, used_blocks=20)
-        refused = place_pair(built.policy, self.REQUEST, [], [], busy, now=0.0)
-        assert isinstance(refused, Rejection) and "decode" in refused.message, refused
-        assert isinstance(place_pair(built.policy, self.REQUEST, [], [], self.aggregated(0, 0), now=0.0), Placement)
-        # a decode instance is never judged by chunks it does not run
-        decode_view = [busy[0]._replace(instance_id="d0", role=Role.DECODE)]
-        prefill_view = [InstanceView("p0", Role.PREFILL, "p0", Load(), False)]
-        built.policy.adopt(TestCalibrationSetting.SPEC, "p0")
-        assert isinstance(place_pair(built.policy, self.REQUEST, prefill_view, decode_view, [], now=0.0), Placement)
