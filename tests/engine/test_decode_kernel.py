@@ -72,9 +72,27 @@ class TestAgainstSdpa:
         with ThreadPoolExecutor(4) as pool:
             assert all(pool.map(one, range(8)))
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_a_result_depends_on_the_keys_not_on_where_their_blocks_lie(self, kernel, dtype) -> None:
+        gen = torch.Generator().manual_seed(5)
+        keys, values = torch.randn(3, 150, 64, generator=gen).to(dtype), torch.randn(3, 150, 64, generator=gen).to(dtype)
+        placements = [((0, 150),), ((16, 32), (64, 80), (200, 318)), ((300, 301), (400, 400), (500, 649))]
+        q = torch.randn(1, 9, 64, generator=gen).to(dtype)
+        outputs = []
+        for spans in placements:
+            k_cache, v_cache = torch.zeros(3, 1024, 64, dtype=dtype), torch.zeros(3, 1024, 64, dtype=dtype)
+            taken = 0
+            for start, end in spans:
+                k_cache[:, start:end] = keys[:, taken:taken + end - start]
+                v_cache[:, start:end] = values[:, taken:taken + end - start]
+                taken += end - start
+            outputs.append(paged_attention(q, k_cache, v_cache, batch_of([spans]), 0.125, AttentionKernels(decode=kernel)))
+        assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
     def test_shapes_it_does_not_take_are_left_to_sdpa(self, kernel) -> None:
         batch = batch_of([((0, 10),)])
         assert kernel(torch.randn(1, 34, 8), torch.randn(2, 16, 8), torch.randn(2, 16, 8), batch.decode, 1.0) is None
+        assert kernel(torch.randn(1, 4, 66), torch.randn(2, 16, 66), torch.randn(2, 16, 66), batch.decode, 1.0) is None
         assert kernel(torch.randn(1, 4, 8).half(), torch.randn(2, 16, 8).half(), torch.randn(2, 16, 8).half(),
                       batch.decode, 1.0) is None
 

@@ -31,7 +31,6 @@ class DecodeBatch(NamedTuple):
     rows: torch.Tensor  # [n] each one's query row in the step
     spans: torch.Tensor  # [m, 2] int64 (start, end) cache slots, every sequence's in turn
     offsets: torch.Tensor  # [n + 1] int64: sequence i reads spans[offsets[i]:offsets[i + 1]]
-    max_context: int
 
     @classmethod
     def of(cls, seqs: Sequence[SeqAttention]) -> DecodeBatch | None:
@@ -43,14 +42,14 @@ class DecodeBatch(NamedTuple):
             offsets.append(offsets[-1] + len(s.spans))
         spans = [span for s in decoding for span in s.spans]
         return cls(torch.tensor([s.query_start for s in decoding], dtype=torch.long),
-                   torch.tensor(spans, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
-                   max(sum(end - start for start, end in s.spans) for s in decoding))
+                   torch.tensor(spans, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64))
 
 
 class DecodeKernel:
     """Contract: ``__call__`` returns ``[n, heads * dim]``, row i the attention of the batch's i-th
     decode query over its spans, equal to SDPA's up to float32 rounding; ``None`` for inputs it
-    does not take (another device or dtype, a head group over 16 or head_dim over 256)."""
+    does not take (another device or dtype, a head group over 16, a head_dim over 256 or not a multiple of
+    the CPU's vector width: 16 floats with AVX-512, 8 with AVX2, 4 with SSE2)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.decode_attention
@@ -63,16 +62,12 @@ class DecodeKernel:
         queries = q.index_select(0, batch.rows).contiguous()  # [n, heads, dim]
         n, heads, dim = queries.shape
         kv_heads, slots, _ = k_cache.shape
-        threads = torch.get_num_threads()
-        # NOTE: per call: engines in one process (a test cluster) call one kernel from several threads
-        scratch = torch.empty(threads * (heads // kv_heads) * batch.max_context, dtype=torch.float32)
         out = torch.empty_like(queries)
         pointer = ctypes.c_void_p
         failed = self._run(DTYPES[q.dtype], pointer(queries.data_ptr()), pointer(k_cache.data_ptr()),
                            pointer(v_cache.data_ptr()), pointer(out.data_ptr()), n, heads, kv_heads, dim,
                            ctypes.c_long(slots), pointer(batch.spans.data_ptr()), pointer(batch.offsets.data_ptr()),
-                           ctypes.c_float(scale), pointer(scratch.data_ptr()),
-                           ctypes.c_long(batch.max_context), threads)
+                           ctypes.c_float(scale), torch.get_num_threads())
         return None if failed else out.view(n, heads * dim)
 
 
