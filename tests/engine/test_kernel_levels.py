@@ -103,6 +103,11 @@ class TestEachLevelAgainstPyTorch:
             qk = rows_of(rows, 4 * 64, seed=rows + 1).view(rows, 4, 64)
             cos, sin = rows_of(rows, 64, seed=2, scale=1.0)[:, None], rows_of(rows, 64, seed=3, scale=1.0)[:, None]
             assert torch.equal(ops.rotate(qk.clone(), cos, sin), LayerOps().rotate(qk, cos, sin))
+            slots = torch.randperm(512)[:rows]
+            expected, stored = ([torch.zeros(2, 512, 64, dtype=qk.dtype) for _ in range(2)] for _ in range(2))
+            LayerOps().store_kv(*expected, slots, qk[:, :2], qk[:, 2:])
+            ops.store_kv(*stored, slots, qk[:, :2], qk[:, 2:])
+            assert all(torch.equal(a, b) for a, b in zip(stored, expected))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_decode_attention(self, every_level, level, dtype) -> None:

@@ -83,6 +83,32 @@ class TestAgainstTheModules:
         assert torch.equal(native_ops.act_mul(silu, gate_up), LayerOps().act_mul(silu, gate_up))
 
 
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    @pytest.mark.parametrize("rows", ROWS)
+    def test_k_and_v_rows_stored_at_their_slots(self, native_ops, rows, dtype) -> None:
+        heads, kv_heads, dim, cache_slots = 9, 3, 64, 4096
+        gen = torch.Generator().manual_seed(rows)
+        qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+        k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]  # views of the fused projection
+        slots = torch.randperm(cache_slots, generator=gen)[:rows]
+        expected = [torch.randn(kv_heads, cache_slots, dim, generator=gen).to(dtype) for _ in range(2)]
+        stored = [c.clone() for c in expected]
+        LayerOps().store_kv(*expected, slots, k, v)
+        native_ops.store_kv(*stored, slots, k, v)
+        assert torch.equal(stored[0], expected[0]) and torch.equal(stored[1], expected[1])
+
+    def test_a_store_it_cannot_address_is_left_to_torch(self, native_ops) -> None:
+        k = torch.randn(4, 64, 3).transpose(1, 2)  # heads not side by side
+        v = torch.randn(4, 3, 64)
+        slots = torch.tensor([5, 9, 2, 7])
+        expected = [torch.zeros(3, 16, 64) for _ in range(2)]
+        stored = [c.clone() for c in expected]
+        LayerOps().store_kv(*expected, slots, k, v)
+        native_ops.store_kv(*stored, slots, k, v)
+        assert torch.equal(stored[0], expected[0]) and torch.equal(stored[1], expected[1])
+        assert expected[0].abs().sum() > 0
+
+
 class TestFallback:
     def test_what_the_kernel_does_not_know_is_left_to_the_modules(self, native_ops) -> None:
         x = rows_of(5, 64, seed=3)

@@ -30,12 +30,6 @@ class PagedKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[index, 0], self.data[index, 1]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` shaped ``[tokens, kv_heads, head_dim]`` at ``slots``."""
-        k_cache, v_cache = self.layer(layer)
-        k_cache.index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, slots, v.transpose(0, 1))
-
     def _slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         size = self.block_size
         rows = torch.arange(size, dtype=torch.long)

@@ -1,11 +1,13 @@
-"""The elementwise math of a decoder layer: RMSNorm, residual adds, rotary embedding, SiLU-and-multiply.
+"""The elementwise math of a decoder layer: RMSNorm, residual adds, rotary embedding, SiLU-and-multiply,
+and the store of its K and V rows into the paged cache.
 
 In PyTorch each is several operators (RMSNorm alone converts to float32, squares, averages, scales and
 converts back), each a pass over the step's rows and, at a decode step's few rows, mostly dispatch.
 On a CPU in bfloat16 a C kernel (``kernels/layer_ops.c``) does each in one pass, rounding every
 intermediate through bfloat16 where PyTorch stores one, so the result is what transformers' modules
 compute. Elsewhere (float32, CUDA, modules it does not know, no C compiler,
-``HALFMOON_LAYER_OPS_KERNEL=0``) the modules themselves run.
+``HALFMOON_LAYER_OPS_KERNEL=0``) the modules themselves run. The store is a copy, in C for CPU rows of
+any dtype: two ``index_copy_`` calls a layer cost 45 us at a decode step's 8 rows, 3% of the step.
 """
 
 from __future__ import annotations
@@ -55,13 +57,21 @@ class LayerOps:
         half = gate_up.shape[-1] // 2
         return act(gate_up[:, :half]) * gate_up[:, half:]
 
+    def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """``k``/``v`` ``[tokens, kv_heads, head_dim]`` into the head-major caches ``[kv_heads, slots, head_dim]``
+        at ``slots``."""
+        k_cache.index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+
 
 class NativeLayerOps(LayerOps):
     """The C kernel's one-pass forms, for CPU bfloat16 rows of the norms and activation it knows."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rms_norm, self._rotary, self._silu_mul = library.rms_norm, library.rotary, library.silu_mul
-        for function in (self._rms_norm, self._rotary, self._silu_mul):
+        self._store_kv = library.store_kv
+        for function in (self._rms_norm, self._rotary, self._silu_mul, self._store_kv):
             function.restype = None
 
     def _norm_into(self, module: RMSNormWeights, x: torch.Tensor, residual: torch.Tensor | None,
@@ -102,6 +112,18 @@ class NativeLayerOps(LayerOps):
                        torch.get_num_threads())
         return out
 
+    def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        tokens, kv_heads, dim = k.shape
+        if not (_rows_of_heads(k) and _rows_of_heads(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.device.type == k_cache.device.type == "cpu"
+                and slots.dtype == torch.long and slots.is_contiguous() and k_cache.shape[0] == kv_heads
+                and k_cache.shape[2] == dim and v_cache.shape == k_cache.shape and v.shape == k.shape):
+            return super().store_kv(k_cache, v_cache, slots, k, v)
+        self._store_kv(_ptr(k), ctypes.c_long(k.stride(0)), _ptr(v), ctypes.c_long(v.stride(0)), _ptr(k_cache),
+                       _ptr(v_cache), ctypes.c_long(k_cache.shape[1]), _ptr(slots), ctypes.c_long(tokens), kv_heads,
+                       dim, k.element_size())
+
 
 def layer_ops(device: torch.device) -> LayerOps:
     """The kernel's forms on a CPU where the kernel builds, else the modules'."""
@@ -117,6 +139,11 @@ def _known_norm(module: torch.nn.Module) -> TypeGuard[RMSNormWeights]:
 
 def _fits(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+
+
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    """``[tokens, heads, dim]`` with each token's heads side by side (tokens any distance apart)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _ptr(x: torch.Tensor | None) -> ctypes.c_void_p:

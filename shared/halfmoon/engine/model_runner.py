@@ -138,8 +138,8 @@ class ModelRunner:
             qk = ops.rotate(qkv[:, :heads + kv_heads], cos, sin)  # one rotation for the query and key heads
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
             self.layer_hook.before_layer(index, chunks, self.cache)
-            self.cache.write(index, batch.slots, k, v)
             k_cache, v_cache = self.cache.layer(index)
+            ops.store_kv(k_cache, v_cache, batch.slots, k, v)
             out = paged_attention(q, k_cache, v_cache, batch, layer.scaling, self.kernels)
             self.layer_hook.after_layer(index, chunks, self.cache)
             hidden, normed = ops.add_norm(layer.post_norm, hidden, layer.o(out))

@@ -2,9 +2,11 @@
  * what transformers' modules compute in PyTorch (engine/layer_ops.py builds and calls them):
  * RMSNorm (optionally after adding a residual), rotary embedding and SiLU-and-multiply. Each
  * intermediate that PyTorch stores as bfloat16 is rounded through bfloat16 here too. Rows are
- * spread over the OpenMP runtime torch has loaded (libgomp.so.1, one pool). */
+ * spread over the OpenMP runtime torch has loaded (libgomp.so.1, one pool). Also the store of a
+ * step's K and V rows into the paged cache, which is a copy in any dtype. */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "vector_exp.h"
@@ -65,6 +67,20 @@ void silu_mul(const uint16_t *gate_up, uint16_t *out, long rows, long half, int 
         for (long d = 0; d < half; d++) {
             float x = bf16_to_float(g[d]);
             o[d] = float_to_bf16(through_bf16(x / (1.f + vector_exp(-x))) * bf16_to_float(u[d]));
+        }
+    }
+}
+
+/* K and V rows [tokens, kv_heads, dim] (k_stride, v_stride elements between tokens; heads dim apart) into the
+ * head-major caches [kv_heads, cache_slots, dim] at slots[t]; elements of element_bytes. */
+void store_kv(const char *k, long k_stride, const char *v, long v_stride, char *k_cache, char *v_cache,
+              long cache_slots, const int64_t *slots, long tokens, int kv_heads, int dim, int element_bytes) {
+    size_t row = (size_t)dim * element_bytes;
+    for (long t = 0; t < tokens; t++) {
+        for (int h = 0; h < kv_heads; h++) {
+            size_t at = ((size_t)h * cache_slots + slots[t]) * row;
+            memcpy(k_cache + at, k + ((size_t)t * k_stride + (size_t)h * dim) * element_bytes, row);
+            memcpy(v_cache + at, v + ((size_t)t * v_stride + (size_t)h * dim) * element_bytes, row);
         }
     }
 }
