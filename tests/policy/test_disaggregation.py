@@ -93,6 +93,12 @@ class TestBySlo:
         decision = self.policy(cost).choose(handoff, whole)
         assert decision.serving is None and decision.handoff == handoff and decision.whole == whole
 
+    def test_time_waited_for_a_placement_counts_against_the_ttft_slo(self, cost):
+        handoff, whole = ServingOption(20.0, 0.05, 1.0), ServingOption(25.0, 0.05, 0.5)
+        assert self.policy(cost).choose(handoff, whole).serving is Serving.WHOLE
+        assert self.policy(cost).choose(handoff, whole, waited_s=8.0).serving is Serving.HANDOFF
+        assert self.policy(cost).choose(handoff, whole, waited_s=12.0).serving is None
+
     def test_a_migrated_request_takes_the_cheaper_option_when_both_miss(self, cost):
         handoff, whole = ServingOption(31.0, 0.05, 1.0), ServingOption(1.0, 0.3, 0.5)
         assert self.policy(cost).choose(handoff, whole, admitted=True).serving is Serving.WHOLE

@@ -149,6 +149,17 @@ class TestScheduler:
         assert not decision.accepted and decision.reason == "ttft_slo"
         assert decision.retry_after_s == pytest.approx(11.0)
 
+    def test_time_waited_for_a_placement_counts_against_the_ttft_slo(self, cost):
+        decode = SloAwareDecode(cost.decode, SLO_50MS)
+        sched = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_50MS), NoAdmission(decode), SLO_50MS)
+        fresh = sched.schedule(self.REQUEST, [PrefillInstanceState("p", 20.0)], [busy("d", 1, 100)], {}, 0.0)
+        assert fresh.accepted and fresh.prefill.ttft_s < SLO_50MS.ttft_s
+        waited = SLO_50MS.ttft_s - fresh.prefill.ttft_s + 3.0
+        late = sched.schedule(self.REQUEST._replace(waited_s=waited), [PrefillInstanceState("p", 20.0)],
+                              [busy("d", 1, 100)], {}, 0.0)
+        assert not late.accepted and late.reason == "ttft_slo"
+        assert late.retry_after_s == pytest.approx(3.0)
+
     def test_a_migrated_request_is_placed_whatever_the_predictions(self, cost):
         """It was admitted once and has streamed: rejected now, it would be lost. The decode instance is the
         nearest miss; with none within SLO it is still the one predicted fastest."""

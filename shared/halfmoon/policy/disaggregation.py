@@ -81,16 +81,17 @@ class PerRequestDisaggregation:
         self.slo = slo
         self.handoff_overhead_s = handoff_overhead_s
 
-    def meets(self, option: ServingOption) -> bool:
-        if option.ttft_s > self.slo.ttft_s:
+    def meets(self, option: ServingOption, waited_s: float = 0.0) -> bool:
+        """``waited_s``: how long the request already waited for a placement, part of its TTFT."""
+        if waited_s + option.ttft_s > self.slo.ttft_s:
             return False
         return option.tbt_s <= self.slo.tbt_s or (option.idle and self.decode.idle_qualifies)
 
     def choose(self, handoff: ServingOption | None, whole: ServingOption | None,
-               admitted: bool = False) -> DisaggregationDecision:
+               admitted: bool = False, waited_s: float = 0.0) -> DisaggregationDecision:
         available = {serving: option for serving, option in ((Serving.HANDOFF, handoff), (Serving.WHOLE, whole))
                      if option is not None}
-        meeting = {s: o for s, o in available.items() if self.meets(o)} or (available if admitted else {})
+        meeting = {s: o for s, o in available.items() if self.meets(o, waited_s)} or (available if admitted else {})
         best = min(meeting, key=lambda s: (meeting[s].cost_s, s != Serving.WHOLE), default=None)
         return DisaggregationDecision(best, handoff, whole)
 

@@ -73,8 +73,8 @@ class KVCentricScheduler:
         model_ttft = choice.ttft_s
         if self.calibration is not None:
             choice = choice._replace(ttft_s=self.calibration.correct(model_ttft, now))
-        if choice.ttft_s > self.slo.ttft_s and not request.admitted:
-            wait = max(MIN_RETRY_AFTER_S, choice.ttft_s - self.slo.ttft_s)
+        if request.waited_s + choice.ttft_s > self.slo.ttft_s and not request.admitted:
+            wait = max(MIN_RETRY_AFTER_S, request.waited_s + choice.ttft_s - self.slo.ttft_s)
             return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s,
                                        request.max_tokens)

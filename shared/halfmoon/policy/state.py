@@ -38,13 +38,15 @@ SERVING_SLO = SLO(ttft_s=30.0, tbt_s=0.2)
 class RouteRequest(NamedTuple):
     """What the conductor knows about a request when it routes it (``max_tokens`` 0: not known).
     ``admitted``: it was admitted before and continues elsewhere (a migration): it is placed on the best
-    instance whatever the predictions say, for rejecting it now would throw away what it has delivered."""
+    instance whatever the predictions say, for rejecting it now would throw away what it has delivered.
+    ``waited_s``: seconds it has already waited for a placement, part of its TTFT."""
 
     block_keys: tuple[Hashable, ...]
     prompt_tokens: int
     block_size: int
     max_tokens: int = 0
     admitted: bool = False
+    waited_s: float = 0.0
 
     def cached_tokens(self, blocks: int) -> int:
         """Tokens covered by a matched prefix of ``blocks`` blocks; one token is always computed."""

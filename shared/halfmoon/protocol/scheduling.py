@@ -19,6 +19,8 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
     migration): the conductor places elsewhere even before it notices they are gone. ``attempt``: 0 for
     the request's first placement; later ones continue a request admitted before (a migration, with the
     tokens streamed so far in the prompt), and are placed rather than rejected for predicted overload.
+    ``waited_s``: how long the request has already waited for a placement (the gateway asks again while
+    the conductor answers ``overloaded``); it counts against the TTFT SLO.
     """
 
     request_id: str
@@ -31,11 +33,14 @@ class ScheduleRequest(Message, frozen=True, kw_only=True, tag="schedule"):
     tenant_salt: str | None = None
     exclude: tuple[str, ...] = ()
     attempt: int = 0
+    waited_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
         if self.attempt < 0:
             raise ValueError(f"attempt must be >= 0, got {self.attempt}")
+        if not 0.0 <= self.waited_s < float("inf"):
+            raise ValueError(f"waited_s must be a finite number >= 0, got {self.waited_s}")
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len must be at least 1, got {self.prompt_len}")
         if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_len:

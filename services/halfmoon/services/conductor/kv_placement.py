@@ -64,7 +64,7 @@ class KVCentricPlacement(PlacementPolicy):
         assert self.spec is not None
         keys = self.spec.hasher(request.tenant_salt).keys(request.prompt_token_ids)
         return RouteRequest(tuple(keys), len(request.prompt_token_ids), self.block_size, request.sampling.max_tokens,
-                            admitted=request.attempt > 0)
+                            admitted=request.attempt > 0, waited_s=request.waited_s)
 
     @staticmethod
     def _queued(view: InstanceView) -> tuple[float, int]:
@@ -122,7 +122,8 @@ class KVCentricPlacement(PlacementPolicy):
         whole = self.scheduler.schedule(route, [self._prefill_state(v) for v in aggregated], whole_states,
                                         self.index, now)
         chosen = self.disaggregation.choose(self.disaggregation.handoff(handoff, decode_states, route),
-                                            self.disaggregation.whole(whole, whole_states, route), route.admitted)
+                                            self.disaggregation.whole(whole, whole_states, route), route.admitted,
+                                            route.waited_s)
         handoff_cost = chosen.handoff.cost_s if chosen.handoff else None
         whole_cost = chosen.whole.cost_s if chosen.whole else None
         if chosen.serving is Serving.WHOLE:

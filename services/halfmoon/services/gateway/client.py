@@ -48,6 +48,7 @@ class Deadlines:
     migration_limit: int = 2
     stall_probe_s: float = 2.0  # quiet this long: ask the instances to re-send
     instance_wait_s: float = 0.0  # no live instance of a role: wait this long for one (within the deadline)
+    overload_wait_s: float = 0.0  # rejected as overloaded: ask again for this long (within the deadline)
 
 
 class ServingClient:
@@ -215,7 +216,7 @@ class Generation:
         )
         return await schedule(svc, request, deadline, dl.schedule_timeout_s,
                               lambda error: self._event("schedule_retry", {"halfmoon.error": error}),
-                              dl.instance_wait_s)
+                              dl.instance_wait_s, dl.overload_wait_s)
 
     def _watch(self, instance_id: str) -> None:
         self._watching.add(instance_id)

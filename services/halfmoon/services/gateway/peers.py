@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
+import msgspec
 import nats.errors
 
 from halfmoon.protocol import codecs
@@ -15,6 +16,7 @@ from halfmoon.protocol.scheduling import (
     ABSENT_ROLE,
     Readiness,
     ReadinessRequest,
+    RejectReason,
     ScheduleAccepted,
     ScheduleRejected,
     ScheduleRequest,
@@ -27,16 +29,25 @@ from halfmoon.telemetry.metrics import METRICS
 RESUME_TIMEOUT_S = 1.0
 SCHEDULE_BACKOFF_S = 0.2
 INSTANCE_POLL_S = 0.5  # how often a request waiting for an instance of an absent role asks again
+# a request turned away as overloaded asks again after the Retry-After it got, within these bounds: the
+# conductor's view changes with every heartbeat and finished request, a second at most apart
+OVERLOAD_POLL_S = (0.1, 1.0)
 READY_TIMEOUT_S = 2.0
 
 
 async def schedule(svc: Service, request: ScheduleRequest, deadline: float, timeout_s: float,
-                   on_retry: Callable[[str], None], instance_wait_s: float = 0.0) -> ScheduleAccepted:
+                   on_retry: Callable[[str], None], instance_wait_s: float = 0.0,
+                   overload_wait_s: float = 0.0) -> ScheduleAccepted:
     """Ask the conductors; one that died or did not answer in time is asked again (a standby
     takes over) until ``deadline``. A rejection because no instance of a role is live is asked again
     for up to ``instance_wait_s`` (within the deadline): a supervisor brings the instance back in
-    seconds. Raises GenerationError on any other rejection or past the deadline."""
+    seconds. One as ``overloaded`` is asked again for up to ``overload_wait_s``, the request's
+    ``waited_s`` telling the conductor how much of its TTFT is spent: an overload that passes within
+    seconds (a wave of prompts being computed) delays a request rather than turning it away, and a client
+    that sends the next request the moment a 429 comes back does not burn through its requests.
+    Raises GenerationError on any other rejection or past the deadline."""
     wait_until: float | None = None
+    started = time.time()
     while True:
         timeout = min(timeout_s, max(0.1, deadline - time.time()))
         try:
@@ -60,6 +71,14 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
                     METRICS.schedule_retries.inc()
                     on_retry(f"{reply.reason.value}: waiting for an instance")
                     await asyncio.sleep(INSTANCE_POLL_S)
+                    continue
+            if reply.reason is RejectReason.OVERLOADED:
+                pause = min(max(reply.retry_after_s, OVERLOAD_POLL_S[0]), OVERLOAD_POLL_S[1])
+                if time.time() + pause < min(deadline, started + overload_wait_s):
+                    METRICS.schedule_retries.inc()
+                    on_retry(f"overloaded: asking again in {pause:.1f}s")
+                    await asyncio.sleep(pause)
+                    request = msgspec.structs.replace(request, waited_s=time.time() - started)
                     continue
             METRICS.rejections.labels(reply.reason.value).inc()
             raise GenerationError(ErrorCode.OVERLOADED, f"request rejected ({reply.reason.value}): {reply.message}",

@@ -50,6 +50,10 @@ class GatewayConfig(ServiceConfig):
     instance_wait_s: float = field(default=30.0, metadata={
         "help": "a request finding no live instance of a role waits this long for one (a supervised restart) "
                 "before its 429, within ttft_timeout_s (0: at once)"})
+    overload_wait_s: float = field(default=5.0, metadata={
+        "help": "a request the conductor turns away as overloaded asks again (after the Retry-After it got, "
+                "at most a second apart) for this long before its 429; the wait counts against its TTFT SLO "
+                "(0: at once)"})
     api_keys_file: str = field(default="", metadata={
         "help": "API keys, one 'KEY TENANT [RPM] [TPM]' per line (KEY may be sha256:HEX); empty: no keys"})
     auth_secret_file: str = field(default="", metadata={
@@ -71,8 +75,9 @@ class GatewayConfig(ServiceConfig):
                      "body_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.instance_wait_s < 0:
-            raise ValueError(f"instance_wait_s must be >= 0, got {self.instance_wait_s}")
+        for name in ("instance_wait_s", "overload_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.api_keys_file and self.insecure_no_auth:
@@ -136,7 +141,7 @@ class GatewayService(Service[GatewayConfig]):
         self.served = await asyncio.to_thread(ServedModel.load, cfg.model_dir, cfg.model_name, cfg.max_model_len)
         deadlines = Deadlines(cfg.schedule_timeout_s, cfg.submit_timeout_s, cfg.ttft_timeout_s, cfg.itl_timeout_s,
                               migration_limit=cfg.migration_limit, stall_probe_s=cfg.stall_probe_s,
-                              instance_wait_s=cfg.instance_wait_s)
+                              instance_wait_s=cfg.instance_wait_s, overload_wait_s=cfg.overload_wait_s)
         self.client = ServingClient(self, self.served.name, deadlines)
         await self.client.start()
         keys, salts = await asyncio.to_thread(cfg.guard_parts)
