@@ -1,6 +1,7 @@
-"""A request the conductor turns away as overloaded: asked again for ``overload_wait_s``, its wait counted, and
-placed once the overload passes; with no wait, the 429 comes at once. A real conductor on real NATS, judging
-instances that heartbeat a load the test sets."""
+"""A request the conductor turns away as overloaded: asked again while the conductor expects the prompt work
+queued ahead to drain within ``overload_wait_s``, its wait counted, and placed once it has; an overload that
+waiting would not clear is answered at once. A real conductor on real NATS, judging instances that heartbeat
+a load the test sets."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import time
 import pytest
 
 from halfmoon.core.kv_spec import KVSpec
-from halfmoon.protocol import Load, Role, SamplingParams, ScheduleAccepted, ScheduleRequest, codecs
+from halfmoon.protocol import Load, Role, SamplingParams, ScheduleAccepted, ScheduleRequest, Subjects, codecs
 from halfmoon.protocol.base import ErrorCode
+from halfmoon.protocol.work import WorkDone, WorkOutcome
 from halfmoon.runtime import ServiceConfig, ServiceHost
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
 from halfmoon.services.gateway.attempts import GenerationError
@@ -40,61 +42,102 @@ def schedule_request(rid: str) -> ScheduleRequest:
                            sampling=SamplingParams(max_tokens=8), deadline=time.time() + 60)
 
 
+async def start_conductor(nats_server, namespace, **policy) -> ServiceHost:
+    host = ServiceHost(ConductorService(ConductorConfig(nats_url=nats_server.url, namespace=namespace,
+                                                        heartbeat_interval_s=0.1, warmup_s=0.2, **policy)))
+    await host.start()
+    return host
+
+
 @pytest.fixture
-async def overloaded(nats_server, namespace, gateway_factory):
-    """A gateway, a conductor, and a prefill and decode instance whose decode has no free KV block."""
-    conductor = ConductorService(ConductorConfig(nats_url=nats_server.url, namespace=namespace,
-                                                 heartbeat_interval_s=0.1, warmup_s=0.2, retry_after_s=0.2))
+async def full_decode(nats_server, namespace, gateway_factory):
+    """A gateway, a conductor, and a prefill and decode instance whose decode has no free KV block: no wait
+    would let a request in."""
+    conductor = await start_conductor(nats_server, namespace)
     hosts = [reporter(nats_server.url, namespace, "p0", Role.PREFILL, ROOMY),
              reporter(nats_server.url, namespace, "d0", Role.DECODE, FULL)]
-    async with ServiceHost(conductor):
+    try:
         for host in hosts:
             await host.start()
-        try:
-            await wait_until(lambda: {"p0", "d0"} <= set(conductor.table.ids()) and conductor.policy.spec is not None)
-            yield await gateway_factory(), hosts[1].service
-        finally:
-            for host in reversed(hosts):
-                await host.stop()
+        svc = conductor.service
+        await wait_until(lambda: {"p0", "d0"} <= set(svc.table.ids()) and svc.policy.spec is not None)
+        yield await gateway_factory()
+    finally:
+        for host in reversed(hosts):
+            await host.stop()
+        await conductor.stop()
+
+
+@pytest.fixture
+async def queued(nats_server, namespace, gateway_factory):
+    """A gateway, a conductor predicting 0.4 s of prefill per 40-token prompt, and one aggregated instance:
+    prompts placed there and not yet computed are what its decoding sequences would wait on (the fourth such
+    prompt puts them over the 0.2 s TBT SLO, and the conductor expects it to clear as they are computed)."""
+    # placed work the heartbeats do not show stays on the ledger for the test's length: only WorkDone drains it
+    conductor = await start_conductor(nats_server, namespace, prefill_tokens_per_s=100.0, ledger_grace_s=60.0)
+    host = reporter(nats_server.url, namespace, "a0", Role.AGGREGATED, ROOMY)
+    try:
+        await host.start()
+        svc = conductor.service
+        await wait_until(lambda: "a0" in set(svc.table.ids()) and svc.policy.spec is not None)
+        yield await gateway_factory()
+    finally:
+        await host.stop()
+        await conductor.stop()
 
 
 class TestOverloadWait:
-    async def test_without_a_wait_the_rejection_comes_at_once(self, overloaded) -> None:
-        gateway, _decode = overloaded
+    async def test_an_overload_waiting_would_not_clear_is_answered_at_once(self, full_decode) -> None:
         retries: list[str] = []
+        started = time.monotonic()
         with pytest.raises(GenerationError) as raised:
-            await schedule(gateway, schedule_request("now"), time.time() + 60, 5.0, retries.append)
+            await schedule(full_decode, schedule_request("now"), time.time() + 60, 5.0, retries.append,
+                           overload_wait_s=30.0)
         assert raised.value.code is ErrorCode.OVERLOADED and retries == []
+        assert time.monotonic() - started < 5.0
 
-    async def test_an_overload_that_passes_delays_the_request_instead(self, overloaded, nc, namespace) -> None:
-        gateway, decode = overloaded
+    async def test_queued_prompt_work_that_drains_delays_the_request_instead(self, queued, nc, namespace) -> None:
+        gateway = queued
+        placed: list[str] = []
+        with pytest.raises(GenerationError) as raised:  # placements nobody computes pile up until one is refused
+            for i in range(20):
+                await schedule(gateway, schedule_request(f"r{i}"), time.time() + 60, 5.0, list.append,
+                               overload_wait_s=0.0)
+                placed.append(f"r{i}")
+        assert raised.value.code is ErrorCode.OVERLOADED and "decode_overloaded" in raised.value.message
+        assert placed
+
         sent: list[ScheduleRequest] = []
 
         async def seen(msg) -> None:
             request = codecs.SCHEDULE_REQUEST.decode(msg.data)
-            if isinstance(request, ScheduleRequest):
+            if isinstance(request, ScheduleRequest) and request.request_id == "later":
                 sent.append(request)
 
         await nc.subscribe(gateway.subjects.schedule, cb=seen)
         await nc.flush()
         retries: list[str] = []
         placing = asyncio.create_task(schedule(gateway, schedule_request("later"), time.time() + 60, 5.0,
-                                               retries.append, overload_wait_s=30.0))
+                                               retries.append, overload_wait_s=60.0))
         await wait_until(lambda: len(retries) >= 2, what="the request turned away and asked again")
         assert not placing.done()
-        decode.current_load = ROOMY
+        for rid in placed:  # the instance computed the queued prompts
+            done = WorkDone(request_id=rid, instance_id="a0", outcome=WorkOutcome.COMPLETED)
+            await nc.publish(Subjects(namespace).work_done_from("aggregated"), codecs.WORK_DONE.encode(done))
         accepted = await asyncio.wait_for(placing, 10)
-        assert isinstance(accepted, ScheduleAccepted) and accepted.decode_instance == "d0"
+        assert isinstance(accepted, ScheduleAccepted) and accepted.decode_instance == "a0"
         assert all(r.startswith("overloaded") for r in retries)
         waits = [r.waited_s for r in sent]
         assert waits[0] == 0.0 and waits == sorted(waits) and waits[-1] > 0  # each ask says how long it waited
 
-    async def test_the_wait_is_bounded(self, overloaded) -> None:
-        gateway, _decode = overloaded
+    async def test_the_wait_is_bounded(self, queued) -> None:
+        with pytest.raises(GenerationError):
+            for i in range(20):
+                await schedule(queued, schedule_request(f"r{i}"), time.time() + 60, 5.0, list.append)
         retries: list[str] = []
         started = time.monotonic()
         with pytest.raises(GenerationError) as raised:
-            await schedule(gateway, schedule_request("bounded"), time.time() + 60, 5.0, retries.append,
+            await schedule(queued, schedule_request("bounded"), time.time() + 60, 5.0, retries.append,
                            overload_wait_s=2.5)
         assert raised.value.code is ErrorCode.OVERLOADED and retries
         assert 1.0 <= time.monotonic() - started < 2.5 + 2.0  # asked again a second later, and stopped

@@ -95,6 +95,21 @@ class TestSloAwareDecode:
         assert not verdict.accepted and verdict.decode is not None
         assert admission.admit([calm], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32).accepted
 
+    def test_how_long_until_the_queued_prompt_work_lets_a_request_in(self):
+        decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        burst = DecodeInstanceState("a0", 4, 0, 10**6, interleaves_prefill=True, queued_prefill_s=6.0)
+        # 6 s queued over 32 tokens is 0.1375 s too much a token: 4.4 s of it must be computed first
+        assert decode.clears_in([burst], 100, decode_tokens=32) == pytest.approx((0.05 + 6.0 / 32 - 0.2) * 32)
+        slower = burst._replace(id="a1", queued_prefill_s=5.0)
+        assert decode.clears_in([burst, slower], 100, decode_tokens=32) == pytest.approx((0.05 + 5.0 / 32 - 0.2) * 32)
+        # its own steps over the SLO, a prompt-free instance, a request of unknown length: no wait lets it in
+        over = DecodeInstanceState("s", 4, 0, 10**6, interleaves_prefill=True, queued_prefill_s=6.0, measured=MeasuredStep(4, 0, 0.3))
+        assert decode.clears_in([over], 100, decode_tokens=32) is None
+        assert decode.clears_in([burst._replace(interleaves_prefill=False)], 100, decode_tokens=32) is None
+        assert decode.clears_in([burst], 100) is None
+        verdict = PredictiveEarlyRejection(decode).admit([burst], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32)
+        assert verdict.clears_in_s == pytest.approx((0.05 + 6.0 / 32 - 0.2) * 32)
+
 
 class TestAdmission:
     def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):

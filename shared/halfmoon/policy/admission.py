@@ -22,12 +22,15 @@ MIN_RETRY_AFTER_S = 1.0
 class AdmissionDecision(NamedTuple):
     """``reason`` is ``"ok"`` when accepted; ``retry_after_s`` is a hint for HTTP 429 Retry-After.
     ``decode``: accepted, the instance chosen (None: choose at hand-off); rejected, the one that came
-    nearest (its predicted TBT is what the rejection says), or None when the request fits none."""
+    nearest (its predicted TBT is what the rejection says), or None when the request fits none.
+    ``clears_in_s``: rejected, how long until the prompt work queued ahead drains enough to let this
+    request in (``SloAwareDecode.clears_in``); None: waiting would not."""
 
     accepted: bool
     reason: str
     retry_after_s: float
     decode: DecodeChoice | None
+    clears_in_s: float | None = None
 
 
 def retry_after(instances: Sequence[DecodeInstanceState], after: float) -> float:
@@ -81,7 +84,8 @@ class EarlyRejection(AdmissionPolicy):
         if choice is not None:
             return AdmissionDecision(True, "ok", 0.0, choice)
         nearest = self.decode.nearest(instances, context_tokens, at=at, decode_tokens=decode_tokens)
-        return AdmissionDecision(False, self.reason, retry_after(instances, now), nearest)
+        return AdmissionDecision(False, self.reason, retry_after(instances, now), nearest,
+                                 self.decode.clears_in(instances, context_tokens, at=at, decode_tokens=decode_tokens))
 
 
 class PredictiveEarlyRejection(EarlyRejection):

@@ -129,6 +129,23 @@ class SloAwareDecode:
             return tbt
         return tbt + inst.queued_prefill_s / decode_tokens
 
+    def clears_in(self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
+                  decode_tokens: int = 0) -> float | None:
+        """Seconds until a request no instance qualifies for now would qualify on one, counting only the
+        prompt work queued there draining (about a second of it a second): where the instance's own steps
+        are within the SLO and the work queued ahead is what puts its decoding sequences over. None where
+        no instance is kept out by that alone: waiting would not let this request in."""
+        limit = self.headroom * self.slo.tbt_s
+        peers = self._peer_corrections(instances)
+        drains = []
+        for inst in instances:
+            if not (self.fits(inst, context_tokens, at) and inst.interleaves_prefill and decode_tokens > 0):
+                continue
+            tbt = self._predicted(inst, context_tokens, at, peers)
+            if tbt <= limit:
+                drains.append(max(0.0, self.with_queued_prompts(inst, tbt, decode_tokens) - limit) * decode_tokens)
+        return min(drains, default=None)
+
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
         context = inst.context_tokens if at is None else inst.load_at(at)[1]
         return context + context_tokens <= inst.capacity_tokens

@@ -25,7 +25,9 @@ class ScheduleDecision(NamedTuple):
     rejection's ``decode`` is the instance that came nearest, with its predicted TBT.
     ``pipeline`` is set when the prompt is prefilled by a CPP pipeline; ``prefill`` then carries
     the pipeline's predicted times and its first stage. ``prefill.ttft_s`` is calibrated to the TTFTs
-    delivered lately (policy/calibration.py); ``model_ttft_s`` is the cost model's own prediction."""
+    delivered lately (policy/calibration.py); ``model_ttft_s`` is the cost model's own prediction.
+    ``clears_in_s``: a decode rejection's wait until the prompt work queued ahead lets the request in
+    (None: waiting would not; a TTFT rejection's wait counts against its SLO as fast as the queue drains)."""
 
     accepted: bool
     reason: str
@@ -34,6 +36,7 @@ class ScheduleDecision(NamedTuple):
     decode: DecodeChoice | None
     pipeline: CppPlan | None = None
     model_ttft_s: float = 0.0
+    clears_in_s: float | None = None
 
 
 class KVCentricScheduler:
@@ -80,5 +83,5 @@ class KVCentricScheduler:
                                        request.max_tokens)
         if not verdict.accepted and not request.admitted:
             return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, verdict.decode, pipeline,
-                                    model_ttft)
+                                    model_ttft, verdict.clears_in_s)
         return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline, model_ttft)

@@ -132,13 +132,18 @@ class Readiness(Message, frozen=True, kw_only=True, tag="readiness_reply"):
 
 
 class ScheduleRejected(Message, frozen=True, kw_only=True, tag="rejected"):
-    """Early rejection: nothing was started; try again after ``retry_after_s``."""
+    """Early rejection: nothing was started; try again after ``retry_after_s``. ``clears_in_s``: the
+    conductor expects this request itself to be placeable after about this long, as the prompt work queued
+    ahead of it drains (None: waiting would not let it in; a later request may still be placed)."""
 
     request_id: str
     reason: RejectReason
     message: str
     retry_after_s: float = 1.0
+    clears_in_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.clears_in_s is not None and not 0.0 <= self.clears_in_s < float("inf"):
+            raise ValueError(f"clears_in_s must be a finite number >= 0, got {self.clears_in_s}")

@@ -151,7 +151,8 @@ class KVCentricPlacement(PlacementPolicy):
             if decision.decode is not None:  # the nearest miss of a decode rejection
                 figures.append(f"TBT {decision.decode.predicted_tbt_s:.3f}s")
             predicted = f" (predicted {', '.join(figures)})" if figures else ""
-            return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s)
+            return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s,
+                             decision.clears_in_s)
         assert decision.prefill is not None
         chosen = decision.prefill
         decode_id = decision.decode.instance_id if decision.decode else min(

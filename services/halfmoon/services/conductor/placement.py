@@ -39,6 +39,7 @@ class Rejection(NamedTuple):
     reason: RejectReason
     message: str
     retry_after_s: float | None = None  # None: the conductor's configured default
+    clears_in_s: float | None = None  # ScheduleRejected's
 
 
 class PlacementPolicy(ABC):

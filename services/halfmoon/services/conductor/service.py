@@ -258,7 +258,7 @@ class ConductorService(Service[ConductorConfig]):
                                        for role in (Role.PREFILL, Role.DECODE, Role.AGGREGATED))
         choice = place_pair(self.policy, request, prefill, decode, aggregated, now=time.time())
         if not isinstance(choice, Placement):
-            return await self._reject(request, choice.reason, choice.message, choice.retry_after_s)
+            return await self._reject(request, choice.reason, choice.message, choice.retry_after_s, choice.clears_in_s)
         if aggregated and prefill and decode:
             self._record_serving(request, choice)
         self._record_decode_load(choice, [*decode, *aggregated])
@@ -327,7 +327,7 @@ class ConductorService(Service[ConductorConfig]):
                          aggregated=aggregated)
 
     async def _reject(self, request: ScheduleRequest, reason: RejectReason, message: str,
-                      retry_after_s: float | None = None) -> ScheduleRejected:
+                      retry_after_s: float | None = None, clears_in_s: float | None = None) -> ScheduleRejected:
         self.log.info("rejected", extra={"request_id": request.request_id, "reason": reason.value, "why": message})
         # NOTE: every reason is demand left unserved, which the planner must see (placements alone hide an
         # overload). Like Placed, the note never waits: nats-py buffers it while NATS is away.
@@ -335,7 +335,8 @@ class ConductorService(Service[ConductorConfig]):
             conductor=self.instance_id, request_id=request.request_id, reason=reason,
             prompt_tokens=request.prompt_len, max_tokens=request.sampling.max_tokens))
         retry = self.config.retry_after_s if retry_after_s is None else retry_after_s
-        return ScheduleRejected(request_id=request.request_id, reason=reason, message=message, retry_after_s=retry)
+        return ScheduleRejected(request_id=request.request_id, reason=reason, message=message, retry_after_s=retry,
+                                clears_in_s=clears_in_s)
 
 
     def _candidates(self, role: Role, exclude: tuple[str, ...]) -> list[InstanceView]:

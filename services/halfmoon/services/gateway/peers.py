@@ -29,8 +29,8 @@ from halfmoon.telemetry.metrics import METRICS
 RESUME_TIMEOUT_S = 1.0
 SCHEDULE_BACKOFF_S = 0.2
 INSTANCE_POLL_S = 0.5  # how often a request waiting for an instance of an absent role asks again
-# a request turned away as overloaded asks again after the Retry-After it got, within these bounds: the
-# conductor's view changes with every heartbeat and finished request, a second at most apart
+# a request the conductor expects to let in soon asks again after that long, within these bounds: its view
+# changes with every heartbeat and finished request, a second at most apart
 OVERLOAD_POLL_S = (0.1, 1.0)
 READY_TIMEOUT_S = 2.0
 
@@ -41,10 +41,12 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
     """Ask the conductors; one that died or did not answer in time is asked again (a standby
     takes over) until ``deadline``. A rejection because no instance of a role is live is asked again
     for up to ``instance_wait_s`` (within the deadline): a supervisor brings the instance back in
-    seconds. One as ``overloaded`` is asked again for up to ``overload_wait_s``, the request's
-    ``waited_s`` telling the conductor how much of its TTFT is spent: an overload that passes within
-    seconds (a wave of prompts being computed) delays a request rather than turning it away, and a client
-    that sends the next request the moment a 429 comes back does not burn through its requests.
+    seconds. One as ``overloaded`` that the conductor expects to clear (``clears_in_s``: the prompt work
+    queued ahead drains) within ``overload_wait_s`` is asked again until then, the request's ``waited_s``
+    telling the conductor how much of its TTFT is spent: an overload that passes within seconds (a wave of
+    prompts being computed) delays a request rather than turning it away, and a client that sends the next
+    request the moment a 429 comes back does not burn through its requests. Overloads that waiting would not
+    clear are answered at once: a request let in late takes what later ones would have had.
     Raises GenerationError on any other rejection or past the deadline."""
     wait_until: float | None = None
     started = time.time()
@@ -72,9 +74,10 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
                     on_retry(f"{reply.reason.value}: waiting for an instance")
                     await asyncio.sleep(INSTANCE_POLL_S)
                     continue
-            if reply.reason is RejectReason.OVERLOADED:
-                pause = min(max(reply.retry_after_s, OVERLOAD_POLL_S[0]), OVERLOAD_POLL_S[1])
-                if time.time() + pause < min(deadline, started + overload_wait_s):
+            clears = reply.clears_in_s
+            if reply.reason is RejectReason.OVERLOADED and clears is not None:
+                pause = min(max(clears, OVERLOAD_POLL_S[0]), OVERLOAD_POLL_S[1])
+                if time.time() + max(clears, pause) < min(deadline, started + overload_wait_s):
                     METRICS.schedule_retries.inc()
                     on_retry(f"overloaded: asking again in {pause:.1f}s")
                     await asyncio.sleep(pause)
