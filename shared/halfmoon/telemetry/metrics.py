@@ -88,7 +88,7 @@ class Metrics:
             registry=r
         )
         self.schedule_retries = Counter(
-            "halfmoon_schedule_retries", "schedule requests sent again (conductor timeout or absent)", registry=r
+            "halfmoon_schedule_retries", "schedule requests sent again (conductor timeout or absent, no instance of a role, an overload that clears)", registry=r
         )
         self.stream_resumes = Counter(
             "halfmoon_stream_resumes", "resume requests sent for streams with a gap or a stall", registry=r
