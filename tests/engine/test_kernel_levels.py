@@ -35,7 +35,8 @@ XEON_AMX = EPYC_AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl
 class TestChoice:
     @pytest.mark.parametrize(("flags", "level"), [
         (EPYC_AVX2, "avx2"),
-        (XEON_AMX, "avx512"),
+        (XEON_AMX, "avx512bf16"),
+        (XEON_AMX - {"avx512_bf16"}, "avx512"),  # AVX-512 before BF16 (Skylake, Ice Lake)
         (XEON_AMX - {"avx512vl"}, "avx2"),  # AVX-512 without all of x86-64-v4 is not v4
         (EPYC_AVX2 - {"fma"}, "sse2"),  # AVX2 without FMA is not x86-64-v3
         (frozenset({"fpu", "sse", "sse2"}), "sse2"),
@@ -44,10 +45,13 @@ class TestChoice:
     def test_x86_takes_the_highest_level_whose_flags_the_cpu_has(self, flags, level) -> None:
         assert choose("x86_64", flags).name == level
 
-    def test_the_levels_are_x86_64_v4_v3_and_the_baseline(self) -> None:
-        assert [level.name for level in levels_for("x86_64")] == ["avx512", "avx2", "sse2"]
+    def test_the_levels_are_x86_64_v4_with_and_without_bf16_v3_and_the_baseline(self) -> None:
+        levels = levels_for("x86_64")
+        assert [level.name for level in levels] == ["avx512bf16", "avx512", "avx2", "sse2"]
         assert set(X86_V4) - set(X86_V3) == {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-        assert "-march=x86-64-v3" in levels_for("x86_64")[1].compiler_flags
+        assert set(levels[0].cpu_flags) - set(levels[1].cpu_flags) == {"avx512_bf16"}
+        assert "-mavx512bf16" in levels[0].compiler_flags and "-mavx512bf16" not in levels[1].compiler_flags
+        assert "-march=x86-64-v3" in levels[2].compiler_flags
 
     @pytest.mark.parametrize("machine", ["aarch64", "ppc64le", "riscv64"])
     def test_other_machines_get_one_plain_build(self, machine) -> None:

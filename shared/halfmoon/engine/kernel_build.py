@@ -3,10 +3,11 @@ runs, how each is compiled and what its library is called.
 
 One library per level, not ``-march=native``: a library built on one machine runs on every CPU with its
 level's flags (CI and containers move between AVX2-only EPYCs and AVX-512 Xeons). On x86-64 the levels
-are ``avx512`` (x86-64-v4), ``avx2`` (x86-64-v3, with FMA) and ``sse2`` (x86-64, every such CPU); other
-machines get one ``generic`` build for their compiler's default target. Neither AVX512-BF16 nor AMX is a
-level: gcc 12 emits the same code for these kernels with them as without (they convert bfloat16 with
-integer arithmetic and vectorize no matrix tile), so a library for them would be the ``avx512`` one again.
+are ``avx512bf16`` (x86-64-v4 with AVX512-BF16: AMX Xeons, Zen 4 and later EPYCs), ``avx512`` (x86-64-v4),
+``avx2`` (x86-64-v3, with FMA) and ``sse2`` (x86-64, every such CPU); other machines get one ``generic``
+build for their compiler's default target. ``avx512bf16`` differs from ``avx512`` only where a kernel asks
+for it (``__AVX512BF16__``: the prefill attention's bfloat16 dot products). AMX is not a level: no kernel
+here has matrix tiles to give it.
 
 Standard library only: ``setup.py`` loads this file by path to prebuild the libraries at install time, and
 the image's build stage runs it as a script (``python kernel_build.py``) with nothing else installed.
@@ -42,6 +43,8 @@ class Level:
 
 
 X86_LEVELS = (  # highest first
+    Level("avx512bf16", (*X86_V4, "avx512_bf16"),
+          ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic", "-mprefer-vector-width=512")),
     # 512-bit vectors: a quarter less time for the layer ops than gcc's default of 256 at this level
     Level("avx512", X86_V4, ("-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512")),
     Level("avx2", X86_V3, ("-march=x86-64-v3", "-mtune=generic")),

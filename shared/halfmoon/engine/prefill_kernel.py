@@ -52,7 +52,8 @@ class PrefillBatch(NamedTuple):
 class PrefillKernel:
     """Contract: ``__call__`` returns ``[tokens, heads * dim]`` for a step of ``tokens`` query rows whose rows
     of the batch's chunks hold each query's causal attention over its context (the chunk's last
-    ``query_len`` context tokens are its own), equal to SDPA's up to float32 rounding; other rows are
+    ``query_len`` context tokens are its own), equal to SDPA's up to float32 rounding (bfloat16 inputs on the
+    ``avx512bf16`` level: up to the probabilities' rounding to bfloat16 as well); other rows are
     undefined. ``None`` for inputs it does not take (another device or dtype, a cache that is not contiguous,
     a head group over 16, a head dimension that is not a multiple of 16 or over 256)."""
 
