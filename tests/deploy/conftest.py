@@ -15,10 +15,12 @@ import yaml
 from tests.conftest import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
-COMPOSE_OVERRIDES = (REPO_ROOT / "infra" / "compose.shm.yml", REPO_ROOT / "infra" / "compose.gpu.yml")
+COMPOSE_OVERRIDES = (REPO_ROOT / "infra" / "compose.shm.yml", REPO_ROOT / "infra" / "compose.gpu.yml",
+                     REPO_ROOT / "infra" / "compose.vllm.yml")
 K8S_BASE = REPO_ROOT / "infra" / "k8s" / "base"
 K8S_GPU = REPO_ROOT / "infra" / "k8s" / "overlays" / "gpu"
 K8S_PLANNER = REPO_ROOT / "infra" / "k8s" / "overlays" / "planner"
+K8S_VLLM = REPO_ROOT / "infra" / "k8s" / "overlays" / "vllm"
 K8S_VERSION = "1.37.0"  # the API schemas (kubernetes-validate's) the manifests and requests are checked against
 HALFMOON_IMAGE = "${HALFMOON_IMAGE:-halfmoon:latest}"
 _VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
@@ -77,6 +79,11 @@ def k8s_gpu() -> list[dict[str, Any]]:
 @pytest.fixture(scope="session")
 def k8s_planner() -> list[dict[str, Any]]:
     return kustomize(K8S_PLANNER)
+
+
+@pytest.fixture(scope="session")
+def k8s_vllm() -> list[dict[str, Any]]:
+    return kustomize(K8S_VLLM)
 
 
 def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

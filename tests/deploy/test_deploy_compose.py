@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,20 @@ class TestOptIns:
             (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
             assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
             assert worker["environment"]["HALFMOON_DEVICE"] == "cuda"
+
+    def test_vllm_engines_only_with_the_override_and_an_image_built_with_vllm(self, compose: dict[str, Any]) -> None:
+        assert all("HALFMOON_ENGINE" not in env_of(svc) for svc in compose["services"].values()), "Halfmoon's engine"
+        assert all("shm_size" not in compose["services"][worker] for worker in ("prefill", "decode"))
+        override = yaml.safe_load(COMPOSE_OVERRIDES[2].read_text())["services"]
+        assert set(override) == {"prefill", "decode"}
+        for worker in override.values():
+            assert worker["environment"]["HALFMOON_ENGINE"] == "vllm"
+            assert worker["shm_size"] == "1gb", "vLLM's processes talk through /dev/shm (64 MB by default)"
+        # the image's extras come from one build argument, empty unless asked, naming a pyproject extra
+        for svc in halfmoon_services(compose).values():
+            assert interpolate(svc["build"]["args"]["HALFMOON_EXTRAS"]) == ""
+        extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        assert any(requirement.startswith("vllm") for requirement in extras["vllm"])
 
 
 class TestSecrets:

@@ -32,7 +32,7 @@ def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 
 class TestSchemas:
-    @pytest.mark.parametrize("docs", ["k8s_base", "k8s_gpu", "k8s_planner"])
+    @pytest.mark.parametrize("docs", ["k8s_base", "k8s_gpu", "k8s_planner", "k8s_vllm"])
     def test_every_resource_validates_strictly(self, docs: str, request: pytest.FixtureRequest) -> None:
         resources = request.getfixturevalue(docs)
         assert len(resources) > 10
@@ -86,6 +86,20 @@ class TestResources:
         for name in with_gpu:
             assert env(workloads(k8s_gpu)[name])["HALFMOON_DEVICE"] == "cuda"
             assert env(workloads(k8s_base)[name])["HALFMOON_DEVICE"] == "cpu"
+
+    def test_vllm_engines_only_in_the_vllm_overlay_with_a_memory_backed_dev_shm(
+        self, k8s_base: list[dict[str, Any]], k8s_vllm: list[dict[str, Any]]
+    ) -> None:
+        assert all("HALFMOON_ENGINE" not in env(w) for w in workloads(k8s_base).values())
+        on_vllm = {name for name, w in workloads(k8s_vllm).items() if env(w).get("HALFMOON_ENGINE") == "vllm"}
+        assert on_vllm == {"prefill", "decode"}
+        for name in on_vllm:
+            spec = workloads(k8s_vllm)[name]["spec"]["template"]["spec"]
+            volume = next(v for v in spec["volumes"] if v["name"] == "dshm")
+            assert volume["emptyDir"]["medium"] == "Memory"
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in container(workloads(k8s_vllm)[name])["volumeMounts"]
+        images = {container(w)["image"] for w in workloads(k8s_vllm).values() if container(w)["image"].startswith("halfmoon")}
+        assert images == {"halfmoon:vllm"}, "one image for every service, built with the vllm extra"
 
     def test_dram_segment_fits_its_memory_backed_dev_shm(self, k8s_base: list[dict[str, Any]]) -> None:
         transfer = workloads(k8s_base)["transfer"]

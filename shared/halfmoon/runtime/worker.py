@@ -199,8 +199,12 @@ class EngineWorker(Service[WorkerConfig]):
     async def start(self) -> None:
         config = self.config.engine_config()
         if self.config.engine == "vllm":
-            from halfmoon.engine.vllm_engine import VllmEngine
-
+            try:
+                from halfmoon.engine.vllm_engine import VllmEngine
+            except ImportError as exc:
+                raise RuntimeError(f"HALFMOON_ENGINE=vllm, but vLLM does not import here ({exc}): pip install "
+                                   "'halfmoon[vllm]'; an image: build it with HALFMOON_EXTRAS=vllm "
+                                   "(infra/compose.vllm.yml)") from exc
             connection = {"nats_url": self.config.nats_url, "namespace": self.config.namespace}
             self.engine = await VllmEngine.start(config, self.role.value, connection, self.config.extra_vllm_args(),
                                                  self._on_step)
