@@ -212,8 +212,9 @@ class TestOptIns:
         assert all("HALFMOON_ENGINE" not in env_of(svc) for svc in compose["services"].values()), "Halfmoon's engine"
         assert all("shm_size" not in compose["services"][worker] for worker in ("prefill", "decode"))
         override = yaml.safe_load(COMPOSE_OVERRIDES[2].read_text())["services"]
-        assert set(override) == {"prefill", "decode"}
-        for worker in override.values():
+        assert set(override) == {"prefill", "decode", "gateway"}
+        assert set(override["gateway"]) == {"healthcheck"}, "the gateway waits longer for ready engines, and that is all"
+        for worker in (override["prefill"], override["decode"]):
             assert worker["environment"]["HALFMOON_ENGINE"] == "vllm"
             assert worker["shm_size"] == "1gb", "vLLM's processes talk through /dev/shm (64 MB by default)"
         # the image's extras come from one build argument, empty unless asked, naming a pyproject extra
