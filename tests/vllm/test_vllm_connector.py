@@ -167,6 +167,24 @@ def complete_logging_hits(server: VllmServer, model: Path, prompt: list[int],
     return reply, pool_hits(server)[before:]
 
 
+def connector_counter(server: VllmServer, name: str) -> float:
+    """The connector's own counter ``vllm:halfmoon_pool_<name>_total`` on the server's /metrics."""
+    prefix = f"vllm:halfmoon_pool_{name}_total"
+    lines = [line for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+             if line.startswith(prefix)]
+    assert lines, f"no {prefix} on {server.url}/metrics"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def counter_reaches(server: VllmServer, name: str, value: float) -> float:
+    """The counter once it reaches ``value`` (vLLM records a step's connector statistics after the step's
+    output, so a reply can come first), or what it says after 30 s."""
+    deadline = time.monotonic() + 30
+    while (now := connector_counter(server, name)) < value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
+
+
 def stores_from(server: VllmServer, first_block: int) -> list[str]:
     """The connector's stores of a request's blocks from ``first_block`` on."""
     return [line for line in server.log.read_text().splitlines() if f"blocks {first_block}.. of" in line
@@ -200,8 +218,12 @@ def test_a_prefix_one_vllm_server_computed_is_loaded_by_another(servers, model_d
     own = usable(prompt) // VLLM_BLOCK * VLLM_BLOCK
     assert [f"pool hit of {usable(prompt)} prompt tokens" in hit and f"(vLLM had {own})" in hit
             for hit in hits] == ([True] if own < usable(prompt) else [])
+    hit_tokens, loaded_tokens = connector_counter(b, "hit_tokens"), connector_counter(b, "loaded_tokens")
     loaded, hits = complete_logging_hits(b, model_dir, prompt)
     assert cached(loaded) == usable(prompt)
+    # the connector's own metrics say the same: B's hit, and the tokens copied into its cache
+    assert counter_reaches(b, "hit_tokens", hit_tokens + usable(prompt)) == hit_tokens + usable(prompt)
+    assert counter_reaches(b, "loaded_tokens", loaded_tokens + usable(prompt)) == loaded_tokens + usable(prompt)
     assert len(hits) == 1 and f"pool hit of {usable(prompt)} prompt tokens" in hits[0] and "(vLLM had 0)" in hits[0]
     assert generated(loaded) == generated(again)
 
@@ -245,7 +267,9 @@ def test_blocks_vllm_stores_are_halfmoon_blocks_of_the_prompt(servers, cluster: 
                                                              model_dir: Path) -> None:
     a, _ = servers
     prompt = tokens(80, seed=2)
+    stored = connector_counter(a, "stored_blocks")
     a.complete(model_dir, prompt)
+    assert counter_reaches(a, "stored_blocks", stored + len(prompt) // BLOCK) >= stored + len(prompt) // BLOCK
     assert_blocks_are_the_prompts_kv(pool_blocks(cluster, model_dir, prompt), model_dir, prompt)
 
 
@@ -323,6 +347,10 @@ def test_a_corrupt_pool_block_is_recomputed_not_served(servers, cluster: LocalCl
     node = heartbeats(cluster, 1.0)["transfer-0"].address
     assert corrupt_every_dram_block(cluster, "transfer-0", node) >= len(prompt) // BLOCK
     before = b.log.read_text().count("missing or corrupt")
+    errors, loaded_tokens = connector_counter(b, "load_error_blocks"), connector_counter(b, "loaded_tokens")
     recomputed = b.complete(model_dir, prompt)
     assert b.log.read_text().count("missing or corrupt") == before + 1
+    # vLLM's blocks that the corrupt pool blocks were to fill, and nothing loaded
+    assert counter_reaches(b, "load_error_blocks", errors + 1) >= errors + usable(prompt) // VLLM_BLOCK
+    assert connector_counter(b, "loaded_tokens") == loaded_tokens
     assert generated(recomputed) == generated(computed)  # B computed all of it, as A did

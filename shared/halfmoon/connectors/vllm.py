@@ -56,6 +56,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from halfmoon.connectors.pool_session import CONNECTION_FIELDS, PoolSession, session_config
 from halfmoon.connectors.vllm_cache import HalfmoonConnectorMetadata, LoadSpec, SaveSpec, cache_write_layout, slots
+from halfmoon.connectors.vllm_stats import HalfmoonConnectorStats, HalfmoonPromMetrics, StatsCounter
 from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
 from halfmoon.core.keys import ROOT_KEY, BlockHasher, Namespace
 from halfmoon.core.kv_spec import describe
@@ -70,6 +71,7 @@ from halfmoon.telemetry.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -122,6 +124,7 @@ class _Hit:
     found: LookupResult
     start: int  # tokens vLLM had itself when it asked
     end: int
+    asked: int = 0  # tokens looked up
 
 
 @dataclass
@@ -167,6 +170,7 @@ class HalfmoonConnector(KVConnectorBase_V1):
         self._tracing = setup_tracing("vllm" if user == KV_CLIENT else user, self.session.instance_id,
                                       config.trace_file or None)
         self.tracer: Tracer = self._tracing.get_tracer(__name__)
+        self.stats = StatsCounter()
         log.info("HalfmoonConnector (%s) on %s namespace %s: KV %s", name, config.nats_url, config.namespace,
                  describe(self.spec))
         # scheduler side
@@ -225,7 +229,7 @@ class HalfmoonConnector(KVConnectorBase_V1):
                 break
             hits += 1
         end = hits * self.block_size
-        self._hits[request.request_id] = _Hit(found, num_computed_tokens, end)
+        self._hits[request.request_id] = _Hit(found, num_computed_tokens, end, len(usable) * self.block_size)
         if end <= num_computed_tokens:
             return 0, False
         log.info("HalfmoonConnector: pool hit of %d prompt tokens for %s (vLLM had %d)", end, request.request_id,
@@ -243,6 +247,9 @@ class HalfmoonConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         hit = self._hits.get(request.request_id)
+        if hit is not None:
+            self.stats.add("lookup_tokens", hit.asked - hit.start)
+            self.stats.add("hit_tokens", num_external_tokens)
         if num_external_tokens and hit is not None:
             self._loading[request.request_id] = _Hit(hit.found, hit.start, hit.start + num_external_tokens)
 
@@ -361,9 +368,11 @@ class HalfmoonConnector(KVConnectorBase_V1):
             bodies.append(decode_block(self.layout, payload))  # MACs verified as the read landed
         reading.bodies = bodies
         reading.end = min(spec.end, (spec.first_block + len(bodies)) * self.block_size)
+        self.stats.add("loaded_tokens", max(0, reading.end - spec.start))
         if reading.end < spec.end:
             failed, _ = slots(spec.block_ids, self.vllm_block_size, reading.end, spec.end)
             self._load_errors.update(failed.tolist())
+            self.stats.add("load_error_blocks", len(failed))
             log.warning("HalfmoonConnector: %d of %d pool blocks for %s missing or corrupt: vLLM recomputes "
                         "tokens from %d", len(spec.replicas) - len(bodies), len(spec.replicas), spec.request_id,
                         reading.end)
@@ -404,6 +413,7 @@ class HalfmoonConnector(KVConnectorBase_V1):
             reading.failed = True
             failed, _ = slots(spec.block_ids, self.vllm_block_size, spec.start, spec.end)
             self._load_errors.update(failed.tolist())
+            self.stats.add("load_error_blocks", len(failed))
             log.warning("HalfmoonConnector: pool blocks for %s missing or corrupt at layer %d (%s): vLLM recomputes "
                         "tokens from %d", spec.request_id, layer, exc, spec.start)
             return
@@ -414,6 +424,8 @@ class HalfmoonConnector(KVConnectorBase_V1):
         if reading.places is None:  # the same places in every layer
             reading.places = self._places(spec.block_ids, spec.start, spec.end).flatten()
         cache.index_copy_(0, reading.places, kv[:, spec.start - base:spec.end - base].flatten())
+        if layer == self.spec.num_layers - 1:
+            self.stats.add("loaded_tokens", spec.end - spec.start)
 
     def _trace_layers(self, ended: int) -> None:
         """The step's layers, as computed after each one's KV was in: ``vllm.layer_forward`` spans (from the
@@ -481,12 +493,28 @@ class HalfmoonConnector(KVConnectorBase_V1):
         except Exception:  # a block not stored is recomputed by whoever wants it
             log.exception("HalfmoonConnector: storing blocks %d.. of %s failed", save.first_block, save.request_id)
             return
+        self.stats.add("stored_blocks", len(stored))
         log.info("HalfmoonConnector: stored %d of %d blocks %d.. of %s in the pool", len(stored), len(save.keys),
                  save.first_block, save.request_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ------------------------------------------------------------------ statistics, both sides
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HalfmoonConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> HalfmoonPromMetrics:
+        return HalfmoonPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self.session.close()
