@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from halfmoon.engine import kernel_build
 from halfmoon.engine.attention import AttentionBatch, AttentionKernels, paged_attention
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.prefill_kernel import PrefillBatch, PrefillKernel, prefill_kernel
@@ -131,3 +132,12 @@ class TestEngine:
         without.runner.kernels = without.runner.kernels._replace(prefill=None)
         assert with_kernel.generate(prompts, params) == without.generate(prompts, params)
 
+
+    def test_bfloat16_prompt_chunks_go_to_sdpa_where_the_cpu_has_amx(self, kernel, tiny_llama: Path) -> None:
+        """SDPA takes AMX tiles through oneDNN, which the kernel's AVX512-BF16 products do not match: there a
+        bfloat16 engine leaves prompt chunks to SDPA; float32 keeps the kernel on every CPU."""
+        amx = "amx_bf16" in kernel_build.cpu_flags()
+        assert make_engine(tiny_llama).runner.kernels.prefill is not None
+        bf16 = make_engine(tiny_llama, dtype="bfloat16").runner.kernels
+        assert (bf16.prefill is None) == amx
+        assert bf16.decode is not None

@@ -16,7 +16,7 @@ from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.layer_ops import layer_ops
-from halfmoon.engine.prefill_kernel import PrefillBatch, prefill_kernel
+from halfmoon.engine.prefill_kernel import PrefillBatch, prefill_kernel, sdpa_is_faster
 from halfmoon.engine.seq_attention import SeqAttention
 from halfmoon.engine.sequence import ScheduledChunk
 from halfmoon.engine.weights import Projection, llama_family, serving_layers
@@ -54,7 +54,8 @@ class ModelRunner:
             llm.set_output_embeddings(None)  # an untied head is held once, packed; a tied one is the embedding
         self.layer_hook = LayerHook()
         cpu = self.device.type == "cpu"
-        self.kernels = AttentionKernels(decode_kernel() if cpu else None, prefill_kernel() if cpu else None)
+        prefill = prefill_kernel() if cpu and not sdpa_is_faster(cache.data.dtype) else None
+        self.kernels = AttentionKernels(decode_kernel() if cpu else None, prefill)
         self.layer_ops = layer_ops(self.device)
 
     def serving_weights(self) -> list[torch.Tensor]:
