@@ -22,17 +22,27 @@ import pytest
 from halfmoon.cli.model_tools import materialise_smollm2
 from halfmoon.deploy.drills import operator_nats, restart
 from halfmoon.deploy.local import LocalCluster
+from halfmoon.engine import kernel_build
 from halfmoon.protocol import codecs
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
-from tests.e2e.conftest import AUTH, model_name, start_cluster
+from tests.e2e.conftest import AUTH, CLUSTER_DTYPE, model_name, start_cluster
 from tests.faults.test_recovery import RECOVERY_ENV
 
 STREAMS = 8
-MAX_TOKENS = 112
+# Tokens a stream asks for, by model: the kill comes when this process sees the last stream past KILL_AT, and by
+# then the first may have run on by the streams' offset plus this process's delay; the tiny model's steps are
+# so short that on a loaded machine 40 tokens were not enough margin (a stream ended before the kill)
+MAX_TOKENS = {"tiny": 400, "smollm2": 112}
 KILL_AT = 72  # past the first store of generated blocks (4 blocks after the prompt's): some come from the pool
 # words, so the prompts end at different offsets in their blocks and some have full blocks before the partial one
 PROMPTS = [" ".join(f"moon{i} phase{j}" for j in range(2 + 5 * i)) for i in range(STREAMS)]
+
+
+# On AMX in bfloat16 a step of more than 32 rows rounds each row by the step's rows (RELIABILITY, "Exceptions";
+# tests/engine/test_exact_resume.py shows it): the 8 prompts share prefill steps otherwise in each run, so there
+# even two undisturbed runs differ, and the guarantee is tested in float32, which keeps it on those CPUs
+DTYPE = "float32" if CLUSTER_DTYPE == "bfloat16" and "amx_bf16" in kernel_build.cpu_flags() else CLUSTER_DTYPE
 
 
 class Stream(NamedTuple):
@@ -44,7 +54,7 @@ class Stream(NamedTuple):
 def start(model: Path, run_dir: Path) -> LocalCluster:
     # 8 SmolLM2 streams on a loaded 2-core machine are predicted over the default TBT SLO: admit them all
     return start_cluster(model, run_dir, env={**RECOVERY_ENV, "HALFMOON_TBT_SLO_S": "60"}, conductor=1, prefill=1,
-                         decode=1)
+                         decode=1, dtype=DTYPE)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +72,8 @@ def smollm2_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalC
     cluster.stop()
 
 
-async def stream(http: httpx.AsyncClient, model: str, prompt: str, ids: list[str]) -> Stream:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+async def stream(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, ids: list[str]) -> Stream:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "logprobs": 0, "stream": True}
     tokens: list[str] = []
     logprobs: list[float] = []
@@ -84,7 +94,7 @@ async def stream(http: httpx.AsyncClient, model: str, prompt: str, ids: list[str
     return Stream(tokens, logprobs, finish)
 
 
-def streams(cluster: LocalCluster, kill: str | None = None) -> tuple[list[Stream], dict[str, int]]:
+def streams(cluster: LocalCluster, max_tokens: int, kill: str | None = None) -> tuple[list[Stream], dict[str, int]]:
     """Every prompt streamed at once. With ``kill``, that instance is SIGKILLed once every stream has had a token
     past ``KILL_AT`` from it, and restarted. Returns the streams and the last attempt each request id ran."""
     model = model_name(cluster)
@@ -110,7 +120,7 @@ def streams(cluster: LocalCluster, kill: str | None = None) -> tuple[list[Stream
         await nc.subscribe(Subjects(cluster.namespace).stream_any, cb=on_event)
         await nc.flush()
         async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=httpx.Timeout(300, connect=10)) as http:
-            requests = asyncio.gather(*(stream(http, model, prompt, ids) for prompt in PROMPTS))
+            requests = asyncio.gather(*(stream(http, model, prompt, max_tokens, ids) for prompt in PROMPTS))
             if kill:
                 await asyncio.wait_for(killed.wait(), 120)
                 await asyncio.to_thread(restart, cluster, kill)
@@ -122,11 +132,11 @@ def streams(cluster: LocalCluster, kill: str | None = None) -> tuple[list[Stream
     return asyncio.run(run())
 
 
-def assert_migrated_equal_undisturbed(cluster: LocalCluster) -> None:
-    undisturbed, attempts = streams(cluster)
+def assert_migrated_equal_undisturbed(cluster: LocalCluster, max_tokens: int) -> None:
+    undisturbed, attempts = streams(cluster, max_tokens)
     assert all(a == 0 for a in attempts.values()), attempts
-    assert all(len(s.tokens) == MAX_TOKENS and len(s.logprobs) == MAX_TOKENS for s in undisturbed)
-    migrated, attempts = streams(cluster, kill="decode-0")
+    assert all(len(s.tokens) == max_tokens and len(s.logprobs) == max_tokens for s in undisturbed)
+    migrated, attempts = streams(cluster, max_tokens, kill="decode-0")
     assert sorted(attempts.values()) == [1] * STREAMS, attempts  # every stream migrated, once
     for i, (twin, resumed) in enumerate(zip(undisturbed, migrated)):
         assert resumed.tokens == twin.tokens, f"stream {i}: tokens differ from {first_difference(resumed.tokens, twin.tokens)}"
@@ -141,7 +151,7 @@ def first_difference(a: list, b: list) -> int:  # type: ignore[type-arg]
 
 class TestGreedyMigrationIsExact:
     def test_tiny_model(self, tiny_cluster: LocalCluster) -> None:
-        assert_migrated_equal_undisturbed(tiny_cluster)
+        assert_migrated_equal_undisturbed(tiny_cluster, MAX_TOKENS["tiny"])
 
     def test_smollm2(self, smollm2_cluster: LocalCluster) -> None:
-        assert_migrated_equal_undisturbed(smollm2_cluster)
+        assert_migrated_equal_undisturbed(smollm2_cluster, MAX_TOKENS["smollm2"])

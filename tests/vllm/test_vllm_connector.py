@@ -254,6 +254,16 @@ def pool_blocks(cluster: LocalCluster, model_dir: Path, prompt: list[int]) -> li
     return [decode_block(layout, payload) for payload in fetched.payloads]
 
 
+def stored_prompt_blocks(cluster: LocalCluster, model_dir: Path, prompt: list[int],
+                         timeout_s: float = 60) -> list[torch.Tensor]:
+    """The prompt's full blocks from the pool once all are there: both engines store them after the reply."""
+    deadline = time.monotonic() + timeout_s
+    while len(blocks := pool_blocks(cluster, model_dir, prompt)) < len(prompt) // BLOCK:
+        assert time.monotonic() < deadline, f"the pool holds {len(blocks)} of the prompt's {len(prompt) // BLOCK} blocks"
+        time.sleep(0.1)
+    return blocks
+
+
 def assert_blocks_are_the_prompts_kv(blocks: list[torch.Tensor], model_dir: Path, prompt: list[int]) -> None:
     """Same layout (layer-major, K then V, tokens, heads, dim), the same KV up to kernel rounding: a block
     laid out otherwise is off by the size of the values, not by rounding."""
@@ -312,7 +322,7 @@ def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalClus
     # Halfmoon's engine computes it, vLLM loads it: both servers, from the same bytes, by the same path
     prompt = tokens(120, seed=3)
     halfmoon_complete(cluster, prompt)
-    assert_blocks_are_the_prompts_kv(pool_blocks(cluster, model_dir, prompt), model_dir, prompt)
+    assert_blocks_are_the_prompts_kv(stored_prompt_blocks(cluster, model_dir, prompt), model_dir, prompt)
     replies = []
     for server in (a, b):
         reply, hits = complete_logging_hits(server, model_dir, prompt)
@@ -323,7 +333,7 @@ def test_halfmoon_and_vllm_load_each_others_prefixes(servers, cluster: LocalClus
     # vLLM computes it, Halfmoon's engine loads it
     prompt = tokens(120, seed=4)
     a.complete(model_dir, prompt)
-    assert_blocks_are_the_prompts_kv(pool_blocks(cluster, model_dir, prompt), model_dir, prompt)
+    assert_blocks_are_the_prompts_kv(stored_prompt_blocks(cluster, model_dir, prompt), model_dir, prompt)
     assert cached(halfmoon_complete(cluster, prompt)) >= len(prompt) // BLOCK * BLOCK - BLOCK
 
 
