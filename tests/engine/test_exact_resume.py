@@ -81,11 +81,12 @@ def test_a_resumed_request_has_the_first_attempts_kv(tiny_llama: Path, prompt_le
 # oneDNN's bfloat16 kernels on AMX tiles choose how to block a long reduction by the rows of the call: up to
 # 32 rows a row rounds as alone, past that (SmolLM2's 1,536-input down projection) by the count
 AMX_ROWS_AS_ALONE = 32
+BFLOAT16_ROWS_ROUND_BY_COUNT = "amx_bf16" in kernel_build.cpu_flags()  # past AMX_ROWS_AS_ALONE rows
 
 
 def exact_counts(dtype: torch.dtype, in_features: int) -> tuple[int, ...]:
     """The row counts whose calls give each row its one-row result, on this CPU."""
-    if dtype == torch.bfloat16 and in_features > 256 and "amx_bf16" in kernel_build.cpu_flags():
+    if dtype == torch.bfloat16 and in_features > 256 and BFLOAT16_ROWS_ROUND_BY_COUNT:
         return (2, 7, AMX_ROWS_AS_ALONE)
     return (2, 7, 64, 300)
 

@@ -22,11 +22,11 @@ import pytest
 from halfmoon.cli.model_tools import materialise_smollm2
 from halfmoon.deploy.drills import operator_nats, restart
 from halfmoon.deploy.local import LocalCluster
-from halfmoon.engine import kernel_build
 from halfmoon.protocol import codecs
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
 from tests.e2e.conftest import AUTH, CLUSTER_DTYPE, model_name, start_cluster
+from tests.engine.test_exact_resume import BFLOAT16_ROWS_ROUND_BY_COUNT
 from tests.faults.test_recovery import RECOVERY_ENV
 
 STREAMS = 8
@@ -39,10 +39,10 @@ KILL_AT = 72  # past the first store of generated blocks (4 blocks after the pro
 PROMPTS = [" ".join(f"moon{i} phase{j}" for j in range(2 + 5 * i)) for i in range(STREAMS)]
 
 
-# On AMX in bfloat16 a step of more than 32 rows rounds each row by the step's rows (RELIABILITY, "Exceptions";
-# tests/engine/test_exact_resume.py shows it): the 8 prompts share prefill steps otherwise in each run, so there
+# On AMX in bfloat16 a step of more than 32 rows rounds each row by the step's rows (RELIABILITY, "Exceptions"):
+# the 8 prompts share prefill steps otherwise in each run, so there
 # even two undisturbed runs differ, and the guarantee is tested in float32, which keeps it on those CPUs
-DTYPE = "float32" if CLUSTER_DTYPE == "bfloat16" and "amx_bf16" in kernel_build.cpu_flags() else CLUSTER_DTYPE
+DTYPE = "float32" if CLUSTER_DTYPE == "bfloat16" and BFLOAT16_ROWS_ROUND_BY_COUNT else CLUSTER_DTYPE
 
 
 class Stream(NamedTuple):
