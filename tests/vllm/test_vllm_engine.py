@@ -11,6 +11,7 @@ the module skips without one, as tests/vllm/test_vllm_connector.py does.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import time
@@ -148,13 +149,14 @@ def test_prefill_and_decode_on_vllm_give_vllm_alones_greedy_text(started, smollm
     assert with_blocks >= STREAMS - 1 and decode_logs.count("HalfmoonConnector: pool hit") >= with_blocks
 
 
-def layer_spans(cluster: LocalCluster, trace_id: str, name: str, layers: int) -> list[dict]:
-    """The trace's ``name`` spans, one per layer in layer order, once all are exported (the connector's
-    spans leave vLLM's worker in their own batches, after the reply)."""
+def layer_spans(cluster: LocalCluster, trace_id: str, name: str, layers: int, parent_id: str | None = None
+                ) -> list[dict]:
+    """The trace's ``name`` spans (under ``parent_id`` if given), one per layer in layer order, once all are
+    exported (the connector's spans leave vLLM's worker in their own batches, after the reply)."""
     deadline = time.monotonic() + 30
     while True:
-        found = sorted((s for s in read_spans(cluster.trace_file) if s["trace_id"] == trace_id and s["name"] == name),
-                       key=lambda s: s["attributes"]["halfmoon.layer"])
+        found = sorted((s for s in read_spans(cluster.trace_file) if s["trace_id"] == trace_id and s["name"] == name
+                        and parent_id in (None, s["parent_id"])), key=lambda s: s["attributes"]["halfmoon.layer"])
         if len(found) >= layers or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
@@ -184,6 +186,34 @@ def test_decode_reads_the_prompts_layers_from_the_pool_while_earlier_layers_comp
         assert reads[layer + 1]["start_ns"] < forwards[layer]["end_ns"]
     # so the first layers computed while the last ones were still being read
     assert forwards[0]["start_ns"] < reads[-1]["end_ns"]
+
+
+def test_prefill_writes_each_layer_into_the_pool_while_the_later_layers_compute(started, smollm2: Path) -> None:
+    """The hand-off's store, seen in the request's trace: prefill's connector places the prompt's blocks as
+    the step begins and writes each layer into the pool once vLLM's attention has it in the cache (a
+    ``vllm.kv_layer_store`` span each, from the moment the layer's KV was in, under ``vllm.kv_store``), so the
+    first layers are in the pool before the last one is computed and the step's end waits for the commit."""
+    cluster, _ = started
+    layers = json.loads((smollm2 / "config.json").read_text())["num_hidden_layers"]
+    reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=300,
+                       json={"model": model_name(cluster), "prompt": " ".join(f"store{i}" for i in range(300)),
+                             "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    spans = spans_of_request(cluster, reply.headers["x-request-id"], names=frozenset({"vllm.kv_store"}))
+    stores = [s for s in spans if s["name"] == "vllm.kv_store" and s["service"] == "prefill"]
+    assert stores, "prefill stored none of the prompt's blocks"
+    blocks = 0
+    for store in stores:  # one a prefill step (vLLM may chunk the prompt)
+        writes = layer_spans(cluster, store["trace_id"], "vllm.kv_layer_store", layers, store["span_id"])
+        assert [s["attributes"]["halfmoon.layer"] for s in writes] == list(range(layers))
+        for earlier, later in itertools.pairwise(writes):  # layer by layer, each after its KV was in
+            assert earlier["start_ns"] <= later["start_ns"] and earlier["end_ns"] <= later["end_ns"]
+        # the first layer was in the pool before the last layer's KV was computed
+        assert writes[0]["end_ns"] < writes[-1]["start_ns"]
+        assert writes[-1]["end_ns"] <= store["end_ns"]
+        blocks += writes[0]["attributes"]["halfmoon.blocks"]
+    tokens = len(AutoTokenizer.from_pretrained(smollm2)(" ".join(f"store{i}" for i in range(300))).input_ids)
+    assert blocks == (tokens - 1) // BLOCK or blocks == tokens // BLOCK
 
 
 def test_a_killed_vllm_decode_instance_loses_no_stream_and_duplicates_no_token(started,

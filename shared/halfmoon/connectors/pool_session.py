@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
@@ -76,6 +76,10 @@ class PoolSession:
     def submit(self, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start ``work`` on the session's loop; the caller waits on the returned future when it needs it."""
         return asyncio.run_coroutine_threadsafe(work, self._loop)
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the session's loop, soon (from any thread): how another thread feeds its queues."""
+        self._loop.call_soon_threadsafe(callback)
 
     async def request(self, subject: str, message: Message, reply_codec: Codec[Rep | ErrorReply],
                       timeout: float) -> Rep:

@@ -27,8 +27,9 @@ they are read whole before the first layer. Each layer is copied into vLLM's pag
 layer's attention; a block that is missing or fails its MAC is reported through
 ``get_block_ids_with_load_errors``, and vLLM recomputes from there (``kv_load_failure_policy: recompute``).
 Every block that a step completes is copied out layer by layer as each layer finishes, so vLLM's blocks are
-never held after the step: a prompt's are stored (put_start, the bytes, put_end) before the step ends,
-generated ones (keyed on from the prompt's) four at a time in the background.
+never held after the step: a prompt's are placed (put_start) as the step begins, each layer written into
+the pool as it is copied (connectors/layer_store.py) and committed (put_end) before the step ends; generated
+ones (keyed on from the prompt's) are stored whole, four at a time, in the background.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -54,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
+from halfmoon.connectors.layer_store import LayerStore
 from halfmoon.connectors.pool_session import CONNECTION_FIELDS, PoolSession, session_config
 from halfmoon.connectors.vllm_cache import HalfmoonConnectorMetadata, LoadSpec, SaveSpec, cache_write_layout, slots
 from halfmoon.connectors.vllm_stats import HalfmoonConnectorStats, HalfmoonPromMetrics, StatsCounter
@@ -65,6 +67,7 @@ from halfmoon.engine.interface import STORE_GENERATED_EVERY_BLOCKS, LayerUnavail
 from halfmoon.engine.vllm_engine import KEYS_PARAM, SALT_PARAM, TRACE_PARAM, kv_spec_of
 from halfmoon.protocol.cache import LookupResult
 from halfmoon.protocol.permissions import KV_CLIENT
+from halfmoon.protocol.work import BlockLocation
 from halfmoon.runtime.prefix_layers import PrefixLayers
 from halfmoon.telemetry.propagation import extract_context
 from halfmoon.telemetry.tracing import setup_tracing
@@ -140,6 +143,21 @@ class _Reading:
     places: torch.Tensor | None = None  # layer by layer: where the load's K and V go in each layer's cache
 
 
+@dataclass
+class _Saving:
+    """A save in this step: its payloads (filled layer by layer from vLLM's cache), their bodies (views),
+    where its tokens sit in each layer's cache, and for a prompt's blocks the store writing each layer into
+    the pool as it is filled (``stored``: its run, to the commit)."""
+
+    spec: SaveSpec
+    payloads: list[bytearray]
+    bodies: list[torch.Tensor]
+    places: torch.Tensor
+    store: LayerStore | None = None
+    stored: concurrent.futures.Future[None] | None = None
+    filled: int = 0  # layers copied out of vLLM's cache
+
+
 class HalfmoonConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -184,7 +202,7 @@ class HalfmoonConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._reading: list[_Reading] = []
         self._layer_times: list[tuple[int, int, int]] = []  # this step: (layer, its wait began, its KV in), ns
-        self._saving: list[tuple[SaveSpec, list[bytearray], list[torch.Tensor], torch.Tensor]] = []
+        self._saving: list[_Saving] = []
         self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -330,6 +348,12 @@ class HalfmoonConnector(KVConnectorBase_V1):
             self._layer_index[name] = index
         self._offsets = cache_write_layout(self.layout.dtype, spec.num_kv_heads, self.vllm_block_size, spec.head_dim)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # NOTE: bound before the forward, where start_load_kv may come after it (a step with no loads)
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, HalfmoonConnectorMetadata)
+        self._saving = [self._start_save(save) for save in connector_metadata.saves]
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, HalfmoonConnectorMetadata)
@@ -445,20 +469,17 @@ class HalfmoonConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         layer = self._layer_index.get(layer_name)
-        if layer is None:
+        if layer is None or not self._saving:
             return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HalfmoonConnectorMetadata)
-        if not meta.saves:
-            return
-        if not self._saving:
-            self._saving = [self._blank(save) for save in meta.saves]
         cache = self._layers[layer]
         size = self.block_size
-        for _save, _payloads, bodies, places in self._saving:
-            kv = cache[places]  # [2, tokens, heads, dim]
-            for n, body in enumerate(bodies):
+        for saving in self._saving:
+            kv = cache[saving.places]  # [2, tokens, heads, dim]
+            for n, body in enumerate(saving.bodies):
                 body[layer].copy_(kv[:, n * size:(n + 1) * size])
+            saving.filled += 1
+            if saving.store is not None:
+                saving.store.sink(layer)
 
     def _places(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Indices into a layer's flat cache of K and V of tokens ``[start, end)``: ``[2, tokens, heads, dim]``,
@@ -466,12 +487,18 @@ class HalfmoonConnector(KVConnectorBase_V1):
         blocks, offsets = slots(block_ids, self.vllm_block_size, start, end)
         return blocks[None, :, None, None] * self._block_elements + self._offsets[:, offsets]
 
-    def _blank(self, save: SaveSpec) -> tuple[SaveSpec, list[bytearray], list[torch.Tensor], torch.Tensor]:
-        """Empty payloads for a save, their bodies (views) and where their tokens sit in each layer."""
+    def _start_save(self, save: SaveSpec) -> _Saving:
+        """Empty payloads for a save, their bodies (views) and where their tokens sit in each layer; a
+        prompt's blocks are placed in the pool at once, and each layer is written there as it is filled."""
         payloads = [blank_block(self.layout, self.block_size) for _ in save.keys]
         start = save.first_block * self.block_size
         places = self._places(save.block_ids, start, start + len(save.keys) * self.block_size)
-        return save, payloads, [decode_block(self.layout, payload) for payload in payloads], places
+        saving = _Saving(save, payloads, [decode_block(self.layout, payload) for payload in payloads], places)
+        if save.wait:
+            saving.store = LayerStore(self.session.pool, self.tracer, save.request_id, save.keys, payloads,
+                                      save.first_block, self.block_size, self.session.call_soon)
+            saving.stored = self.session.submit(self._store(save, saving.store.store()))
+        return saving
 
     def wait_for_save(self) -> None:
         self._trace_layers(time.time_ns())
@@ -480,16 +507,24 @@ class HalfmoonConnector(KVConnectorBase_V1):
                 reading.layers.close()
         self._reading, self._layer_times = [], []
         saving, self._saving = self._saving, []
-        for save, payloads, _bodies, _places in saving:
-            if save.wait:
-                self.session.run(self._store(save, payloads), POOL_TIMEOUT_S)
-            else:
-                self.session.submit(self._store(save, payloads))
+        for save in saving:
+            if save.filled < self.spec.num_layers:  # no forward ran the step's layers: nothing to store
+                if save.stored is not None:
+                    save.stored.cancel()
+            elif save.stored is not None:
+                try:
+                    save.stored.result(POOL_TIMEOUT_S)
+                except concurrent.futures.TimeoutError:  # the blocks stay unpublished: a reader recomputes them
+                    save.stored.cancel()
+                    log.warning("HalfmoonConnector: storing blocks %d.. of %s timed out", save.spec.first_block,
+                                save.spec.request_id)
+            else:  # generated tokens' blocks, whole, in the background
+                self.session.submit(self._store(save.spec, self.session.pool.store(save.spec.keys, save.payloads,
+                                                                                   save.spec.first_block)))
 
-    async def _store(self, save: SaveSpec, payloads: list[bytearray]) -> None:
+    async def _store(self, save: SaveSpec, storing: Coroutine[Any, Any, dict[bytes, BlockLocation]]) -> None:
         try:
-            stored = await self._traced(save.trace, "vllm.kv_store",
-                                        self.session.pool.store(save.keys, payloads, save.first_block), save.request_id)
+            stored = await self._traced(save.trace, "vllm.kv_store", storing, save.request_id)
         except Exception:  # a block not stored is recomputed by whoever wants it
             log.exception("HalfmoonConnector: storing blocks %d.. of %s failed", save.first_block, save.request_id)
             return
