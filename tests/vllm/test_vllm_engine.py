@@ -162,17 +162,21 @@ def layer_spans(cluster: LocalCluster, trace_id: str, name: str, layers: int, pa
         time.sleep(0.2)
 
 
+def traced_completion(cluster: LocalCluster, prompt: str, span: str) -> list[dict]:
+    """The spans of a short greedy completion of ``prompt``, once its trace holds a ``span``."""
+    reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=300,
+                       json={"model": model_name(cluster), "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return spans_of_request(cluster, reply.headers["x-request-id"], names=frozenset({span}))
+
+
 def test_decode_reads_the_prompts_layers_from_the_pool_while_earlier_layers_compute(started, smollm2: Path) -> None:
     """The hand-off's load, seen in the request's trace: decode's connector reads the prompt's blocks from
     the pool one layer at a time (a ``pool.layer_read`` span each, in order), vLLM computes each layer once
     its KV is in (``vllm.layer_forward``), and reading goes on while the layers before compute."""
     cluster, _ = started
     layers = json.loads((smollm2 / "config.json").read_text())["num_hidden_layers"]
-    reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=300,
-                       json={"model": model_name(cluster), "prompt": " ".join(f"layer{i}" for i in range(400)),
-                             "max_tokens": 4, "temperature": 0})
-    assert reply.status_code == 200, reply.text
-    spans = spans_of_request(cluster, reply.headers["x-request-id"], names=frozenset({"vllm.kv_load"}))
+    spans = traced_completion(cluster, " ".join(f"layer{i}" for i in range(400)), "vllm.kv_load")
     (load,) = [s for s in spans if s["name"] == "vllm.kv_load"]
     assert load["service"] == "decode" and load["attributes"]["halfmoon.blocks"] >= 40
     reads = layer_spans(cluster, load["trace_id"], "pool.layer_read", layers)
@@ -195,11 +199,8 @@ def test_prefill_writes_each_layer_into_the_pool_while_the_later_layers_compute(
     first layers are in the pool before the last one is computed and the step's end waits for the commit."""
     cluster, _ = started
     layers = json.loads((smollm2 / "config.json").read_text())["num_hidden_layers"]
-    reply = httpx.post(f"{cluster.url}/v1/completions", headers=AUTH, timeout=300,
-                       json={"model": model_name(cluster), "prompt": " ".join(f"store{i}" for i in range(300)),
-                             "max_tokens": 2, "temperature": 0})
-    assert reply.status_code == 200, reply.text
-    spans = spans_of_request(cluster, reply.headers["x-request-id"], names=frozenset({"vllm.kv_store"}))
+    prompt = " ".join(f"store{i}" for i in range(300))
+    spans = traced_completion(cluster, prompt, "vllm.kv_store")
     stores = [s for s in spans if s["name"] == "vllm.kv_store" and s["service"] == "prefill"]
     assert stores, "prefill stored none of the prompt's blocks"
     blocks = 0
@@ -212,7 +213,7 @@ def test_prefill_writes_each_layer_into_the_pool_while_the_later_layers_compute(
         assert writes[0]["end_ns"] < writes[-1]["start_ns"]
         assert writes[-1]["end_ns"] <= store["end_ns"]
         blocks += writes[0]["attributes"]["halfmoon.blocks"]
-    tokens = len(AutoTokenizer.from_pretrained(smollm2)(" ".join(f"store{i}" for i in range(300))).input_ids)
+    tokens = len(AutoTokenizer.from_pretrained(smollm2)(prompt).input_ids)
     assert blocks == (tokens - 1) // BLOCK or blocks == tokens // BLOCK
 
 
