@@ -21,12 +21,16 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from halfmoon.cli.model_tools import materialise_smollm2
+from halfmoon.core.keys import BlockHasher, Namespace
 from halfmoon.deploy.drills import operator_nats
 from halfmoon.deploy.local import LocalCluster, free_port
+from halfmoon.engine.loader import model_fingerprint
 from halfmoon.protocol import codecs
+from halfmoon.protocol.pool import SnapshotRequest
 from halfmoon.protocol.stream import TokenEvent
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.telemetry.jsonl import read_spans
@@ -34,13 +38,14 @@ from tests.conftest import service_env
 from tests.e2e.conftest import AUTH, model_name, start_cluster
 from tests.e2e.test_tracing import spans_of_request
 from tests.faults.test_recovery import RECOVERY_ENV
-from tests.vllm.test_vllm_connector import BLOCK, START_TIMEOUT_S, VLLM_PYTHON, VllmServer
+from tests.vllm.test_vllm_connector import BLOCK, START_TIMEOUT_S, TENANT_SALT, VLLM_PYTHON, VllmServer
 
 STREAMS = 8
 MAX_TOKENS = 48
 KILL_AT = 24  # tokens every stream on the victim has streamed when it is killed
 PROMPTS = [" ".join(f"moon{i} phase{j}" for j in range(2 + 5 * i)) for i in range(STREAMS)]
 EAGER = {"enforce_eager": True, "compilation_config": {"mode": 0}}
+VLLM_CPU_BLOCK = 128  # tokens in one of vLLM's CPU KV blocks, its default there
 
 pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"no vLLM interpreter at {VLLM_PYTHON} "
@@ -217,6 +222,52 @@ def test_prefill_writes_each_layer_into_the_pool_while_the_later_layers_compute(
     assert blocks == (tokens - 1) // BLOCK or blocks == tokens // BLOCK
 
 
+def test_prefill_reports_vllms_prefix_cache_to_the_conductor_as_block_keys(started, smollm2: Path) -> None:
+    """vLLM's own prefix cache, as the conductor indexes Halfmoon's engine's: once a prompt is served, the
+    prefill instance's KVEvents carry the pool keys of every full vLLM block of it vLLM now caches (its
+    tenant's keys, as the gateway asks for them), and none of the tokens after them; a snapshot that
+    the conductor asks for holds them too."""
+    cluster, _ = started
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompt = " ".join(f"cached{i}" for i in range(200))
+    tokens = tokenizer(prompt).input_ids
+    hasher = BlockHasher(BLOCK, Namespace(model_fingerprint(smollm2, torch.float32).hex(), TENANT_SALT))
+    keys = hasher.keys(tokens)
+    cached = len(tokens) // VLLM_CPU_BLOCK * (VLLM_CPU_BLOCK // BLOCK)  # vLLM caches whole blocks of its own
+    assert cached >= 2 * (VLLM_CPU_BLOCK // BLOCK), len(tokens)
+    subjects = Subjects(cluster.namespace)
+
+    async def run() -> tuple[set[bytes], set[bytes]]:
+        nc = await operator_nats(cluster)
+        reported: set[bytes] = set()
+        snapshot: set[bytes] = set()
+
+        async def on_events(msg) -> None:  # type: ignore[no-untyped-def]
+            events = codecs.KV_EVENTS.decode(msg.data)
+            if events.instance_id.startswith("prefill"):
+                (snapshot if events.snapshot else reported).update(events.stored)
+
+        await nc.subscribe(subjects.kv_events, cb=on_events)
+        await nc.flush()
+        async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=300) as http:
+            reply = await http.post("/v1/completions", json={"model": model_name(cluster), "prompt": prompt,
+                                                             "max_tokens": 2, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 30
+        while not set(keys[:cached]) <= reported and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await nc.publish(subjects.kv_snapshot, codecs.KV_SNAPSHOT_REQUEST.encode(SnapshotRequest()))
+        while not set(keys[:cached]) <= snapshot and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await nc.close()
+        return reported, snapshot
+
+    reported, snapshot = asyncio.run(run())
+    assert set(keys[:cached]) <= reported, f"{len(set(keys[:cached]) & reported)} of {cached} keys reported"
+    assert not set(keys[cached:]) & reported  # the partial vLLM block is not vLLM's cache
+    assert set(keys[:cached]) <= snapshot
+
+
 def test_a_killed_vllm_decode_instance_loses_no_stream_and_duplicates_no_token(started,
                                                                                reference_texts: list[str]) -> None:
     """SIGKILL decode-0 once every stream it serves is past ``KILL_AT``: its streams migrate (the prompt and
@@ -283,7 +334,8 @@ def test_an_aggregated_vllm_instance_gives_vllm_alones_greedy_text(started, refe
 
 def test_sampling_and_engine_arguments_map_halfmoons_settings_onto_vllms() -> None:
     """What VllmEngine hands vLLM, checked in vLLM's interpreter: the rest of a continued request's tokens,
-    one token for a prefill, the block keys for the connector, and vLLM arguments Halfmoon sets refused."""
+    one token for a prefill, the block keys for the connector, KV cache events on the instance's own endpoint,
+    and vLLM arguments Halfmoon sets refused."""
     script = """
 import json
 from halfmoon.engine.config import EngineConfig
@@ -293,11 +345,11 @@ params = SamplingParams(max_tokens=10, temperature=0.0, top_k=0, stop=("x",), lo
 rest = vllm_sampling(params, 4, False, [b"\\x01" * 16])
 first = vllm_sampling(params, 0, True, [])
 config = EngineConfig(model="/m", dtype="float32", max_num_seqs=7)
-args = engine_args(config, "decode", {"nats_url": "nats://n:1"}, {"enforce_eager": True})
+args = engine_args(config, "decode", {"nats_url": "nats://n:1"}, "ipc:///run/e", {"enforce_eager": True})
 refused = []
-for extra in ({"max_num_seqs": 3}, {"no_such_argument": 1}):
+for extra in ({"max_num_seqs": 3}, {"no_such_argument": 1}, {"kv_events_config": None}):
     try:
-        engine_args(config, "decode", {}, extra)
+        engine_args(config, "decode", {}, "ipc:///run/e", extra)
     except ValueError as exc:
         refused.append(str(exc))
 try:
@@ -307,7 +359,8 @@ except ValueError as exc:
 print(json.dumps({"rest": rest.max_tokens, "top_k": rest.top_k, "logprobs": rest.logprobs, "stop": rest.stop,
                   "keys": rest.extra_args["kv_transfer_params"][KEYS_PARAM], "first": first.max_tokens,
                   "eager": args.enforce_eager, "seqs": args.max_num_seqs, "dtype": args.dtype,
-                  "pool": args.kv_transfer_config.kv_connector_extra_config, "refused": refused}))
+                  "pool": args.kv_transfer_config.kv_connector_extra_config, "refused": refused,
+                  "events": [args.kv_events_config.enable_kv_cache_events, args.kv_events_config.endpoint]}))
 """
     done = subprocess.run([str(VLLM_PYTHON), "-c", script], env=service_env(), capture_output=True, text=True,
                           timeout=300)
@@ -318,4 +371,6 @@ print(json.dumps({"rest": rest.max_tokens, "top_k": rest.top_k, "logprobs": rest
     assert got["eager"] is True and got["seqs"] == 7 and got["dtype"] == "float32"
     assert got["pool"] == {"block_size": 16, "nats_role": "decode", "exit_with_parent": True, "nats_url": "nats://n:1"}
     assert "['max_num_seqs']" in got["refused"][0] and "HALFMOON_MAX_NUM_SEQS" in got["refused"][0]
-    assert "no_such_argument" in got["refused"][1] and "leaves nothing" in got["refused"][2]
+    assert "no_such_argument" in got["refused"][1] and "kv_events_config" in got["refused"][2]
+    assert "leaves nothing" in got["refused"][3]
+    assert got["events"] == [True, "ipc:///run/e"]

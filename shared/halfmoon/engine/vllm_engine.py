@@ -6,7 +6,9 @@ workers. That connector is how this engine's KV moves, so ``pool_kv`` is True: i
 full blocks up in the KVCache pool and loads them into vLLM's paged cache layer by layer, and stores every
 full block vLLM computes there as each step ends. The services therefore hand this engine no ``RequestKV``
 and store nothing for it; a prefill-to-decode hand-off is the prompt's blocks in the pool, under the
-request's own keys, which the decode instance's connector finds there.
+request's own keys, which the decode instance's connector finds there. vLLM's own prefix cache is reported
+to the conductor as Halfmoon's engine reports its own: vLLM publishes its KV cache events on a ZMQ socket
+private to this instance, which this engine reads and turns into block keys (engine/prefix_cache_keys.py).
 
 vLLM is an optional dependency (``pip install 'halfmoon[vllm]'``): this module is imported only when an
 instance runs with ``engine = vllm``.
@@ -15,8 +17,11 @@ instance runs with ``engine = vllm``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from collections.abc import Sequence as Seq
@@ -24,9 +29,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import msgspec
 import torch
+import zmq
+import zmq.asyncio
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config import KVEventsConfig, KVTransferConfig, VllmConfig
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
@@ -49,6 +58,7 @@ from halfmoon.engine.interface import (
     StepTiming,
 )
 from halfmoon.engine.loader import model_fingerprint
+from halfmoon.engine.prefix_cache_keys import PrefixCacheKeys
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.telemetry.propagation import inject_headers
 
@@ -83,17 +93,18 @@ def kv_spec_of(vllm_config: VllmConfig, block_size: int) -> KVSpec:
 
 SET_BY = {"model": "HALFMOON_MODEL_DIR", "dtype": "HALFMOON_DTYPE", "kv_cache_memory_bytes": "HALFMOON_KV_CACHE_BYTES",
           "max_num_seqs": "HALFMOON_MAX_NUM_SEQS", "max_num_batched_tokens": "HALFMOON_MAX_NUM_BATCHED_TOKENS",
-          "max_model_len": "HALFMOON_MAX_MODEL_LEN", "kv_transfer_config": "HALFMOON_BLOCK_SIZE and the pool's"}
+          "max_model_len": "HALFMOON_MAX_MODEL_LEN", "kv_transfer_config": "HALFMOON_BLOCK_SIZE and the pool's",
+          "kv_events_config": "Halfmoon itself (the conductor's index of vLLM's prefix cache)"}
 
 
-def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, str],
+def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, str], events: str,
                 extra: Mapping[str, Any] = MappingProxyType({})) -> AsyncEngineArgs:
     """vLLM's arguments for ``config``: the same model, dtype (``auto`` decided as Halfmoon decides it, so
     both engines of one cluster write one block format), KV bytes and batch limits, with Halfmoon's connector
     on the pool's block size, connecting to NATS as ``nats_role``. ``connection``: the connector's settings
     that are not secret (vLLM logs its configuration); credentials and the cluster secret reach vLLM's child
-    processes as the service's own HALFMOON_* environment. ``extra``: more of vLLM's arguments, none of
-    those set here."""
+    processes as the service's own HALFMOON_* environment. ``events``: the ZMQ endpoint vLLM publishes its KV
+    cache events on. ``extra``: more of vLLM's arguments, none of those set here."""
     pool: dict[str, Any] = {"block_size": config.block_size, "nats_role": nats_role, "exit_with_parent": True,
                             **connection}
     own: dict[str, Any] = dict(
@@ -103,7 +114,8 @@ def engine_args(config: EngineConfig, nats_role: str, connection: Mapping[str, s
         max_model_len=config.max_model_len or None, enable_logging_iteration_details=True, disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
                                             kv_role="kv_both", kv_load_failure_policy="recompute",
-                                            kv_connector_extra_config=pool))
+                                            kv_connector_extra_config=pool),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events))
     taken = sorted(set(extra) & set(own))
     if taken:
         instead = ", ".join(f"{name}: {SET_BY.get(name, 'Halfmoon itself')}" for name in taken)
@@ -151,9 +163,8 @@ class VllmEngine(Engine):
     """``Engine`` over vLLM's ``AsyncLLM`` in this process.
 
     What it does not do, it refuses with an EngineError rather than pretending: KV handed in or out by
-    the service (``pool_kv``: the connector moves it), pipeline stages (CPP), and reports of the local
-    prefix cache (vLLM keeps its own; the conductor learns of its blocks from the pool, where every full
-    block it computes is stored)."""
+    the service (``pool_kv``: the connector moves it) and pipeline stages (CPP). Its local prefix cache is
+    vLLM's, reported from vLLM's KV cache events."""
 
     pool_kv = True
     _llm: AsyncLLM
@@ -171,6 +182,10 @@ class VllmEngine(Engine):
         # every step so far: seconds and tokens computed (a request's compute_s is its share by tokens)
         self._step_seconds = 0.0
         self._step_tokens = 0
+        self._events_dir = tempfile.mkdtemp(prefix="halfmoon-vllm-")
+        self._events: zmq.asyncio.Socket | None = None
+        self._events_task: asyncio.Task[None] | None = None
+        self._prefix_cache: PrefixCacheKeys | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, nats_role: str, connection: Mapping[str, str],
@@ -186,16 +201,39 @@ class VllmEngine(Engine):
         # 1.45x vLLM alone's (BENCHMARKS, "Where does halfmoon up --engine vllm lose to vLLM alone?"). This
         # connector's reads need no core of their own: reserve what vLLM reserves without a connector.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        endpoint = f"ipc://{engine._events_dir}/kv-events"
+        # subscribed before vLLM binds it, so no event is missed
+        engine._events = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        engine._events.setsockopt(zmq.SUBSCRIBE, b"")
+        engine._events.connect(endpoint)
         # NOTE: it builds vLLM's engine core process and its worker, and profiles them: minutes on a CPU
-        engine._llm = llm = AsyncLLM.from_engine_args(engine_args(config, nats_role, connection, extra_args), stat_loggers=[recorder])
+        engine._llm = llm = AsyncLLM.from_engine_args(engine_args(config, nats_role, connection, endpoint, extra_args),
+                                                      stat_loggers=[recorder])
         vllm_config = llm.vllm_config
         engine._kv_spec = kv_spec_of(vllm_config, config.block_size)
+        engine._prefix_cache = PrefixCacheKeys(engine._kv_spec.hasher)
+        engine._events_task = asyncio.create_task(engine._read_cache_events(engine._events, engine._prefix_cache))
         engine._layout = BlockLayout.of(engine._kv_spec)
         engine._total_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         engine._vllm_block_size = vllm_config.cache_config.block_size
         total = engine._pool_blocks(engine._total_blocks)
         engine._stats = EngineStats(0, 0, total, total)
         return engine
+
+    @staticmethod
+    async def _read_cache_events(socket: zmq.asyncio.Socket, cache: PrefixCacheKeys) -> None:
+        """vLLM's KV cache events, as they come (each message: topic, sequence number, a msgpack batch)."""
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        while True:
+            *_, payload = await socket.recv_multipart()
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    cache.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                                 event.extra_keys)
+                elif isinstance(event, BlockRemoved):
+                    cache.removed(event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    cache.cleared()
 
     def _record(self, scheduler: Any, iteration: Any) -> None:
         usage = float(getattr(scheduler, "kv_cache_usage", 0.0))
@@ -252,6 +290,8 @@ class VllmEngine(Engine):
         prompt = TokensPrompt(prompt_token_ids=context)
         if block_keys:
             prompt["cache_salt"] = block_keys[0].hex()
+            assert self._prefix_cache is not None
+            self._prefix_cache.expect(block_keys[0], tenant_salt)
         produced = len(output_token_ids)
         started = time.perf_counter()
         since = (self._step_seconds, self._step_tokens)
@@ -306,10 +346,10 @@ class VllmEngine(Engine):
         return 0
 
     async def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
-        return [], []
+        return self._prefix_cache.take() if self._prefix_cache is not None else ([], [])
 
     async def cached_block_keys(self) -> list[bytes]:
-        return []
+        return self._prefix_cache.held() if self._prefix_cache is not None else []
 
     @property
     def hidden_size(self) -> int:
@@ -330,4 +370,10 @@ class VllmEngine(Engine):
         return False
 
     def shutdown(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
         self._llm.shutdown()
+        if self._events is not None:
+            self._events.close(linger=0)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self._events_dir)
