@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -67,6 +68,7 @@ CONNECTOR_MODULE = "halfmoon.connectors.vllm"
 KEYS_PARAM = "halfmoon_block_keys"  # kv_transfer_params: the request's full-block keys, hex, for the connector
 SALT_PARAM = "halfmoon_tenant_salt"  # kv_transfer_params: the salt of those keys, to key the generated blocks
 TRACE_PARAM = "halfmoon_trace"  # kv_transfer_params: the request's trace context, so the connector's spans join it
+log = logging.getLogger(__name__)
 NOT_HERE = ("vLLM's KV moves through its KV connector, inside its workers (Engine.pool_kv): {what} is "
             "Halfmoon's own engine's")
 
@@ -226,7 +228,12 @@ class VllmEngine(Engine):
         decoder = msgspec.msgpack.Decoder(KVEventBatch)
         while True:
             *_, payload = await socket.recv_multipart()
-            for event in decoder.decode(payload).events:
+            try:
+                batch = decoder.decode(payload)
+            except msgspec.DecodeError as exc:  # another vLLM's format: the index misses these blocks, no more
+                log.warning("vLLM KV cache event not understood: %s", exc)
+                continue
+            for event in batch.events:
                 if isinstance(event, BlockStored):
                     cache.stored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
                                  event.extra_keys)
