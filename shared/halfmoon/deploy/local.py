@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +21,6 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
-import halfmoon
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
@@ -32,10 +32,22 @@ from halfmoon.protocol.registry import KernelReport, Leaving, Role
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime.memory import MemoryReport, deployment_bounds
 
-# The folders that hold the ``halfmoon`` namespace package (``shared/`` and ``services/`` in a checkout,
-# site-packages when installed): children import the same code as the launcher.
-SOURCE_ROOTS = tuple(dict.fromkeys(str(Path(folder).resolve().parent) for folder in halfmoon.__path__
-                                 if Path(folder).is_dir()))
+
+def source_roots() -> tuple[str, ...]:
+    """The folders that hold the ``halfmoon`` namespace package (``shared/`` and ``services/`` in a checkout,
+    site-packages when installed), so that children, another interpreter's included, import the same code
+    as the launcher. Found from where the library's and the services' packages are, not from
+    ``halfmoon.__path__``: an editable install reaches ``services/`` through a path hook of its own, which
+    lists no folder there and which another venv's interpreter does not have."""
+    roots = []
+    for package in ("halfmoon.core", "halfmoon.services"):
+        spec = importlib.util.find_spec(package)
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+            roots.append(str(Path(folder).resolve().parents[1]))
+    return tuple(dict.fromkeys(roots))
+
+
+SOURCE_ROOTS = source_roots()
 
 
 def free_port() -> int:
