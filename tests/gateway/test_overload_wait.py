@@ -107,15 +107,15 @@ class TestOverloadWait:
         assert raised.value.code is ErrorCode.OVERLOADED and "decode_overloaded" in raised.value.message
         assert placed
 
-        sent: list[ScheduleRequest] = []
+        sent: list[ScheduleRequest] = []  # every ask of the request, as the gateway sends it
+        ask = gateway.request
 
-        async def seen(msg) -> None:
-            request = codecs.SCHEDULE_REQUEST.decode(msg.data)
-            if isinstance(request, ScheduleRequest) and request.request_id == "later":
-                sent.append(request)
+        async def recorded(subject, message, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if isinstance(message, ScheduleRequest) and message.request_id == "later":
+                sent.append(message)
+            return await ask(subject, message, *args, **kwargs)
 
-        await nc.subscribe(gateway.subjects.schedule, cb=seen)
-        await nc.flush()
+        gateway.request = recorded  # type: ignore[method-assign]
         retries: list[str] = []
         placing = asyncio.create_task(schedule(gateway, schedule_request("later"), time.time() + 60, 5.0,
                                                retries.append, overload_wait_s=60.0))
@@ -128,6 +128,7 @@ class TestOverloadWait:
         assert isinstance(accepted, ScheduleAccepted) and accepted.decode_instance == "a0"
         assert all(r.startswith("overloaded") for r in retries)
         waits = [r.waited_s for r in sent]
+        assert len(waits) == len(retries) + 1  # the first ask, then one a turn-away
         assert waits[0] == 0.0 and waits == sorted(waits) and waits[-1] > 0  # each ask says how long it waited
 
     async def test_the_wait_is_bounded(self, queued) -> None:
