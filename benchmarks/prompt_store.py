@@ -29,6 +29,7 @@ from opentelemetry.trace import NoOpTracer
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.peer_servers import POOL_COUNTS
 from halfmoon.connectors.layer_store import LayerStore
 from halfmoon.connectors.pool_session import PoolSession, session_config
 from halfmoon.core.block_format import BlockLayout, blank_block, decode_block
@@ -38,8 +39,6 @@ from halfmoon.protocol.permissions import KV_CLIENT
 
 BLOCK = 16
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 30, 3, 64, 576, 1536  # SmolLM2-135M
-POOL_COUNTS = {"gateway": 0, "conductor": 0, "prefill": 0, "decode": 0, "aggregated": 0, "cache-manager": 1,
-               "transfer": 1}
 
 
 class Layer:

@@ -1,9 +1,9 @@
 """A prompt's new full blocks, stored into the pool layer by layer while vLLM computes the layers after.
 
-The connector's worker side places the blocks (put_start) as the step begins, hands each layer to the
-store as vLLM's attention finishes it (``sink``, on vLLM's thread), and ``finish`` commits and publishes
-them (put_end) when the step ends: what the step's end waits for is the commit, not the writes. Every
-layer is sealed (its MAC, under the block's key and the salt its header carries) before its bytes leave.
+The connector's worker side starts ``store`` as the step begins, which places the blocks (put_start), hands
+each layer to it as vLLM's attention finishes it (``sink``, on vLLM's thread), and the store commits and
+publishes them (put_end) once the last layer is written: what the step's end waits for is the commit, not
+the writes. Every layer is sealed (its MAC, under the block's key and the salt its header carries) before its bytes leave.
 Blocks placed where this process cannot write byte ranges (TCP, NVMe, S3) are written whole at the end,
 as ``PoolClient.store`` writes them. The writes of a Halfmoon prefill service follow the same plan
 (runtime/layer_writer.py), which also announces each layer to a decode instance waiting on it; vLLM's
@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 from opentelemetry.trace import Tracer
 
 from halfmoon.core.block_format import BlockLayout, Sealer, salt_block, seal_layers
-from halfmoon.core.tiers import Tier
 from halfmoon.protocol.work import BlockLocation
 from halfmoon.runtime.layer_writer import commit_blocks, write_layers
-from halfmoon.runtime.pool_client import FAILURES, PoolClient
+from halfmoon.runtime.pool_client import PoolClient
 
 Schedule = Callable[[Callable[[], None]], None]  # runs a callback on the pool session's loop, from any thread
 
@@ -62,7 +61,7 @@ class LayerStore:
             for loc in plan.placements:
                 if loc.key not in index:
                     continue
-                if loc.tier is Tier.DRAM and await self._ranged(loc.address):
+                if await self.pool.ranged([loc]):
                     self.streamed[index[loc.key]] = loc
                     salt_block(self.payloads[index[loc.key]])
                 else:
@@ -73,12 +72,6 @@ class LayerStore:
                 await self._write(layer, computed)
             if layer == self.layout.num_layers - 1:
                 return
-
-    async def _ranged(self, address: str) -> bool:
-        try:
-            return (await self.pool.transfer.transport(address)).ranged
-        except FAILURES:
-            return False
 
     async def _write(self, layer: int, computed: int) -> None:
         """One layer of every streamed block, sealed and written in place; a block whose node failed is
