@@ -95,6 +95,35 @@ class TestSloAwareDecode:
         assert not verdict.accepted and verdict.decode is not None
         assert admission.admit([calm], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32).accepted
 
+    def test_an_aggregated_instance_counts_the_request_s_own_prompt_where_it_would_slow_others(self):
+        """As measured live: the eleventh request of a burst, a 2,725-token prompt predicted at 8.5 s of prefill,
+        was admitted beside ten decoding sequences with 32 tokens each to go, and they got 300 ms between
+        tokens while it was computed in their steps."""
+        decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        decoding = DecodeInstanceState("a0", 10, 0, 10**6, interleaves_prefill=True, queued_prefill_s=1.0)
+        # 0.05 + 1 / 32 = 0.081 s with the queued work alone; with its own 8.5 s, 0.05 + 9.5 / 32 = 0.347 s
+        assert decode.choose([decoding], 2_725, decode_tokens=32) is not None
+        assert decode.choose([decoding], 2_725, decode_tokens=32, prompt_s=8.5) is None
+        nearest = decode.nearest([decoding], 2_725, decode_tokens=32, prompt_s=8.5)
+        assert nearest is not None and nearest.predicted_tbt_s == pytest.approx(0.05 + 9.5 / 32)
+        # a short prompt still fits: 0.05 + (1 + 2) / 32 = 0.144 s
+        choice = decode.choose([decoding], 300, decode_tokens=32, prompt_s=2.0)
+        assert choice is not None and choice.predicted_tbt_s == pytest.approx(0.05)  # the request's own
+        # nothing decoding or waiting there: its prompt slows no one
+        idle = DecodeInstanceState("a1", 0, 0, 10**6, interleaves_prefill=True)
+        assert decode.choose([idle], 2_725, decode_tokens=32, prompt_s=8.5) is not None
+        # an instance that computes no prompts is not slowed by this one
+        assert decode.choose([decoding._replace(interleaves_prefill=False)], 2_725, decode_tokens=32,
+                             prompt_s=8.5) is not None
+        # waiting for the queue to drain does not let in a prompt whose own work is too much
+        assert decode.clears_in([decoding], 2_725, decode_tokens=32, prompt_s=8.5) is None
+        # one whose own work fits waits for the queued work ahead: 0.05 + (1 + 4.5) / 32 - 0.2 over a token
+        assert decode.clears_in([decoding], 2_000, decode_tokens=32, prompt_s=4.5) == pytest.approx(
+            (0.05 + 5.5 / 32 - 0.2) * 32)
+        verdict = PredictiveEarlyRejection(decode).admit([decoding], 2_725, now=0.0, prefill_done_at=9.0,
+                                                         decode_tokens=32, prompt_s=8.5)
+        assert not verdict.accepted and verdict.clears_in_s is None
+
     def test_how_long_until_the_queued_prompt_work_lets_a_request_in(self):
         decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
         burst = DecodeInstanceState("a0", 4, 0, 10**6, interleaves_prefill=True, queued_prefill_s=6.0)

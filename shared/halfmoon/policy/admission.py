@@ -43,7 +43,8 @@ class AdmissionPolicy(ABC):
     """Decides before prefill whether the decode pool can take a request.
 
     Contract: pure; ``now`` is the current time, ``prefill_done_at`` the predicted end of
-    this request's prefill (>= now) and ``decode_tokens`` its ``max_tokens`` (0: not known). An
+    this request's prefill (>= now), ``decode_tokens`` its ``max_tokens`` (0: not known) and ``prompt_s`` its
+    predicted prefill, which shares the steps of an instance that interleaves prefill (``SloAwareDecode``). An
     accepted decision carries the decode instance judged best (None means: choose at hand-off). A
     rejection names its reason and a retry-after.
     """
@@ -56,7 +57,7 @@ class AdmissionPolicy(ABC):
     @abstractmethod
     def admit(
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, now: float, prefill_done_at: float,
-        decode_tokens: int = 0,
+        decode_tokens: int = 0, prompt_s: float = 0.0,
     ) -> AdmissionDecision: ...
 
 
@@ -65,7 +66,7 @@ class NoAdmission(AdmissionPolicy):
 
     name = "none"
 
-    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0):
+    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0, prompt_s=0.0):
         return AdmissionDecision(True, "ok", 0.0, self.decode.choose(instances, context_tokens))
 
 
@@ -78,14 +79,14 @@ class EarlyRejection(AdmissionPolicy):
     def _judged_at(self, now: float, prefill_done_at: float) -> float | None:
         return None
 
-    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0):
+    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0, prompt_s=0.0):
         at = self._judged_at(now, prefill_done_at)
-        choice = self.decode.choose(instances, context_tokens, at=at, decode_tokens=decode_tokens)
+        choice = self.decode.choose(instances, context_tokens, at, decode_tokens, prompt_s)
         if choice is not None:
             return AdmissionDecision(True, "ok", 0.0, choice)
-        nearest = self.decode.nearest(instances, context_tokens, at=at, decode_tokens=decode_tokens)
+        nearest = self.decode.nearest(instances, context_tokens, at, decode_tokens, prompt_s)
         return AdmissionDecision(False, self.reason, retry_after(instances, now), nearest,
-                                 self.decode.clears_in(instances, context_tokens, at=at, decode_tokens=decode_tokens))
+                                 self.decode.clears_in(instances, context_tokens, at, decode_tokens, prompt_s))
 
 
 class PredictiveEarlyRejection(EarlyRejection):

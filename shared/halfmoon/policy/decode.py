@@ -83,10 +83,10 @@ class SloAwareDecode:
     tokens is that mean. Without a measured proportion, the slower of the two.
     ``decode_tokens`` (the request's ``max_tokens``; 0: not known): an instance that interleaves prefill
     qualifies only while the sequences decoding there stay within the SLO too, and those see the prompt
-    work queued there (``queued_prefill_s``) in their steps, spread over their tokens (taken to be as many as
-    this request's). The instance's recent steps say nothing of a burst just placed on it: judged by them
-    alone, 26 prompts placed in 3 s were each predicted 52-59 ms and got 140-1,226 ms between tokens.
-    The prediction returned is the request's own.
+    work queued there (``queued_prefill_s``) and this request's own (``prompt_s``, its predicted prefill) in
+    their steps, spread over their tokens (taken to be as many as this request's). The instance's recent
+    steps say nothing of a burst just placed on it: judged by them alone, 26 prompts placed in 3 s were each
+    predicted 52-59 ms and got 140-1,226 ms between tokens. The prediction returned is the request's own.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
@@ -123,18 +123,23 @@ class SloAwareDecode:
         return tbt
 
     @staticmethod
-    def with_queued_prompts(inst: DecodeInstanceState, tbt: float, decode_tokens: int) -> float:
-        """The mean gap of the sequences decoding on ``inst`` while its queued prompt work is computed."""
+    def with_queued_prompts(inst: DecodeInstanceState, tbt: float, decode_tokens: int, prompt_s: float = 0.0) -> float:
+        """The mean gap of the sequences decoding on ``inst`` while its queued prompt work is computed, and
+        then this request's own (``prompt_s``): admitting it puts that in their steps too, unless nothing
+        runs or waits there to be slowed. Left out, a 2,725-token prompt (8.5 s of prefill) was admitted
+        beside ten decoding sequences as the eleventh request of a burst, and they got 300 ms between tokens."""
         if not inst.interleaves_prefill or decode_tokens <= 0:
             return tbt
-        return tbt + inst.queued_prefill_s / decode_tokens
+        own = prompt_s if inst.batch_size > 0 or inst.queued_prefill_s > 0 else 0.0
+        return tbt + (inst.queued_prefill_s + own) / decode_tokens
 
     def clears_in(self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
-                  decode_tokens: int = 0) -> float | None:
+                  decode_tokens: int = 0, prompt_s: float = 0.0) -> float | None:
         """Seconds until a request no instance qualifies for now would qualify on one, counting only the
-        prompt work queued there draining (about a second of it a second): where the instance's own steps
-        are within the SLO and the work queued ahead is what puts its decoding sequences over. None where
-        no instance is kept out by that alone: waiting would not let this request in."""
+        prompt work queued there draining (about a second of it a second): where the instance's own steps,
+        with this request's prompt (``prompt_s``) in them, are within the SLO and the work queued ahead is
+        what puts its decoding sequences over. None where no instance is kept out by that alone: waiting
+        would not let this request in."""
         limit = self.headroom * self.slo.tbt_s
         peers = self._peer_corrections(instances)
         drains = []
@@ -142,8 +147,9 @@ class SloAwareDecode:
             if not (self.fits(inst, context_tokens, at) and inst.interleaves_prefill and decode_tokens > 0):
                 continue
             tbt = self._predicted(inst, context_tokens, at, peers)
-            if tbt <= limit:
-                drains.append(max(0.0, self.with_queued_prompts(inst, tbt, decode_tokens) - limit) * decode_tokens)
+            if tbt + prompt_s / decode_tokens <= limit:
+                over = self.with_queued_prompts(inst, tbt, decode_tokens, prompt_s) - limit
+                drains.append(max(0.0, over) * decode_tokens)
         return min(drains, default=None)
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:
@@ -152,7 +158,7 @@ class SloAwareDecode:
 
     def choose(
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
-        decode_tokens: int = 0,
+        decode_tokens: int = 0, prompt_s: float = 0.0,
     ) -> DecodeChoice | None:
         limit = self.headroom * self.slo.tbt_s
         peers = self._peer_corrections(instances)
@@ -162,7 +168,7 @@ class SloAwareDecode:
                 continue
             tbt = self._predicted(inst, context_tokens, at, peers)
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
-            if (self.with_queued_prompts(inst, tbt, decode_tokens) > limit
+            if (self.with_queued_prompts(inst, tbt, decode_tokens, prompt_s) > limit
                     and not (self.idle_qualifies and batch == 0)):
                 continue
             # the share is weighed by the model alone: an instance's correction (its latest steps) is noise
@@ -177,13 +183,14 @@ class SloAwareDecode:
 
     def nearest(
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
-        decode_tokens: int = 0,
+        decode_tokens: int = 0, prompt_s: float = 0.0,
     ) -> DecodeChoice | None:
         """The instance with the lowest predicted TBT (counting its queued prompts' work) among those the
         request fits, qualifying or not: what a rejection reports (None when it fits none)."""
         peers = self._peer_corrections(instances)
-        predicted = [(self.with_queued_prompts(inst, self._predicted(inst, context_tokens, at, peers), decode_tokens),
-                      inst.id) for inst in instances if self.fits(inst, context_tokens, at)]
+        predicted = [(self.with_queued_prompts(inst, self._predicted(inst, context_tokens, at, peers), decode_tokens,
+                                               prompt_s), inst.id)
+                     for inst in instances if self.fits(inst, context_tokens, at)]
         if not predicted:
             return None
         tbt, instance_id = min(predicted)

@@ -135,7 +135,7 @@ class PerRequestDisaggregation:
     def whole(self, decision: ScheduleDecision, aggregated: Sequence[DecodeInstanceState],
               request: RouteRequest) -> ServingOption | None:
         """Serving whole on the aggregated instance the scheduler chose to prefill (None: rejected): the
-        slower of its TBT with the request added (and the prompts queued there, ``SloAwareDecode``) and its
+        slower of its TBT with the request added (and the prompts queued there and its own, ``SloAwareDecode``) and its
         batch's step with the prompt's last chunk in it, and a TTFT that counts the decoding steps the
         chunks ride on."""
         if not decision.accepted or decision.prefill is None:
@@ -144,7 +144,7 @@ class PerRequestDisaggregation:
         state = next(s for s in aggregated if s.id == p.instance_id)
         new_tokens = request.prompt_tokens - request.cached_tokens(p.prefix_blocks)
         own = self.decode.predicted_tbt(state, request.prompt_tokens, peers=aggregated)
-        tbt = max(self.decode.with_queued_prompts(state, own, request.max_tokens),
+        tbt = max(self.decode.with_queued_prompts(state, own, request.max_tokens, p.prefill_s),
                   self.shared_tbt_s(state, request, new_tokens))
         return ServingOption(p.ttft_s + self.interleaved_s(state, new_tokens), tbt,
                              self.whole_cost(p.prefill_s, p.transfer_s, state.batch_size), state.batch_size == 0)

@@ -80,7 +80,7 @@ class KVCentricScheduler:
             wait = max(MIN_RETRY_AFTER_S, request.waited_s + choice.ttft_s - self.slo.ttft_s)
             return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s,
-                                       request.max_tokens)
+                                       request.max_tokens, choice.prefill_s)
         if not verdict.accepted and not request.admitted:
             return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, verdict.decode, pipeline,
                                     model_ttft, verdict.clears_in_s)
