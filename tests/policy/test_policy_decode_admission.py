@@ -124,6 +124,24 @@ class TestSloAwareDecode:
                                                          decode_tokens=32, prompt_s=8.5)
         assert not verdict.accepted and verdict.clears_in_s is None
 
+    def test_the_pace_of_prompts_measured_lately_and_the_work_queued_now_are_not_counted_twice(self):
+        # a step that carries a prompt chunk takes 1 s more; one step in 20 carried one lately
+        decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.12),
+                                shared_cost=DecodeCostModel((1.05, 0.0, 0.0)))
+        steady = DecodeInstanceState("a0", 4, 0, 10**6, interleaves_prefill=True, shared_step_fraction=0.05,
+                                     queued_prefill_s=2.0)
+        # its own: 0.05 + 0.05 * 1.0 = 0.1 s; the decoding sequences with 2 s queued and 1 s its own over 64
+        # tokens: 0.05 + 3 / 64 = 0.097 s, the slower of the two 0.1 s (summed, 0.147 s: over the SLO)
+        assert decode.predicted_tbt(steady, 500) == pytest.approx(0.1)
+        assert decode.decoders_tbt(steady, 500, 64, 1.0) == pytest.approx(0.1)
+        assert decode.choose([steady], 500, decode_tokens=64, prompt_s=1.0) is not None
+        # a burst above that pace: 6 s queued is 0.05 + 7 / 64 = 0.159 s
+        burst = steady._replace(queued_prefill_s=6.0)
+        assert decode.decoders_tbt(burst, 500, 64, 1.0) == pytest.approx(0.05 + 7.0 / 64)
+        assert decode.choose([burst], 500, decode_tokens=64, prompt_s=1.0) is None
+        assert decode.clears_in([burst], 500, decode_tokens=64, prompt_s=1.0) == pytest.approx(
+            (0.05 + 7.0 / 64 - 0.12) * 64)
+
     def test_how_long_until_the_queued_prompt_work_lets_a_request_in(self):
         decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
         burst = DecodeInstanceState("a0", 4, 0, 10**6, interleaves_prefill=True, queued_prefill_s=6.0)

@@ -82,11 +82,12 @@ class SloAwareDecode:
     instance measured lately (``shared_step_fraction``); what a client measures as its time between
     tokens is that mean. Without a measured proportion, the slower of the two.
     ``decode_tokens`` (the request's ``max_tokens``; 0: not known): an instance that interleaves prefill
-    qualifies only while the sequences decoding there stay within the SLO too, and those see the prompt
-    work queued there (``queued_prefill_s``) and this request's own (``prompt_s``, its predicted prefill) in
-    their steps, spread over their tokens (taken to be as many as this request's). The instance's recent
-    steps say nothing of a burst just placed on it: judged by them alone, 26 prompts placed in 3 s were each
-    predicted 52-59 ms and got 140-1,226 ms between tokens. The prediction returned is the request's own.
+    qualifies only while the sequences decoding there stay within the SLO too: they see the prompt work
+    queued there (``queued_prefill_s``) and this request's own (``prompt_s``, its predicted prefill) in
+    their steps, spread over their tokens (taken to be as many as this request's), or, where it is slower,
+    the pace of prompts its steps measured lately. The instance's recent steps say nothing of a burst just
+    placed on it: judged by them alone, 26 prompts placed in 3 s were each predicted 52-59 ms and got
+    140-1,226 ms between tokens. The prediction returned is the request's own.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
@@ -104,51 +105,71 @@ class SloAwareDecode:
         """``peers``: the instances ``inst`` is compared with; their correction stands in for one it has not measured."""
         return self._predicted(inst, context_tokens, at, self._peer_corrections(peers))
 
+    def decoders_tbt(self, inst: DecodeInstanceState, context_tokens: int, decode_tokens: int, prompt_s: float = 0.0,
+                     peers: Sequence[DecodeInstanceState] = ()) -> float:
+        """The mean gap of the sequences decoding on ``inst`` with this request admitted there
+        (``_decoders_tbt``)."""
+        corrections = self._peer_corrections(peers)
+        tbt = self._predicted(inst, context_tokens, None, corrections)
+        return self._decoders_tbt(inst, context_tokens, None, corrections, tbt, decode_tokens, prompt_s)
+
     def _peer_corrections(self, peers: Sequence[DecodeInstanceState]) -> tuple[StepCorrection | None, StepCorrection | None]:
         """The peers' corrections of decode-only steps and of steps shared with prefill: once per decision."""
         shared = (None if self.shared_cost is None
                   else peer_correction(self.shared_cost, [p.measured_shared for p in peers]))
         return peer_correction(self.cost, [p.measured for p in peers]), shared
 
+    def _step(self, inst: DecodeInstanceState, context_tokens: int, at: float | None, peer: StepCorrection | None,
+              own_steps: bool = True) -> float:
+        """The instance's decode-only step with the request added."""
+        batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
+        return anchored(self.cost, inst.measured if own_steps else None, batch + 1, context + context_tokens, peer)
+
     def _predicted(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                    peers: tuple[StepCorrection | None, StepCorrection | None], own_steps: bool = True) -> float:
         """``own_steps=False`` with no peer corrections: the model alone."""
-        batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        measured, measured_shared = (inst.measured, inst.measured_shared) if own_steps else (None, None)
-        tbt = anchored(self.cost, measured, batch + 1, context + context_tokens, peers[0])
+        tbt = self._step(inst, context_tokens, at, peers[0], own_steps)
         if self.shared_cost is not None and inst.interleaves_prefill:
+            batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
+            measured_shared = inst.measured_shared if own_steps else None
             shared = anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1])
             fraction = inst.shared_step_fraction
             tbt = max(tbt, shared) if fraction is None else tbt + fraction * max(0.0, shared - tbt)
         return tbt
 
-    @staticmethod
-    def with_queued_prompts(inst: DecodeInstanceState, tbt: float, decode_tokens: int, prompt_s: float = 0.0) -> float:
-        """The mean gap of the sequences decoding on ``inst`` while its queued prompt work is computed, and
-        then this request's own (``prompt_s``): admitting it puts that in their steps too, unless nothing
-        runs or waits there to be slowed. Left out, a 2,725-token prompt (8.5 s of prefill) was admitted
-        beside ten decoding sequences as the eleventh request of a burst, and they got 300 ms between tokens."""
+    def _decoders_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
+                      peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
+                      prompt_s: float) -> float:
+        """The mean gap of the sequences decoding on ``inst`` (``tbt``: the request's own prediction): the
+        slower of what its steps gave lately, prompts arriving at the pace they did, and its decode-only steps
+        with the prompt work queued there and this request's own (``prompt_s``) spread over their tokens, a
+        burst above that pace. Its own prompt counts unless nothing runs or waits there to be slowed: left
+        out, a 2,725-token prompt (8.5 s of prefill) was admitted beside ten decoding sequences as the
+        eleventh request of a burst, and they got 300 ms between tokens. Summed with the first, the second
+        counted the steady pace of prompts twice, and beside a busy loop 17 of 48 requests of a steady load
+        were turned away."""
         if not inst.interleaves_prefill or decode_tokens <= 0:
             return tbt
         own = prompt_s if inst.batch_size > 0 or inst.queued_prefill_s > 0 else 0.0
-        return tbt + (inst.queued_prefill_s + own) / decode_tokens
+        step = self._step(inst, context_tokens, at, peers[0])
+        return max(tbt, step + (inst.queued_prefill_s + own) / decode_tokens)
 
     def clears_in(self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
                   decode_tokens: int = 0, prompt_s: float = 0.0) -> float | None:
         """Seconds until a request no instance qualifies for now would qualify on one, counting only the
-        prompt work queued there draining (about a second of it a second): where the instance's own steps,
-        with this request's prompt (``prompt_s``) in them, are within the SLO and the work queued ahead is
-        what puts its decoding sequences over. None where no instance is kept out by that alone: waiting
-        would not let this request in."""
+        prompt work queued there draining (about a second of it a second): where the instance's steps, and
+        its decode-only steps with this request's prompt (``prompt_s``) in them, are within the SLO and the
+        work queued ahead is what puts its decoding sequences over. None where no instance is kept out by
+        that alone: waiting would not let this request in."""
         limit = self.headroom * self.slo.tbt_s
         peers = self._peer_corrections(instances)
         drains = []
         for inst in instances:
             if not (self.fits(inst, context_tokens, at) and inst.interleaves_prefill and decode_tokens > 0):
                 continue
-            tbt = self._predicted(inst, context_tokens, at, peers)
-            if tbt + prompt_s / decode_tokens <= limit:
-                over = self.with_queued_prompts(inst, tbt, decode_tokens, prompt_s) - limit
+            step = self._step(inst, context_tokens, at, peers[0])
+            if self._predicted(inst, context_tokens, at, peers) <= limit and step + prompt_s / decode_tokens <= limit:
+                over = step + (inst.queued_prefill_s + prompt_s) / decode_tokens - limit
                 drains.append(max(0.0, over) * decode_tokens)
         return min(drains, default=None)
 
@@ -168,7 +189,7 @@ class SloAwareDecode:
                 continue
             tbt = self._predicted(inst, context_tokens, at, peers)
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
-            if (self.with_queued_prompts(inst, tbt, decode_tokens, prompt_s) > limit
+            if (self._decoders_tbt(inst, context_tokens, at, peers, tbt, decode_tokens, prompt_s) > limit
                     and not (self.idle_qualifies and batch == 0)):
                 continue
             # the share is weighed by the model alone: an instance's correction (its latest steps) is noise
@@ -188,8 +209,8 @@ class SloAwareDecode:
         """The instance with the lowest predicted TBT (counting its queued prompts' work) among those the
         request fits, qualifying or not: what a rejection reports (None when it fits none)."""
         peers = self._peer_corrections(instances)
-        predicted = [(self.with_queued_prompts(inst, self._predicted(inst, context_tokens, at, peers), decode_tokens,
-                                               prompt_s), inst.id)
+        predicted = [(self._decoders_tbt(inst, context_tokens, at, peers, self._predicted(inst, context_tokens, at, peers),
+                                         decode_tokens, prompt_s), inst.id)
                      for inst in instances if self.fits(inst, context_tokens, at)]
         if not predicted:
             return None

@@ -143,8 +143,7 @@ class PerRequestDisaggregation:
         p = decision.prefill
         state = next(s for s in aggregated if s.id == p.instance_id)
         new_tokens = request.prompt_tokens - request.cached_tokens(p.prefix_blocks)
-        own = self.decode.predicted_tbt(state, request.prompt_tokens, peers=aggregated)
-        tbt = max(self.decode.with_queued_prompts(state, own, request.max_tokens, p.prefill_s),
+        tbt = max(self.decode.decoders_tbt(state, request.prompt_tokens, request.max_tokens, p.prefill_s, aggregated),
                   self.shared_tbt_s(state, request, new_tokens))
         return ServingOption(p.ttft_s + self.interleaved_s(state, new_tokens), tbt,
                              self.whole_cost(p.prefill_s, p.transfer_s, state.batch_size), state.batch_size == 0)
