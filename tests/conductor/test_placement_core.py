@@ -285,14 +285,17 @@ class TestPerRequestDisaggregation:
 
     def test_an_aggregated_placement_holds_its_prefill_work_only_until_the_first_token(self):
         placed = Placed(conductor="c0", prefill_instance="a0", decode_instance="a0", request_id="r", prefill_s=0.5,
-                        ttl_s=5.0, decode_ttl_s=9.0)
+                        max_tokens=64, ttl_s=5.0, decode_ttl_s=9.0)
         prefill, decode = placement_stages(placed, now=10.0)
-        assert (prefill.instance_id, prefill.expires_at, prefill.work_s) == ("a0", 15.0, 0.5)
-        assert (decode.instance_id, decode.expires_at, decode.work_s) == ("a0", 19.0, 0.0)
+        assert (prefill.instance_id, prefill.expires_at, prefill.work_s, prefill.decode_tokens) == ("a0", 15.0, 0.5, 0)
+        assert (decode.instance_id, decode.expires_at, decode.work_s, decode.decode_tokens) == ("a0", 19.0, 0.0, 64)
         ledger = WorkLedger(grace_s=1.0)
         ledger.place("r", (prefill, decode), 10.0)
         ledger.done("r", "a0", Cleared.COMPLETED, 11.0)  # the aggregated instance's first token
-        assert ledger.outstanding("a0") == Outstanding(1, 0.0, placed.prompt_tokens, 1)
+        # what is left is the decode stage: its request, and the tokens its sequence will decode
+        assert ledger.outstanding("a0") == Outstanding(1, 0.0, placed.prompt_tokens, 1, decode_tokens=64, decoders=1)
+        ledger.done("r", "a0", Cleared.COMPLETED, 12.0)
+        assert ledger.outstanding("a0") == Outstanding()
 
 
 class TestPipelinePlacement:

@@ -124,6 +124,21 @@ class TestSloAwareDecode:
                                                          decode_tokens=32, prompt_s=8.5)
         assert not verdict.accepted and verdict.clears_in_s is None
 
+    def test_prompt_work_is_spread_over_the_decoding_sequences_tokens_where_known(self):
+        """As tried live: a 3,300-token prompt asking for 8 tokens beside six sequences of 300 tokens."""
+        decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        unknown = DecodeInstanceState("a0", 6, 0, 10**6, interleaves_prefill=True)
+        # spread over its own 8 tokens: 0.05 + 5 / 8; over theirs: 0.05 + 5 / 300 = 0.067 s
+        assert decode.choose([unknown], 3_300, decode_tokens=8, prompt_s=5.0) is None
+        known = unknown._replace(decoders_tokens=300.0)
+        assert decode.decoders_tbt(known, 3_300, 8, 5.0) == pytest.approx(0.05 + 5.0 / 300)
+        assert decode.choose([known], 3_300, decode_tokens=8, prompt_s=5.0) is not None
+        # short decoders feel a long prompt more than the request's own count says
+        short = unknown._replace(decoders_tokens=16.0)
+        assert decode.choose([short], 3_300, decode_tokens=400, prompt_s=5.0) is None
+        assert decode.clears_in([short._replace(queued_prefill_s=2.0)], 300, decode_tokens=400, prompt_s=0.5) == \
+            pytest.approx((0.05 + 2.5 / 16 - 0.2) * 16)
+
     def test_the_pace_of_prompts_measured_lately_and_the_work_queued_now_are_not_counted_twice(self):
         # a step that carries a prompt chunk takes 1 s more; one step in 20 carried one lately
         decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.12),

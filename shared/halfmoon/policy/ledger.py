@@ -44,17 +44,21 @@ class Stage(NamedTuple):
     expires_at: float
     work_s: float = 0.0  # predicted seconds of work on that instance
     tokens: int = 0
+    decode_tokens: int = 0  # a decode stage's: the request's max_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class Outstanding:
     """What the ledger holds for one instance: ``count`` entries, of ``requests`` requests (an instance
-    serving both stages of a request holds two entries of it until its prefill is done)."""
+    serving both stages of a request holds two entries of it until its prefill is done); ``decoders`` of
+    them decode stages that name their ``max_tokens``, ``decode_tokens`` in all."""
 
     count: int = 0
     work_s: float = 0.0
     tokens: int = 0
     requests: int = 0
+    decode_tokens: int = 0
+    decoders: int = 0
 
 
 @dataclass(slots=True)
@@ -173,7 +177,9 @@ class WorkLedger:
             return
         self._totals[stage.instance_id] = Outstanding(count, held.work_s + sign * stage.work_s,
                                                       held.tokens + sign * stage.tokens,
-                                                      held.requests + (sign if request_too else 0))
+                                                      held.requests + (sign if request_too else 0),
+                                                      held.decode_tokens + sign * stage.decode_tokens,
+                                                      held.decoders + sign * (stage.decode_tokens > 0))
 
     def _advance(self, request_id: Hashable, now: float) -> None:
         """Mark the first outstanding stage of a request due (from ``now`` if it was not yet)."""

@@ -87,7 +87,8 @@ class DecodeInstanceState(NamedTuple):
     chunk in them (None: none lately), which set the level of its predictions. ``shared_step_fraction``: of
     its recent decoding steps, the share a prefill chunk shared (None: not measured). ``queued_prefill_s``: an
     aggregated instance's prompt work placed there and not yet computed, in seconds; its chunks will share
-    the steps of everything decoding there meanwhile."""
+    the steps of everything decoding there meanwhile. ``decoders_tokens``: the mean ``max_tokens`` of the
+    requests placed there (0: not known), the tokens its decoding sequences spread that work over."""
 
     id: str
     batch_size: int
@@ -100,6 +101,7 @@ class DecodeInstanceState(NamedTuple):
     measured_shared: MeasuredStep | None = None
     shared_step_fraction: float | None = None
     queued_prefill_s: float = 0.0
+    decoders_tokens: float = 0.0
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""

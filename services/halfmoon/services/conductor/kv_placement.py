@@ -96,7 +96,8 @@ class KVCentricPlacement(PlacementPolicy):
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
                                    measured_shared=measured_step(shared),
                                    shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
-                                   queued_prefill_s=self._queued(view)[0] if aggregated else 0.0)
+                                   queued_prefill_s=self._queued(view)[0] if aggregated else 0.0,
+                                   decoders_tokens=view.outstanding.decode_tokens / max(view.outstanding.decoders, 1))
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:

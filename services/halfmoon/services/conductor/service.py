@@ -386,4 +386,5 @@ def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
     pipeline = () if placed.prefill_instance == placed.decode_instance else placed.pipeline
     prefill = (Stage(iid, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens)
                for iid in (placed.prefill_instance, *pipeline))
-    return (*prefill, Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens))
+    return (*prefill, Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens,
+                            placed.max_tokens))
