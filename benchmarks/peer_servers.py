@@ -75,6 +75,9 @@ class PeerServer:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+            if not self._find_port():
+                time.sleep(1.0)
+                continue
             try:
                 models = httpx.get(f"{self.base_url}/models", timeout=5)
                 if models.status_code == 200:
@@ -85,6 +88,10 @@ class PeerServer:
                 pass
             time.sleep(1.0)
         raise TimeoutError(f"{self.name} not ready after {self.start_timeout_s:.0f}s; see {self.log_path}")
+
+    def _find_port(self) -> bool:
+        """Whether ``port`` is known yet (a server told its port up front has it from the start)."""
+        return True
 
     def pids(self) -> list[int]:
         """The roots of the server's process trees."""
@@ -113,15 +120,38 @@ class HalfmoonServer(PeerServer):
         self.name = name
         self.up_args = list(up_args)
         self.settings = dict(settings or {})
+        # NOTE: `up --port 0`: its gateway binds a free port and reports it. A port picked here and bound
+        # seconds later was once taken meanwhile as the local end of a service's NATS connection, and the
+        # gateway crash-looped on "address already in use".
+        self.port = 0
 
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/metrics"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "halfmoon.cli.main", "up", "--model", str(self.model_dir), "--port",
-                str(self.port), "--run-dir", str(self.run_dir / f"{self.name}-run"), "--namespace", "peers",
-                "--timeout", str(self.start_timeout_s), *self.up_args]
+        return [sys.executable, "-m", "halfmoon.cli.main", "up", "--model", str(self.model_dir), "--port", "0",
+                "--run-dir", str(self.up_run_dir), "--namespace", "peers", "--timeout", str(self.start_timeout_s),
+                *self.up_args]
+
+    @property
+    def up_run_dir(self) -> Path:
+        return self.run_dir / f"{self.name}-run"
+
+    def start(self) -> PeerServer:
+        self.port = 0
+        (self.up_run_dir / "ready" / "gateway-0.json").unlink(missing_ok=True)  # a run dir used before
+        return super().start()
+
+    def _find_port(self) -> bool:
+        """The gateway's port, from the record `up` writes once the gateway has bound it."""
+        if not self.port:
+            try:
+                address = json.loads((self.up_run_dir / "ready" / "gateway-0.json").read_text())["address"]
+            except (OSError, ValueError, KeyError):
+                return False
+            self.port = int(str(address).rsplit(":", 1)[1])
+        return True
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **{f"HALFMOON_{k}": v for k, v in self.settings.items()}}
