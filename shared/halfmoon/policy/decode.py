@@ -151,8 +151,13 @@ class SloAwareDecode:
         if not inst.interleaves_prefill or decode_tokens <= 0:
             return tbt
         own = prompt_s if inst.batch_size > 0 or inst.queued_prefill_s > 0 else 0.0
-        step = self._step(inst, context_tokens, at, peers[0])
-        return max(tbt, step + (inst.queued_prefill_s + own) / self._spread(inst, decode_tokens))
+        return max(tbt, self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens, own))
+
+    def _with_prompts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
+                      peer: StepCorrection | None, decode_tokens: int, prompt_s: float) -> float:
+        """The decode-only step with the queued prompt work and ``prompt_s`` more spread over its tokens."""
+        step = self._step(inst, context_tokens, at, peer)
+        return step + (inst.queued_prefill_s + prompt_s) / self._spread(inst, decode_tokens)
 
     @staticmethod
     def _spread(inst: DecodeInstanceState, decode_tokens: int) -> float:
@@ -175,10 +180,11 @@ class SloAwareDecode:
         for inst in instances:
             if not (self.fits(inst, context_tokens, at) and inst.interleaves_prefill and decode_tokens > 0):
                 continue
-            step, spread = self._step(inst, context_tokens, at, peers[0]), self._spread(inst, decode_tokens)
-            if self._predicted(inst, context_tokens, at, peers) <= limit and step + prompt_s / spread <= limit:
-                over = step + (inst.queued_prefill_s + prompt_s) / spread - limit
-                drains.append(max(0.0, over) * spread)
+            spread = self._spread(inst, decode_tokens)
+            with_queue = self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens, prompt_s)
+            own_alone = with_queue - inst.queued_prefill_s / spread
+            if self._predicted(inst, context_tokens, at, peers) <= limit and own_alone <= limit:
+                drains.append(max(0.0, with_queue - limit) * spread)
         return min(drains, default=None)
 
     def fits(self, inst: DecodeInstanceState, context_tokens: int, at: float | None = None) -> bool:

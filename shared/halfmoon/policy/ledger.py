@@ -60,6 +60,11 @@ class Outstanding:
     decode_tokens: int = 0
     decoders: int = 0
 
+    @property
+    def mean_decode_tokens(self) -> float:
+        """The mean ``max_tokens`` of the decode stages that name one (0: none does)."""
+        return self.decode_tokens / self.decoders if self.decoders else 0.0
+
 
 @dataclass(slots=True)
 class _Entry:

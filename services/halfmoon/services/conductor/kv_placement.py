@@ -97,7 +97,7 @@ class KVCentricPlacement(PlacementPolicy):
                                    measured_shared=measured_step(shared),
                                    shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
                                    queued_prefill_s=self._queued(view)[0] if aggregated else 0.0,
-                                   decoders_tokens=view.outstanding.decode_tokens / max(view.outstanding.decoders, 1))
+                                   decoders_tokens=view.outstanding.mean_decode_tokens)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:
