@@ -165,8 +165,9 @@ def measure_aiperf(server: PeerServer, loads: dict[str, aiperf_driver.AiperfLoad
                 args.aiperf, first_model(server.base_url, None), server.base_url.removesuffix("/v1"), model, load,
                 server.run_dir / f"{server.name}-aiperf-{name}", slo, server.run_dir / f"{server.name}-aiperf.log")
         results[name]["cpu_s"] = cpu.seconds
-        for key, metric in metrics if url else ():
-            results[name][key] = prediction_error(before[key], scrape_prediction_error(url, metric))
+        if url:
+            for key, metric in metrics:
+                results[name][key] = prediction_error(before[key], scrape_prediction_error(url, metric))
     return results
 
 
@@ -187,6 +188,16 @@ def measure_own(server: PeerServer, loads: dict[str, dict[str, Any]], slo: SLO, 
                            f"{server.name} {name}", load["warmup"], console, server.metrics_url)
                for name, load in loads.items()}
     return {name: {**summary, "tool": "halfmoon bench"} for name, summary in results.items()}
+
+
+def load_driver(args: argparse.Namespace, run_dir: Path, model: Path,
+                console: Console) -> Callable[[PeerServer], dict[str, Any]]:
+    """What drives a started server through the workloads: aiperf, or Halfmoon's own driver."""
+    if args.driver == "aiperf":
+        aiperf_loads = aiperf_workloads(args, run_dir)
+        return lambda server: measure_aiperf(server, aiperf_loads, args, model, console)
+    own_loads, slo = workloads(args), SLO(args.slo_ttft_ms, args.slo_itl_ms)
+    return lambda server: measure_own(server, own_loads, slo, console)
 
 
 def measure(server: PeerServer, drive_load: Callable[[PeerServer], dict[str, Any]], busy: bool,
@@ -283,6 +294,35 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, console
                     paired, console)
 
 
+def round_rows(rounds: list[dict[str, dict[str, Any]]], names: list[str], baseline: str) -> list[list[str]]:
+    """One row per server and figure: its ratio to ``baseline`` in each round, their median, and in how many
+    rounds it was on the better side of 1.0x (at least for higher-is-better figures, at most for the rest)."""
+    rows = []
+    for name in (n for n in names if n != baseline):
+        for label, load, path, higher in FIGURES:
+            ratios: list[float | None] = []
+            for results in rounds:
+                value = figure(results.get(name, {}).get(load, {}), path)
+                base = figure(results.get(baseline, {}).get(load, {}), path)
+                ratios.append(value / base if value is not None and base else None)
+            known = sorted(r for r in ratios if r is not None)
+            if not known:
+                continue
+            median = known[len(known) // 2] if len(known) % 2 else (known[len(known) // 2 - 1] + known[len(known) // 2]) / 2
+            better = sum(1 for r in known if (r >= 1.0 if higher else r <= 1.0))
+            rows.append([f"{name} / {baseline}", f"{load}: {label}", *("-" if r is None else f"{r:.2f}x" for r in ratios),
+                         f"{median:.2f}x", f"{better}/{len(known)}"])
+    return rows
+
+
+def report_rounds(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace, console: Console) -> None:
+    names = [n for n in args.servers.split(",") if any(n in results for results in rounds)]
+    baseline = args.baseline if args.baseline in names else names[0]
+    columns = ["ratio", "figure", *(f"round {i + 1}" for i in range(len(rounds))), "median", "at least as good"]
+    print_table(f"Each round's ratios ({len(rounds)} rounds, servers in turn)", columns,
+                round_rows(rounds, names, baseline), console)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help=f"model directory (default: SmolLM2-135M-Instruct in {DEFAULT_MODEL})")
@@ -323,6 +363,9 @@ def main() -> None:
     parser.add_argument("--isl-block-size", type=int, default=16, help="tokens per 512-token trace block")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=100.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers this many times in turn (ABAB...) and table each round's ratios: "
+                             "one run's p50s move by 10-20%% between runs")
     parser.add_argument("--run-dir", help="logs of both servers (default: a temporary directory)")
     parser.add_argument("--json", help="write every figure of both servers here")
     parser.add_argument("--from-json", nargs="+", metavar="FILE",
@@ -334,9 +377,12 @@ def main() -> None:
         merged = {k: v for d in saved for k, v in d["results"].items()}
         config = {**saved[0]["config"], "servers": ",".join(merged), "baseline": args.baseline}
         report(merged, argparse.Namespace(**config), console)
+        if len(saved) == 1 and len(saved_rounds := saved[0].get("rounds", [])) > 1:
+            report_rounds(saved_rounds, argparse.Namespace(**config), console)
         return
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     model = model_dir(args.model, console)
-    results: dict[str, dict[str, Any]] = {}
     for spec in args.variant:
         try:
             add_variant(spec)
@@ -347,35 +393,35 @@ def main() -> None:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {sorted(SERVERS)}")
     settings = {**({"DTYPE": args.dtype} if args.dtype != "auto" else {}),
                 **dict(item.split("=", 1) for item in args.halfmoon_setting)}
+    rounds: list[dict[str, dict[str, Any]]] = []
+    failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(args.run_dir or tmp)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if args.driver == "aiperf":
-            aiperf_loads = aiperf_workloads(args, run_dir)
-
-            def drive_load(server: PeerServer) -> dict[str, Any]:
-                return measure_aiperf(server, aiperf_loads, args, model, console)
-        else:
-            own_loads, slo = workloads(args), SLO(args.slo_ttft_ms, args.slo_itl_ms)
-
-            def drive_load(server: PeerServer) -> dict[str, Any]:
-                return measure_own(server, own_loads, slo, console)
-        failures: dict[str, str] = {}
-        for name in names:
-            factory = server_factory(name)
-            assert factory is not None
-            server = factory(model, run_dir, args, settings)
-            server.name = name
-            server.start_timeout_s = args.start_timeout
-            try:
-                results[name] = measure(server, drive_load, name.endswith(BUSY), console)
-            except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError; the other servers still run
-                failures[name] = str(exc)
-                console.print(f"[red]{name} failed[/]: {exc}")
-    report(results, args, console)
+        base_dir = Path(args.run_dir or tmp)
+        for round_index in range(args.rounds):
+            run_dir = base_dir / f"round-{round_index + 1}" if args.rounds > 1 else base_dir
+            run_dir.mkdir(parents=True, exist_ok=True)
+            drive_load = load_driver(args, run_dir, model, console)
+            results: dict[str, dict[str, Any]] = {}
+            for name in names:
+                factory = server_factory(name)
+                assert factory is not None
+                server = factory(model, run_dir, args, settings)
+                server.name = name
+                server.start_timeout_s = args.start_timeout
+                try:
+                    results[name] = measure(server, drive_load, name.endswith(BUSY), console)
+                except (RuntimeError, OSError) as exc:  # TimeoutError is an OSError; the other servers still run
+                    failures[f"{name} (round {round_index + 1})" if args.rounds > 1 else name] = str(exc)
+                    console.print(f"[red]{name} failed[/]: {exc}")
+            if args.rounds > 1:
+                console.rule(f"round {round_index + 1} of {args.rounds}")
+            report(results, args, console)
+            rounds.append(results)
+    if args.rounds > 1:
+        report_rounds(rounds, args, console)
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "results": results, "failures": failures},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"config": vars(args), "results": rounds[0], "rounds": rounds,
+                                               "failures": failures}, indent=2))
 
 
 if __name__ == "__main__":

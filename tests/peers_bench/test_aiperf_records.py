@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.aiperf_driver import AiperfLoad, RequestSLO, command, offline_tokenizer, summarise, trace_slice
-from benchmarks.peers import pairing_rows
+from benchmarks.peers import pairing_rows, round_rows
 
 
 def record(session: int, start_s: float, end_s: float, phase: str = "profiling", error: int | None = None,
@@ -74,3 +74,19 @@ class TestFalseRejections:
                    "halfmoon-no-admission+busy": self.run("met", "missed", "met"), "vllm": self.run("met", "met")}
         rows = {row[0]: row[1:] for row in pairing_rows(results)}
         assert rows == {"halfmoon": ["fixed", "1", "1", "1/1", "2"], "halfmoon+busy": ["fixed", "2", "1", "1/1", "2"]}
+
+
+class TestRounds:
+    @staticmethod
+    def fixed(tok_s: float, ttft_ms: float) -> dict:
+        return {"fixed": {"output_throughput": tok_s, "ttft_ms": {"p50": ttft_ms}}}
+
+    def test_each_round_s_ratio_their_median_and_the_rounds_on_the_better_side(self):
+        rounds = [{"vllm": self.fixed(60, 3000), "halfmoon": self.fixed(63, 2900)},
+                  {"vllm": self.fixed(60, 3000), "halfmoon": self.fixed(57, 3300)},
+                  {"vllm": self.fixed(50, 4000), "halfmoon": self.fixed(55, 3600)},
+                  {"vllm": self.fixed(60, 3000)}]  # halfmoon failed to start in the last round
+        rows = {row[1]: row[2:] for row in round_rows(rounds, ["vllm", "halfmoon"], "vllm")}
+        assert rows["fixed: output tok/s"] == ["1.05x", "0.95x", "1.10x", "-", "1.05x", "2/3"]
+        assert rows["fixed: TTFT p50 (ms)"] == ["0.97x", "1.10x", "0.90x", "-", "0.97x", "2/3"]
+        assert "fixed: ITL p50 (ms)" not in rows  # measured in no round
