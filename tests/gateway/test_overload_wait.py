@@ -6,6 +6,7 @@ a load the test sets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -68,13 +69,14 @@ async def full_decode(nats_server, namespace, gateway_factory):
         await conductor.stop()
 
 
-@pytest.fixture
-async def queued(nats_server, namespace, gateway_factory):
+@contextlib.asynccontextmanager
+async def aggregated_with_a_queue(nats_server, namespace, gateway_factory, **policy):
     """A gateway, a conductor predicting 0.4 s of prefill per 40-token prompt, and one aggregated instance:
     prompts placed there and not yet computed are what its decoding sequences would wait on (the fourth such
     prompt puts them over the 0.2 s TBT SLO, and the conductor expects it to clear as they are computed)."""
     # placed work the heartbeats do not show stays on the ledger for the test's length: only WorkDone drains it
-    conductor = await start_conductor(nats_server, namespace, prefill_tokens_per_s=100.0, ledger_grace_s=60.0)
+    conductor = await start_conductor(nats_server, namespace, prefill_tokens_per_s=100.0, ledger_grace_s=60.0,
+                                      **policy)
     host = reporter(nats_server.url, namespace, "a0", Role.AGGREGATED, ROOMY)
     try:
         await host.start()
@@ -84,6 +86,19 @@ async def queued(nats_server, namespace, gateway_factory):
     finally:
         await host.stop()
         await conductor.stop()
+
+
+@pytest.fixture
+async def queued(nats_server, namespace, gateway_factory):
+    async with aggregated_with_a_queue(nats_server, namespace, gateway_factory) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+async def queued_tight_ttft(nats_server, namespace, gateway_factory):
+    """The same, with a TTFT SLO of 3 s: about 1 s more than the queued prompts and the request's own take."""
+    async with aggregated_with_a_queue(nats_server, namespace, gateway_factory, ttft_slo_s=3.0) as gateway:
+        yield gateway
 
 
 class TestOverloadWait:
@@ -142,3 +157,16 @@ class TestOverloadWait:
                            overload_wait_s=2.5)
         assert raised.value.code is ErrorCode.OVERLOADED and retries
         assert 1.0 <= time.monotonic() - started < 2.5 + 2.0  # asked again a second later, and stopped
+
+    async def test_the_conductor_s_ttft_slo_ends_the_wait(self, queued_tight_ttft) -> None:
+        with pytest.raises(GenerationError):
+            for i in range(20):
+                await schedule(queued_tight_ttft, schedule_request(f"r{i}"), time.time() + 60, 5.0, list.append)
+        retries: list[str] = []
+        started = time.monotonic()
+        with pytest.raises(GenerationError) as raised:  # the gateway would wait a minute; the SLO allows about 1 s
+            await schedule(queued_tight_ttft, schedule_request("late"), time.time() + 60, 5.0, retries.append,
+                           overload_wait_s=60.0)
+        assert raised.value.code is ErrorCode.OVERLOADED and "ttft_slo" in raised.value.message
+        assert retries and all(r.startswith("overloaded") for r in retries)  # it did wait for the queue first
+        assert time.monotonic() - started < 3.0 + 2.0

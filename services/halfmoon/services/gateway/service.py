@@ -50,10 +50,11 @@ class GatewayConfig(ServiceConfig):
     instance_wait_s: float = field(default=30.0, metadata={
         "help": "a request finding no live instance of a role waits this long for one (a supervised restart) "
                 "before its 429, within ttft_timeout_s (0: at once)"})
-    overload_wait_s: float = field(default=5.0, metadata={
+    overload_wait_s: float = field(default=30.0, metadata={
         "help": "a request the conductor turns away as overloaded, expecting the prompt work queued ahead to "
                 "drain within this long, asks again until then (at most a second apart) before its 429; the "
-                "wait counts against its TTFT SLO (0: at once)"})
+                "conductor counts the wait against the TTFT SLO and stops expecting it to clear once the SLO "
+                "would be missed, so the default is that SLO's (0: at once)"})
     api_keys_file: str = field(default="", metadata={
         "help": "API keys, one 'KEY TENANT [RPM] [TPM]' per line (KEY may be sha256:HEX); empty: no keys"})
     auth_secret_file: str = field(default="", metadata={
