@@ -147,26 +147,31 @@ class TestOverloadWait:
         assert waits[0] == 0.0 and waits == sorted(waits) and waits[-1] > 0  # each ask says how long it waited
 
     async def test_the_wait_is_bounded(self, queued) -> None:
-        with pytest.raises(GenerationError):
-            for i in range(20):
-                await schedule(queued, schedule_request(f"r{i}"), time.time() + 60, 5.0, list.append)
-        retries: list[str] = []
-        started = time.monotonic()
-        with pytest.raises(GenerationError) as raised:
-            await schedule(queued, schedule_request("bounded"), time.time() + 60, 5.0, retries.append,
-                           overload_wait_s=2.5)
-        assert raised.value.code is ErrorCode.OVERLOADED and retries
-        assert 1.0 <= time.monotonic() - started < 2.5 + 2.0  # asked again a second later, and stopped
+        await fill_until_refused(queued)
+        error, retries, waited = await turned_away(queued, overload_wait_s=2.5)
+        assert error.code is ErrorCode.OVERLOADED and retries
+        assert 1.0 <= waited < 2.5 + 2.0  # asked again a second later, and stopped
 
     async def test_the_conductor_s_ttft_slo_ends_the_wait(self, queued_tight_ttft) -> None:
-        with pytest.raises(GenerationError):
-            for i in range(20):
-                await schedule(queued_tight_ttft, schedule_request(f"r{i}"), time.time() + 60, 5.0, list.append)
-        retries: list[str] = []
-        started = time.monotonic()
-        with pytest.raises(GenerationError) as raised:  # the gateway would wait a minute; the SLO allows about 1 s
-            await schedule(queued_tight_ttft, schedule_request("late"), time.time() + 60, 5.0, retries.append,
-                           overload_wait_s=60.0)
-        assert raised.value.code is ErrorCode.OVERLOADED and "ttft_slo" in raised.value.message
+        await fill_until_refused(queued_tight_ttft)
+        error, retries, waited = await turned_away(queued_tight_ttft, overload_wait_s=60.0)  # the SLO allows ~1 s
+        assert error.code is ErrorCode.OVERLOADED and "ttft_slo" in error.message
         assert retries and all(r.startswith("overloaded") for r in retries)  # it did wait for the queue first
-        assert time.monotonic() - started < 3.0 + 2.0
+        assert waited < 3.0 + 2.0
+
+
+async def fill_until_refused(gateway) -> None:
+    """Places prompts that nobody computes until the conductor refuses one."""
+    with pytest.raises(GenerationError):
+        for i in range(20):
+            await schedule(gateway, schedule_request(f"r{i}"), time.time() + 60, 5.0, list.append)
+
+
+async def turned_away(gateway, overload_wait_s: float) -> tuple[GenerationError, list[str], float]:
+    """One more request's 429: the error, the retries it made first, and the seconds until it came."""
+    retries: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(GenerationError) as raised:
+        await schedule(gateway, schedule_request("late"), time.time() + 60, 5.0, retries.append,
+                       overload_wait_s=overload_wait_s)
+    return raised.value, retries, time.monotonic() - started
