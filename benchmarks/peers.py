@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -308,7 +309,7 @@ def round_rows(rounds: list[dict[str, dict[str, Any]]], names: list[str], baseli
             known = sorted(r for r in ratios if r is not None)
             if not known:
                 continue
-            median = known[len(known) // 2] if len(known) % 2 else (known[len(known) // 2 - 1] + known[len(known) // 2]) / 2
+            median = statistics.median(known)
             better = sum(1 for r in known if (r >= 1.0 if higher else r <= 1.0))
             rows.append([f"{name} / {baseline}", f"{load}: {label}", *("-" if r is None else f"{r:.2f}x" for r in ratios),
                          f"{median:.2f}x", f"{better}/{len(known)}"])
