@@ -106,6 +106,16 @@ class TestSloAwareDecode:
         assert decode.choose([decoding], 2_725, decode_tokens=32, prompt_s=8.5) is None
         nearest = decode.nearest([decoding], 2_725, decode_tokens=32, prompt_s=8.5)
         assert nearest is not None and nearest.predicted_tbt_s == pytest.approx(0.05 + 9.5 / 32)
+        # what a rejection names: the step, and the prompt work (queued and its own) over the decoders' tokens
+        assert nearest.parts is not None
+        assert (nearest.parts.step_s, nearest.parts.prompt_work_s, nearest.parts.spread_tokens) == pytest.approx(
+            (0.05, 9.5, 32))
+        assert nearest.parts.describe() == "step 0.050s + prompt work 9.50s over 32 tokens"
+        measured = decoding._replace(measured=MeasuredStep(batch=7.0, context_tokens=0.0, seconds=0.388))
+        parts = decode.nearest([measured], 2_725, decode_tokens=32, prompt_s=8.5).parts
+        assert parts is not None and parts.describe().endswith("; steps lately 0.388s at batch 7.0")
+        assert parts.step_s + parts.prompt_work_s / parts.spread_tokens == pytest.approx(
+            decode.nearest([measured], 2_725, decode_tokens=32, prompt_s=8.5).predicted_tbt_s)
         # a short prompt still fits: 0.05 + (1 + 2) / 32 = 0.144 s
         choice = decode.choose([decoding], 300, decode_tokens=32, prompt_s=2.0)
         assert choice is not None and choice.predicted_tbt_s == pytest.approx(0.05)  # the request's own

@@ -9,9 +9,31 @@ from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.state import SLO, DecodeInstanceState, MeasuredStep, slo_attainment
 
 
+class TbtParts(NamedTuple):
+    """What a decode instance's predicted TBT is made of, for a rejection to name: ``step_s``, the gap its
+    steps give with the request added, and ``prompt_work_s`` of prompts its decoding sequences are predicted
+    to see in their steps, spread over ``spread_tokens`` of theirs (0: none counted); ``level_s``, its steps
+    lately at ``at_batch`` sequences each (None: none measured), which set the level of ``step_s``."""
+
+    step_s: float
+    prompt_work_s: float
+    spread_tokens: float
+    level_s: float | None
+    at_batch: float
+
+    def describe(self) -> str:
+        prompts = (f" + prompt work {self.prompt_work_s:.2f}s over {self.spread_tokens:.0f} tokens"
+                   if self.prompt_work_s > 0 else "")
+        level = "" if self.level_s is None else f"; steps lately {self.level_s:.3f}s at batch {self.at_batch:.1f}"
+        return f"step {self.step_s:.3f}s{prompts}{level}"
+
+
 class DecodeChoice(NamedTuple):
+    """``parts``: what the prediction is made of (a rejection's nearest miss carries them)."""
+
     instance_id: str
     predicted_tbt_s: float
+    parts: TbtParts | None = None
 
 
 class StepCorrection(NamedTuple):
@@ -150,8 +172,13 @@ class SloAwareDecode:
         were turned away."""
         if not inst.interleaves_prefill or decode_tokens <= 0:
             return tbt
-        own = prompt_s if inst.batch_size > 0 or inst.queued_prefill_s > 0 else 0.0
-        return max(tbt, self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens, own))
+        return max(tbt, self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens,
+                                           self._own_prompt_s(inst, prompt_s)))
+
+    @staticmethod
+    def _own_prompt_s(inst: DecodeInstanceState, prompt_s: float) -> float:
+        """The request's own prompt work as its decoders see it: none where nothing runs or waits there."""
+        return prompt_s if inst.batch_size > 0 or inst.queued_prefill_s > 0 else 0.0
 
     def _with_prompts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                       peer: StepCorrection | None, decode_tokens: int, prompt_s: float) -> float:
@@ -224,9 +251,20 @@ class SloAwareDecode:
         request fits, qualifying or not: what a rejection reports (None when it fits none)."""
         peers = self._peer_corrections(instances)
         predicted = [(self._decoders_tbt(inst, context_tokens, at, peers, self._predicted(inst, context_tokens, at, peers),
-                                         decode_tokens, prompt_s), inst.id)
+                                         decode_tokens, prompt_s), inst.id, inst)
                      for inst in instances if self.fits(inst, context_tokens, at)]
         if not predicted:
             return None
-        tbt, instance_id = min(predicted)
-        return DecodeChoice(instance_id, tbt)
+        tbt, instance_id, inst = min(predicted, key=lambda p: p[:2])
+        return DecodeChoice(instance_id, tbt, self._parts(inst, context_tokens, at, peers, tbt, decode_tokens, prompt_s))
+
+    def _parts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
+               peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
+               prompt_s: float) -> TbtParts:
+        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``."""
+        work, spread = 0.0, self._spread(inst, decode_tokens)
+        if inst.interleaves_prefill and decode_tokens > 0 and tbt > self._predicted(inst, context_tokens, at, peers):
+            work = inst.queued_prefill_s + self._own_prompt_s(inst, prompt_s)
+        level = inst.measured
+        return TbtParts(tbt - work / spread if work else tbt, work, spread, None if level is None else level.seconds,
+                        0.0 if level is None else level.batch)

@@ -150,7 +150,9 @@ class KVCentricPlacement(PlacementPolicy):
         if not decision.accepted:
             figures = [f"TTFT {decision.prefill.ttft_s:.2f}s"] if decision.prefill else []
             if decision.decode is not None:  # the nearest miss of a decode rejection
-                figures.append(f"TBT {decision.decode.predicted_tbt_s:.3f}s")
+                parts = decision.decode.parts
+                figures.append(f"TBT {decision.decode.predicted_tbt_s:.3f}s"
+                               + ("" if parts is None else f" = {parts.describe()}"))
             predicted = f" (predicted {', '.join(figures)})" if figures else ""
             return Rejection(RejectReason.OVERLOADED, f"{decision.reason}{predicted}", decision.retry_after_s,
                              decision.clears_in_s)
