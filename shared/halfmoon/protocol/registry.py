@@ -84,10 +84,15 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     # the decoding steps of the last window, as the time between tokens a decoding sequence saw (robust to a
     # stalled step; runtime/load_meter.py LoadMeter.window_steps): what TBT predictions start from
     window_steps: StepSample | None = None
+    # of window_steps' seconds, what the prompt chunks sharing those steps added per gap: the rest is the
+    # decoding steps' own level, on which an aggregated instance's queued prompts are predicted
+    window_prompt_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:
             raise ValueError("load counts must be >= 0")
+        if not (math.isfinite(self.window_prompt_s) and self.window_prompt_s >= 0):
+            raise ValueError("window_prompt_s must be finite and >= 0")
 
 
 class KernelReport(msgspec.Struct, frozen=True, kw_only=True):

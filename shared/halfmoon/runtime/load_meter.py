@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,6 +15,16 @@ from halfmoon.policy.state import RecentSamples
 from halfmoon.protocol.registry import Load, StepSample
 
 LOAD_WINDOW_S = 10.0  # heartbeats report the TTFT and TBT of this many seconds back
+PACE_GAPS = 512  # the gaps a window of decoding steps reaches back to: one wave of 8 streams of 64 tokens
+PACE_HISTORY_S = 60.0  # how far back it may reach
+
+
+class StepWindow(NamedTuple):
+    """``LoadMeter.window``: the window's steps as the gaps a decoding sequence saw (``sample``), and of
+    ``sample.seconds``, what the prompt chunks sharing its steps added per gap (``prompt_s``)."""
+
+    sample: StepSample
+    prompt_s: float
 
 
 class LoadMeter:
@@ -29,7 +40,7 @@ class LoadMeter:
         self._shared = RecentSamples(window_s)  # 1.0 for each decoding step a prompt chunk shared, else 0.0
         self._unreported: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # decoding steps
         self._window_s = window_s
-        self._decoding: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # those of the window
+        self._decoding: collections.deque[StepTiming] = collections.deque(maxlen=4096)  # those a window may reach
 
     def on_step(self, timing: StepTiming) -> None:
         if timing.num_outputs:
@@ -57,7 +68,7 @@ class LoadMeter:
                           kv_tokens=sum(t.kv_blocks for t in steps) * self.block_size / n,
                           seconds=sum(t.seconds for t in steps) / n)
 
-    def window_steps(self, now: float) -> StepSample | None:
+    def window(self, now: float) -> StepWindow | None:
         """The decoding steps of the last window as the time between tokens a decoding sequence saw: the
         median of those that computed no prompt tokens, plus what those a prompt chunk shared took beyond it
         in the share of tokens they gave (None: none in the window). Each step counts once per sequence it
@@ -68,14 +79,25 @@ class LoadMeter:
         predicted 10 s between tokens and had a migrated stream rejected); the shared steps' excess in full,
         because their length is the prompts' (a chunk of 2,048 tokens took 6 s where a decode-only step took
         0.15 s) and a stream's mean gap is that mix. One heartbeat's steps alone swung from 0.15 s to 6 s with
-        whether a chunk fell in them."""
+        whether a chunk fell in them.
+
+        A window with steps in it reaches back (up to ``PACE_HISTORY_S``) to at least ``PACE_GAPS`` gaps: a
+        mean over fewer is the phase of a wave of requests, not the pace of their prompts. Beside a busy loop,
+        8 streams' 512-token prompts took 10 s to compute; the 10-s window then held only the steps they
+        shared (3.3 s each), and requests were turned away for a 3.3 s TBT while the streams decoded on at
+        0.15 s."""
         steps = self._decoding
-        while steps and steps[0].ended < now - self._window_s:
+        while steps and steps[0].ended < now - PACE_HISTORY_S:
             steps.popleft()
-        window = tuple(steps)
-        if not window:
+        history = tuple(steps)
+        start = next((i for i, t in enumerate(history) if t.ended >= now - self._window_s), len(history))
+        if start == len(history):
             return None
-        gaps = sum(t.num_decoding for t in window)
+        gaps = sum(t.num_decoding for t in history[start:])
+        while start > 0 and gaps < PACE_GAPS:
+            start -= 1
+            gaps += history[start].num_decoding
+        window = history[start:]
         alone = [t for t in window if not t.shared_with_prefill]
         shared = [t for t in window if t.shared_with_prefill]
         if alone:
@@ -84,9 +106,9 @@ class LoadMeter:
             excess = max(0.0, sum(t.num_decoding * (t.seconds - typical) for t in shared)) / gaps
         else:
             typical, excess = sum(t.num_decoding * t.seconds for t in shared) / gaps, 0.0
-        return StepSample(steps=len(window), batch=sum(t.num_decoding ** 2 for t in window) / gaps,
-                          kv_tokens=sum(t.num_decoding * t.kv_blocks for t in window) * self.block_size / gaps,
-                          seconds=typical + excess)
+        return StepWindow(StepSample(steps=len(window), batch=sum(t.num_decoding ** 2 for t in window) / gaps,
+                                     kv_tokens=sum(t.num_decoding * t.kv_blocks for t in window) * self.block_size / gaps,
+                                     seconds=typical + excess), excess)
 
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)
@@ -97,11 +119,13 @@ class LoadMeter:
         window: an instance idle that long reports none, so a slow spell it had cannot keep the
         conductor's balance away from it after the spell ends."""
         now = time.time() if now is None else now
+        window = self.window(now)
         return Load(queue_len=max(0, in_flight - stats.running), running=stats.running,
                     free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                     ttft_ms=_mean_ms(self._ttft_s.values(now)), tbt_ms=_mean_ms(self._step_s.values(now)),
                     accepted_total=accepted_total, shared_step_fraction=_mean(self._shared.values(now)),
-                    window_steps=self.window_steps(now))
+                    window_steps=None if window is None else window.sample,
+                    window_prompt_s=0.0 if window is None else window.prompt_s)
 
 
 def _mean(values: tuple[float, ...]) -> float | None:

@@ -89,15 +89,21 @@ class KVCentricPlacement(PlacementPolicy):
         batch = max(view.running, view.outstanding.requests)
         aggregated = view.role is Role.AGGREGATED
         steps, shared = view.load.steps, view.load.shared_steps
+        prompt_excess = 0.0
         if self.pools_steps:
-            steps, shared = view.load.window_steps or pooled_steps(steps, shared), None
+            if view.load.window_steps is not None:
+                steps, prompt_excess = view.load.window_steps, view.load.window_prompt_s
+            else:
+                steps = pooled_steps(steps, shared)
+            shared = None
         return DecodeInstanceState(view.instance_id, batch, used * self.block_size,
                                    view.load.total_kv_blocks * self.block_size, recent,
                                    interleaves_prefill=aggregated, measured=measured_step(steps),
                                    measured_shared=measured_step(shared),
                                    shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
                                    queued_prefill_s=self._queued(view)[0] if aggregated else 0.0,
-                                   decoders_tokens=view.outstanding.mean_decode_tokens)
+                                   decoders_tokens=view.outstanding.mean_decode_tokens,
+                                   prompt_excess_s=prompt_excess if aggregated else 0.0)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:

@@ -313,6 +313,7 @@ class ConductorService(Service[ConductorConfig]):
             **({} if load.shared_step_fraction is None else {"halfmoon.decode.shared_step_fraction":
                                                             load.shared_step_fraction}),
             **({} if window is None else {"halfmoon.decode.window_step_ms": window.seconds * 1000,
+                                          "halfmoon.decode.window_prompt_ms": load.window_prompt_s * 1000,
                                           "halfmoon.decode.window_batch": window.batch})})
 
     def _incarnation(self, instance_id: str) -> str:
