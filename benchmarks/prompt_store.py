@@ -8,8 +8,8 @@ transfer node, security on, each its own process); in this process the connector
 engine thread. For every layer of SmolLM2-135M's shape (30 layers, 3 KV heads of 64) the engine thread
 computes that layer's projections for the prompt's tokens (one thread, as vLLM computes on one core here:
 attention is left out) and copies the layer's K and V into each block's payload, as the connector's
-``save_kv_layer`` does. "whole" then stores the blocks (put_start, seal and write, put_end: what the
-connector did before the layer-wise store); "layer-wise" placed them before the first layer, wrote each
+worker side's ``save_kv_layer`` does (connectors/vllm_worker.py). "whole" then stores the blocks
+(put_start, seal and write, put_end: what the connector did before the layer-wise store); "layer-wise" placed them before the first layer, wrote each
 layer as it was copied and only commits now. Rounds alternate the two, each on a fresh prompt.
 Figures: the tail (the last layer's KV copied -> blocks published, on vLLM's step) and the step (first
 layer -> published). Our own timing: diagnosis, not a figure against a peer.

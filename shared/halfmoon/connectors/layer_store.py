@@ -1,8 +1,8 @@
 """A prompt's new full blocks, stored into the pool layer by layer while vLLM computes the layers after.
 
-The connector's worker side starts ``store`` as the step begins, which places the blocks (put_start), hands
-each layer to it as vLLM's attention finishes it (``sink``, on vLLM's thread), and the store commits and
-publishes them (put_end) once the last layer is written: what the step's end waits for is the commit, not
+The connector's worker side (connectors/vllm_worker.py) starts ``store`` as the step begins, which places
+the blocks (put_start), hands each layer to it as vLLM's attention finishes it (``sink``, on vLLM's thread),
+and the store commits and publishes them (put_end) once the last layer is written: what the step's end waits for is the commit, not
 the writes. Every layer is sealed (its MAC, under the block's key and the salt its header carries) before its bytes leave.
 Blocks placed where this process cannot write byte ranges (TCP, NVMe, S3) are written whole at the end,
 as ``PoolClient.store`` writes them. The writes of a Halfmoon prefill service follow the same plan

@@ -1,5 +1,5 @@
 """Where a vLLM CPU paged cache keeps each token's K and V, and what the connector's scheduler side tells its
-worker side each step: the parts of the Halfmoon connector (connectors/vllm.py) that are not the connector."""
+worker side each step: the parts of the Halfmoon connector (connectors/vllm.py) that are neither of its sides."""
 
 from __future__ import annotations
 
