@@ -185,7 +185,12 @@ class TestSloAwareDecode:
         nearest = decode.nearest([burst], 500, decode_tokens=64, prompt_s=1.0)
         assert nearest is not None and nearest.predicted_tbt_s == pytest.approx(0.05 + 7.0 / 64)
         assert nearest.parts is not None and nearest.parts.describe() == (
-            "step 0.050s + prompt work 7.00s over 64 tokens; steps lately 0.100s at batch 4.0")
+            "step 0.050s + prompt work 7.00s over 64 tokens; steps lately 0.100s at batch 4.0, 0.050s of it prompts")
+        # where the pace is the slower, the request's own gap is what a rejection names
+        strict = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.08))
+        parts = strict.nearest([steady], 500, decode_tokens=64, prompt_s=1.0).parts
+        assert parts is not None and parts.describe() == (
+            "step 0.050s + prompts lately 0.050s; steps lately 0.100s at batch 4.0, 0.050s of it prompts")
 
     def test_how_long_until_the_queued_prompt_work_lets_a_request_in(self):
         decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))

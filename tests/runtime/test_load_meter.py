@@ -113,6 +113,24 @@ class TestWindowSteps:
         assert window.seconds == pytest.approx((9 * 8 * 0.15 + 2 * 6.0) / gaps)  # their mean gap
         assert window.batch == pytest.approx((9 * 8 * 8 + 2 * 2) / gaps)
 
+    def test_it_reaches_back_to_a_decode_only_step_for_the_level(self):
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        meter.on_step(self.at(100.0, 0.1, decoding=8, tokens=8))
+        for i in range(9):  # prompt chunks with 64 decoding: more than enough gaps, and no level among them
+            meter.on_step(self.at(101.0 + i, 1.0, decoding=64, tokens=2048))
+        window = meter.window(now=109.5)
+        assert window is not None and window.sample.steps == 10
+        assert window.prompt_s == pytest.approx(9 * 64 * (1.0 - 0.1) / (8 + 9 * 64))
+
+    def test_it_does_not_reach_back_across_idleness(self):
+        """A slow spell before a window's length of idleness does not come back with the first step after."""
+        meter = LoadMeter(block_size=16, window_s=10.0)
+        for i in range(10):
+            meter.on_step(self.at(100.0 + i, 1.0, decoding=8, tokens=8))
+        meter.on_step(self.at(140.05, 0.05, decoding=8, tokens=8))
+        window = meter.window(now=140.1)
+        assert window is not None and (window.sample.steps, window.sample.seconds) == (1, pytest.approx(0.05))
+
     def test_it_forgets(self):
         meter = LoadMeter(block_size=16, window_s=10.0)
         meter.on_step(self.at(100.0, 0.5))

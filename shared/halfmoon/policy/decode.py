@@ -10,22 +10,28 @@ from halfmoon.policy.state import SLO, DecodeInstanceState, MeasuredStep, slo_at
 
 
 class TbtParts(NamedTuple):
-    """What a decode instance's predicted TBT is made of, for a rejection to name: ``step_s``, the gap its
-    steps give with the request added, and ``prompt_work_s`` of prompts its decoding sequences are predicted
-    to see in their steps, spread over ``spread_tokens`` of theirs (0: none counted); ``level_s``, its steps
-    lately at ``at_batch`` sequences each (None: none measured), which set the level of ``step_s``."""
+    """What a decode instance's predicted TBT is made of, for a rejection to name: ``step_s``, its decoding
+    step with the request added, plus either ``prompt_pace_s``, what prompts added to its steps lately (the
+    request's own gap), or ``prompt_work_s`` of prompts queued there and the request's own, spread over
+    ``spread_tokens`` of its decoding sequences' tokens (theirs). ``level_s``: its steps lately at
+    ``at_batch`` sequences each, ``level_prompt_s`` of it prompts (None: none measured), which set the level
+    of ``step_s``."""
 
     step_s: float
+    prompt_pace_s: float
     prompt_work_s: float
     spread_tokens: float
     level_s: float | None
+    level_prompt_s: float
     at_batch: float
 
     def describe(self) -> str:
-        prompts = (f" + prompt work {self.prompt_work_s:.2f}s over {self.spread_tokens:.0f} tokens"
-                   if self.prompt_work_s > 0 else "")
-        level = "" if self.level_s is None else f"; steps lately {self.level_s:.3f}s at batch {self.at_batch:.1f}"
-        return f"step {self.step_s:.3f}s{prompts}{level}"
+        pace = f" + prompts lately {self.prompt_pace_s:.3f}s" if self.prompt_pace_s > 0 else ""
+        work = (f" + prompt work {self.prompt_work_s:.2f}s over {self.spread_tokens:.0f} tokens"
+                if self.prompt_work_s > 0 else "")
+        level = ("" if self.level_s is None else f"; steps lately {self.level_s:.3f}s at batch {self.at_batch:.1f}"
+                 + (f", {self.level_prompt_s:.3f}s of it prompts" if self.level_prompt_s > 0 else ""))
+        return f"step {self.step_s:.3f}s{pace}{work}{level}"
 
 
 class DecodeChoice(NamedTuple):
@@ -263,10 +269,16 @@ class SloAwareDecode:
     def _parts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
                prompt_s: float) -> TbtParts:
-        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``."""
-        work, spread = 0.0, self._spread(inst, decode_tokens)
+        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``: its queued prompts where
+        they made it, else the request's own gap."""
+        spread, level = self._spread(inst, decode_tokens), inst.measured
+        pace = work = 0.0
         if inst.interleaves_prefill and decode_tokens > 0 and tbt > self._predicted(inst, context_tokens, at, peers):
             work = inst.queued_prefill_s + self._own_prompt_s(inst, prompt_s)
-        level = inst.measured
-        return TbtParts(tbt - work / spread if work else tbt, work, spread, None if level is None else level.seconds,
+            step = tbt - work / spread
+        else:
+            step = self._step(inst, context_tokens, at, peers[0])
+            pace = max(0.0, tbt - step)
+            step = tbt - pace
+        return TbtParts(step, pace, work, spread, None if level is None else level.seconds, inst.prompt_excess_s,
                         0.0 if level is None else level.batch)

@@ -81,8 +81,9 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     # of the decoding steps of the last window, the share a prompt chunk shared: a decoding sequence's mean
     # time between tokens mixes both kinds in this proportion (None until it decoded)
     shared_step_fraction: float | None = None
-    # the decoding steps of the last window, as the time between tokens a decoding sequence saw (robust to a
-    # stalled step; runtime/load_meter.py LoadMeter.window_steps): what TBT predictions start from
+    # the decoding steps of the last window (reaching back to enough of them), as the time between tokens a
+    # decoding sequence saw (robust to a stalled step; runtime/load_meter.py LoadMeter.window): what TBT
+    # predictions start from
     window_steps: StepSample | None = None
     # of window_steps' seconds, what the prompt chunks sharing those steps added per gap: the rest is the
     # decoding steps' own level, on which an aggregated instance's queued prompts are predicted
@@ -91,8 +92,9 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if min(self.queue_len, self.running, self.free_kv_blocks, self.total_kv_blocks, self.accepted_total) < 0:
             raise ValueError("load counts must be >= 0")
-        if not (math.isfinite(self.window_prompt_s) and self.window_prompt_s >= 0):
-            raise ValueError("window_prompt_s must be finite and >= 0")
+        bound = 0.0 if self.window_steps is None else self.window_steps.seconds
+        if not (math.isfinite(self.window_prompt_s) and 0 <= self.window_prompt_s <= bound):
+            raise ValueError("window_prompt_s must be finite, >= 0 and within window_steps.seconds (0 without them)")
 
 
 class KernelReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -81,22 +81,26 @@ class LoadMeter:
         0.15 s) and a stream's mean gap is that mix. One heartbeat's steps alone swung from 0.15 s to 6 s with
         whether a chunk fell in them.
 
-        A window with steps in it reaches back (up to ``PACE_HISTORY_S``) to at least ``PACE_GAPS`` gaps: a
-        mean over fewer is the phase of a wave of requests, not the pace of their prompts. Beside a busy loop,
+        A window with steps in it reaches back (up to ``PACE_HISTORY_S``, and not across a window's length of
+        idleness) to at least ``PACE_GAPS`` gaps and one decode-only step: a mean over fewer is the phase of a
+        wave of requests, not the pace of their prompts, and without a decode-only step there is no level to
+        tell the prompts' share from. Beside a busy loop,
         8 streams' 512-token prompts took 10 s to compute; the 10-s window then held only the steps they
         shared (3.3 s each), and requests were turned away for a 3.3 s TBT while the streams decoded on at
         0.15 s."""
         steps = self._decoding
-        while steps and steps[0].ended < now - PACE_HISTORY_S:
+        while steps and steps[0].ended < now - max(self._window_s, PACE_HISTORY_S):
             steps.popleft()
         history = tuple(steps)
         start = next((i for i, t in enumerate(history) if t.ended >= now - self._window_s), len(history))
         if start == len(history):
             return None
         gaps = sum(t.num_decoding for t in history[start:])
-        while start > 0 and gaps < PACE_GAPS:
+        has_alone = any(not t.shared_with_prefill for t in history[start:])
+        while start > 0 and (gaps < PACE_GAPS or not has_alone) and not self._idle_before(history, start):
             start -= 1
             gaps += history[start].num_decoding
+            has_alone = has_alone or not history[start].shared_with_prefill
         window = history[start:]
         alone = [t for t in window if not t.shared_with_prefill]
         shared = [t for t in window if t.shared_with_prefill]
@@ -109,6 +113,11 @@ class LoadMeter:
         return StepWindow(StepSample(steps=len(window), batch=sum(t.num_decoding ** 2 for t in window) / gaps,
                                      kv_tokens=sum(t.num_decoding * t.kv_blocks for t in window) * self.block_size / gaps,
                                      seconds=typical + excess), excess)
+
+    def _idle_before(self, history: tuple[StepTiming, ...], i: int) -> bool:
+        """Whether the instance decoded nothing for a window's length before step ``i``: a window does not
+        reach back across that, or a slow spell before it would come back with the first step after."""
+        return history[i].ended - history[i].seconds - history[i - 1].ended > self._window_s
 
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)
