@@ -29,7 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from halfmoon.core.tenants import KeyRing, Tenant, bearer_key
-from halfmoon.deploy.local import LocalCluster, free_port
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.processes import free_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol.permissions import gateway_user
 from halfmoon.protocol.subjects import Subjects

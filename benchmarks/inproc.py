@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
+from halfmoon.deploy.processes import free_port, nats_server_binary, wait_for_port
 from halfmoon.protocol import codecs
 from halfmoon.protocol.sampling import SamplingParams
 from halfmoon.protocol.stream import TokenEvent

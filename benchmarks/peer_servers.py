@@ -16,7 +16,8 @@ from typing import IO
 
 import httpx
 
-from halfmoon.deploy.local import LocalCluster, core_share, free_port
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.processes import core_share, free_port
 from halfmoon.protocol.permissions import KV_CLIENT
 
 SOURCE = Path(__file__).resolve().parents[1] / "shared"  # the connector, for vLLM's interpreter

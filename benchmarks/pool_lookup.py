@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from halfmoon.core.tiers import Tier
-from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
+from halfmoon.deploy.processes import free_port, nats_server_binary, wait_for_port
 from halfmoon.kv.pool_index import PoolIndex
 from halfmoon.kv.pool_types import NodeSpec, PoolConfig
 from halfmoon.protocol import codecs

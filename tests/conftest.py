@@ -13,7 +13,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from halfmoon.deploy.local import SOURCE_ROOTS, free_port, nats_server_binary, wait_for_port
+from halfmoon.deploy.processes import SOURCE_ROOTS, free_port, nats_server_binary, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

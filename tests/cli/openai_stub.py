@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from halfmoon.deploy.local import free_port
+from halfmoon.deploy.processes import free_port
 
 CACHE_BLOCK = 4
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from halfmoon.cli.up import check_vllm, engine_counts, layout_hint, shape, user_settings
-from halfmoon.deploy.local import LocalCluster, core_share
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.processes import core_share
 from halfmoon.deploy.topology import instances
 
 

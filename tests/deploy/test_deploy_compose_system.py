@@ -21,7 +21,7 @@ import boto3
 import httpx
 import pytest
 
-from halfmoon.deploy.local import nats_server_binary, wait_for_port
+from halfmoon.deploy.processes import nats_server_binary, wait_for_port
 from halfmoon.deploy.topology import SERVICES
 from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.deploy.conftest import env_of

@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from halfmoon.deploy.local import nats_server_binary
+from halfmoon.deploy.processes import nats_server_binary
 from tests.conftest import REPO_ROOT
 
 # What an sdist of the checkout holds: what setup.py and pyproject.toml build from.

@@ -1,4 +1,5 @@
-"""The launcher's restart policy as a pure function of exit times: backoff, reset, crash loop."""
+"""The launcher's restart policy as a pure function of exit times: backoff, reset, crash loop, when
+each restart is due."""
 
 from __future__ import annotations
 
@@ -39,6 +40,24 @@ class TestBackoff:
         assert sup.exited("decode-0", 1.0) == 0.5
         assert sup.exited("nats", 1.0) == 0.5
         assert sup.restarts("prefill-0") == 0
+
+
+class TestRestartSchedule:
+    def test_each_restart_is_due_once_its_backoff_has_passed_in_the_order_they_exited(self) -> None:
+        sup = supervision()
+        for name in ("decode-0", "nats"):
+            sup.started(name, 0.0)
+        assert sup.exited("decode-0", 1.0) == 0.5 and sup.exited("nats", 1.2) == 0.5
+        assert sup.awaiting_restart("decode-0") and sup.due(1.4) == []
+        assert sup.due(1.7) == ["decode-0", "nats"]
+        assert not sup.awaiting_restart("decode-0") and sup.due(100.0) == []
+
+    def test_a_process_asked_to_stop_while_waiting_is_not_restarted(self) -> None:
+        sup = supervision()
+        sup.started("prefill-0", 0.0)
+        sup.exited("prefill-0", 1.0)
+        sup.stopping("prefill-0")
+        assert not sup.awaiting_restart("prefill-0") and sup.due(100.0) == []
 
 
 class TestCrashLoop:

@@ -16,7 +16,7 @@ from halfmoon.deploy.topology import OPTIONAL_SERVICES, SERVICES
 def test_another_interpreter_finds_every_service_module_from_the_source_roots(tmp_path: Path) -> None:
     # the launcher as a user runs it: outside the checkout, without pytest's pythonpath, which lists both folders
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    found = subprocess.run([sys.executable, "-c", "import json; from halfmoon.deploy.local import SOURCE_ROOTS; "
+    found = subprocess.run([sys.executable, "-c", "import json; from halfmoon.deploy.processes import SOURCE_ROOTS; "
                             "print(json.dumps(SOURCE_ROOTS))"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=120)
     assert found.returncode == 0, found.stderr

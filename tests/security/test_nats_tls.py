@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from halfmoon.cli.main import main as halfmoon
-from halfmoon.deploy.local import free_port, nats_server_binary, wait_for_port
 from halfmoon.deploy.nats_auth import NatsAuth
+from halfmoon.deploy.processes import free_port, nats_server_binary, wait_for_port
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.host import connect_nats
 

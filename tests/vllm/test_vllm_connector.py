@@ -25,7 +25,8 @@ from halfmoon.core.block_format import BlockLayout, decode_block
 from halfmoon.core.keys import BlockHasher, Namespace
 from halfmoon.core.tenants import TenantSalts
 from halfmoon.deploy.drills import heartbeats
-from halfmoon.deploy.local import LocalCluster, free_port
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.processes import free_port
 from halfmoon.engine.loader import model_fingerprint
 from halfmoon.protocol.permissions import KV_CLIENT
 from tests.conftest import service_env

@@ -27,7 +27,8 @@ from transformers import AutoTokenizer
 from halfmoon.cli.model_tools import materialise_smollm2
 from halfmoon.core.keys import BlockHasher, Namespace
 from halfmoon.deploy.drills import operator_nats
-from halfmoon.deploy.local import LocalCluster, free_port
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.processes import free_port
 from halfmoon.engine.loader import model_fingerprint
 from halfmoon.protocol import codecs
 from halfmoon.protocol.pool import SnapshotRequest

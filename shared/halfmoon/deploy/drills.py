@@ -23,7 +23,8 @@ import httpx
 import nats
 from nats.aio.msg import Msg
 
-from halfmoon.deploy.local import LocalCluster, wait_for_port
+from halfmoon.deploy.local import LocalCluster
+from halfmoon.deploy.processes import wait_for_port
 from halfmoon.deploy.topology import SERVICES
 from halfmoon.protocol import codecs
 from halfmoon.protocol.registry import Heartbeat

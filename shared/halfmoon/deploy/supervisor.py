@@ -52,11 +52,13 @@ class ExitRecord:
 
 class Supervision:
     """Contract: ``started(name, now)`` on every (re)start, ``exited(name, now)`` on every exit of a process
-    not ``leaving`` as draining (``stopping(name)`` was called); it returns the delay before the restart."""
+    not ``leaving`` as draining (``stopping(name)`` was called); it returns the delay before the restart,
+    and ``due(now)`` names the process once that delay has passed."""
 
     def __init__(self, policy: RestartPolicy = RestartPolicy()) -> None:
         self.policy = policy
         self.records: dict[str, ExitRecord] = {}
+        self.restart_at: dict[str, float] = {}  # exited, to be restarted at this time
 
     def started(self, name: str, now: float) -> None:
         self.records.setdefault(name, ExitRecord()).started_at = now
@@ -67,12 +69,27 @@ class Supervision:
         rec.exits.append(now)
         rec.restarts += 1
         if self.leaving(name, now) is Leaving.CRASH_LOOPING:
-            return p.crash_loop_backoff_s
-        return min(p.max_backoff_s, p.backoff_s * 2 ** (rec.in_a_row - 1))
+            delay = p.crash_loop_backoff_s
+        else:
+            delay = min(p.max_backoff_s, p.backoff_s * 2 ** (rec.in_a_row - 1))
+        self.restart_at[name] = now + delay
+        return delay
+
+    def awaiting_restart(self, name: str) -> bool:
+        return name in self.restart_at
+
+    def due(self, now: float) -> list[str]:
+        """The processes whose backoff is over, each named once: the caller starts them now."""
+        names = [name for name, at in self.restart_at.items() if at <= now]
+        for name in names:
+            del self.restart_at[name]
+        return names
 
     def stopping(self, name: str) -> None:
-        """``name`` was asked to stop: from now on it is leaving, and its exit is not restarted."""
+        """``name`` was asked to stop: from now on it is leaving, and its exit is not restarted (nor one it
+        was waiting for)."""
         self.records.setdefault(name, ExitRecord()).stopping = True
+        self.restart_at.pop(name, None)
 
     def leaving(self, name: str, now: float) -> Leaving | None:
         """Why ``name`` is on its way out (draining wins: a crash-looping process asked to stop is stopping)."""
