@@ -10,15 +10,13 @@ from halfmoon.policy.state import SLO, DecodeInstanceState, MeasuredStep, slo_at
 
 
 class TbtParts(NamedTuple):
-    """What a decode instance's predicted TBT is made of, for a rejection to name: ``step_s``, its decoding
-    step with the request added, plus either ``prompt_pace_s``, what prompts added to its steps lately (the
-    request's own gap), or ``prompt_work_s`` of prompts queued there and the request's own, spread over
-    ``spread_tokens`` of its decoding sequences' tokens (theirs). ``level_s``: its steps lately at
-    ``at_batch`` sequences each, ``level_prompt_s`` of it prompts (None: none measured), which set the level
-    of ``step_s``."""
+    """What a decode instance's predicted TBT is made of, for a rejection to name: ``step_s``, the gap its
+    steps give with the request added, and ``prompt_work_s`` of prompts queued there and the request's own,
+    spread over ``spread_tokens`` of its decoding sequences' tokens (0: none counted). ``level_s``: its steps
+    lately at ``at_batch`` sequences each, ``level_prompt_s`` of it what prompt chunks added (None: none
+    measured), which set the level of ``step_s``."""
 
     step_s: float
-    prompt_pace_s: float
     prompt_work_s: float
     spread_tokens: float
     level_s: float | None
@@ -26,12 +24,11 @@ class TbtParts(NamedTuple):
     at_batch: float
 
     def describe(self) -> str:
-        pace = f" + prompts lately {self.prompt_pace_s:.3f}s" if self.prompt_pace_s > 0 else ""
         work = (f" + prompt work {self.prompt_work_s:.2f}s over {self.spread_tokens:.0f} tokens"
                 if self.prompt_work_s > 0 else "")
         level = ("" if self.level_s is None else f"; steps lately {self.level_s:.3f}s at batch {self.at_batch:.1f}"
                  + (f", {self.level_prompt_s:.3f}s of it prompts" if self.level_prompt_s > 0 else ""))
-        return f"step {self.step_s:.3f}s{pace}{work}{level}"
+        return f"step {self.step_s:.3f}s{work}{level}"
 
 
 class DecodeChoice(NamedTuple):
@@ -145,13 +142,13 @@ class SloAwareDecode:
         """The peers' corrections of decode-only steps and of steps shared with prefill: once per decision."""
         shared = (None if self.shared_cost is None
                   else peer_correction(self.shared_cost, [p.measured_shared for p in peers]))
-        return peer_correction(self.cost, [p.decode_steps for p in peers]), shared
+        return peer_correction(self.cost, [p.measured for p in peers]), shared
 
     def _step(self, inst: DecodeInstanceState, context_tokens: int, at: float | None, peer: StepCorrection | None,
               own_steps: bool = True) -> float:
         """The instance's decode-only step with the request added."""
         batch, context = (inst.batch_size, inst.context_tokens) if at is None else inst.load_at(at)
-        return anchored(self.cost, inst.decode_steps if own_steps else None, batch + 1, context + context_tokens, peer)
+        return anchored(self.cost, inst.measured if own_steps else None, batch + 1, context + context_tokens, peer)
 
     def _predicted(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                    peers: tuple[StepCorrection | None, StepCorrection | None], own_steps: bool = True) -> float:
@@ -163,7 +160,7 @@ class SloAwareDecode:
             shared = anchored(self.shared_cost, measured_shared, batch, context + context_tokens, peers[1])
             fraction = inst.shared_step_fraction
             tbt = max(tbt, shared) if fraction is None else tbt + fraction * max(0.0, shared - tbt)
-        return tbt + inst.prompt_excess_s if own_steps and inst.interleaves_prefill else tbt
+        return tbt
 
     def _decoders_tbt(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                       peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
@@ -175,9 +172,11 @@ class SloAwareDecode:
         out, a 2,725-token prompt (8.5 s of prefill) was admitted beside ten decoding sequences as the
         eleventh request of a burst, and they got 300 ms between tokens. Summed with the first, the second
         counted the steady pace of prompts twice, and beside a busy loop 17 of 48 requests of a steady load
-        were turned away. The decode-only level is the steps lately less what prompt chunks added to them
-        (``decode_steps``): taken whole, 0.39 s of steps a third of which carried prompts was the level under
-        2.6 s of queued prompts, and beside a busy loop 12 requests were turned away at a predicted 0.43 s."""
+        were turned away. Where both kinds of steps are measured as one window (``prefill_interference`` off,
+        the default), the steps lately carry the pace already and the queue is added to them: the sequences
+        decoding there have seen that pace so far and will see the queue next. Taken apart there, the slower of
+        the two, requests admitted into the trace's bursts got 300 ms between tokens where the sum kept them
+        at 156 ms."""
         if not inst.interleaves_prefill or decode_tokens <= 0:
             return tbt
         return max(tbt, self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens,
@@ -190,7 +189,8 @@ class SloAwareDecode:
 
     def _with_prompts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                       peer: StepCorrection | None, decode_tokens: int, prompt_s: float) -> float:
-        """The decode-only step with the queued prompt work and ``prompt_s`` more spread over its tokens."""
+        """Its step (decode-only where measured apart) with the queued prompt work and ``prompt_s`` more spread
+        over its tokens."""
         step = self._step(inst, context_tokens, at, peer)
         return step + (inst.queued_prefill_s + prompt_s) / self._spread(inst, decode_tokens)
 
@@ -269,16 +269,9 @@ class SloAwareDecode:
     def _parts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
                prompt_s: float) -> TbtParts:
-        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``: its queued prompts where
-        they made it, else the request's own gap."""
-        spread, level = self._spread(inst, decode_tokens), inst.measured
-        pace = work = 0.0
+        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``."""
+        work, spread, level = 0.0, self._spread(inst, decode_tokens), inst.measured
         if inst.interleaves_prefill and decode_tokens > 0 and tbt > self._predicted(inst, context_tokens, at, peers):
             work = inst.queued_prefill_s + self._own_prompt_s(inst, prompt_s)
-            step = tbt - work / spread
-        else:
-            step = self._step(inst, context_tokens, at, peers[0])
-            pace = max(0.0, tbt - step)
-            step = tbt - pace
-        return TbtParts(step, pace, work, spread, None if level is None else level.seconds, inst.prompt_excess_s,
-                        0.0 if level is None else level.batch)
+        return TbtParts(tbt - work / spread if work else tbt, work, spread, None if level is None else level.seconds,
+                        inst.prompt_excess_s, 0.0 if level is None else level.batch)

@@ -106,7 +106,7 @@ class PerRequestDisaggregation:
         """The instance's decoding step for its batch now (0 when it decodes none)."""
         if state.batch_size <= 0:
             return 0.0
-        return anchored(self.decode.cost, state.decode_steps, state.batch_size, state.context_tokens)
+        return anchored(self.decode.cost, state.measured, state.batch_size, state.context_tokens)
 
     def interleaved_s(self, state: DecodeInstanceState, new_tokens: int) -> float:
         """Seconds of decoding steps a prompt of ``new_tokens`` rides on at ``state``."""

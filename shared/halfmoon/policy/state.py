@@ -90,7 +90,7 @@ class DecodeInstanceState(NamedTuple):
     the steps of everything decoding there meanwhile. ``decoders_tokens``: the mean ``max_tokens`` of the
     requests placed there (0: not known), the tokens its decoding sequences spread that work over.
     ``prompt_excess_s``: of ``measured.seconds``, what the prompt chunks sharing those steps added per gap (an
-    aggregated instance measured as one window of both kinds of steps): the pace of its prompts lately."""
+    aggregated instance measured as one window of both kinds of steps), for a rejection to name."""
 
     id: str
     batch_size: int
@@ -106,12 +106,6 @@ class DecodeInstanceState(NamedTuple):
     decoders_tokens: float = 0.0
     prompt_excess_s: float = 0.0
 
-    @property
-    def decode_steps(self) -> MeasuredStep | None:
-        """``measured`` without what prompt chunks added to it: the decoding steps' own level."""
-        if self.measured is None or self.prompt_excess_s <= 0:
-            return self.measured
-        return self.measured._replace(seconds=max(0.0, self.measured.seconds - self.prompt_excess_s))
 
     def load_at(self, t: float) -> tuple[int, int]:
         """(batch size, context tokens) of the work expected to be running at time ``t``."""
