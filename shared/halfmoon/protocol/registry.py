@@ -85,8 +85,8 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     # decoding sequence saw (robust to a stalled step; runtime/load_meter.py LoadMeter.window): what TBT
     # predictions start from
     window_steps: StepSample | None = None
-    # of window_steps' seconds, what the prompt chunks sharing those steps added per gap: the rest is the
-    # decoding steps' own level, on which an aggregated instance's queued prompts are predicted
+    # of window_steps' seconds, what the prompt chunks sharing those steps added per gap (spans and
+    # rejections show it: a level far above the instance's usual step is its prompts')
     window_prompt_s: float = 0.0
 
     def __post_init__(self) -> None:
