@@ -84,10 +84,9 @@ class LoadMeter:
         A window with steps in it reaches back (up to ``PACE_HISTORY_S``, and not across a window's length of
         idleness) to at least ``PACE_GAPS`` gaps and one decode-only step: a mean over fewer is the phase of a
         wave of requests, not the pace of their prompts, and without a decode-only step there is no level to
-        tell the prompts' share from. Beside a busy loop,
-        8 streams' 512-token prompts took 10 s to compute; the 10-s window then held only the steps they
-        shared (3.3 s each), and requests were turned away for a 3.3 s TBT while the streams decoded on at
-        0.15 s."""
+        tell the prompts' share from. Beside a busy loop, 8 streams' 512-token prompts took 10 s to compute;
+        the 10-s window then held only the steps they shared (3.3 s each), and requests were turned away for
+        a 3.3 s TBT while the streams decoded on at 0.15 s."""
         steps = self._decoding
         while steps and steps[0].ended < now - max(self._window_s, PACE_HISTORY_S):
             steps.popleft()
