@@ -23,8 +23,8 @@ class AdmissionDecision(NamedTuple):
     """``reason`` is ``"ok"`` when accepted; ``retry_after_s`` is a hint for HTTP 429 Retry-After.
     ``decode``: accepted, the instance chosen (None: choose at hand-off); rejected, the one that came
     nearest (its predicted TBT is what the rejection says), or None when the request fits none.
-    ``clears_in_s``: rejected, how long until the prompt work queued ahead drains enough to let this
-    request in (``SloAwareDecode.clears_in``); None: waiting would not."""
+    ``clears_in_s``: rejected, how long until the prompt work queued ahead drains, and the pace of prompts
+    lately passes, enough to let this request in (``SloAwareDecode.clears_in``); None: waiting would not."""
 
     accepted: bool
     reason: str

@@ -26,7 +26,8 @@ class ScheduleDecision(NamedTuple):
     ``pipeline`` is set when the prompt is prefilled by a CPP pipeline; ``prefill`` then carries
     the pipeline's predicted times and its first stage. ``prefill.ttft_s`` is calibrated to the TTFTs
     delivered lately (policy/calibration.py); ``model_ttft_s`` is the cost model's own prediction.
-    ``clears_in_s``: a decode rejection's wait until the prompt work queued ahead lets the request in
+    ``clears_in_s``: a decode rejection's wait until the prompt work queued ahead, and the pace of prompts
+    lately, let the request in
     (None: waiting would not; a TTFT rejection's wait counts against its SLO as fast as the queue drains)."""
 
     accepted: bool

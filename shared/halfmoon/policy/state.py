@@ -90,7 +90,8 @@ class DecodeInstanceState(NamedTuple):
     the steps of everything decoding there meanwhile. ``decoders_tokens``: the mean ``max_tokens`` of the
     requests placed there (0: not known), the tokens its decoding sequences spread that work over.
     ``prompt_excess_s``: of ``measured.seconds``, what the prompt chunks sharing those steps added per gap (an
-    aggregated instance measured as one window of both kinds of steps), for a rejection to name."""
+    aggregated instance measured as one window of both kinds of steps): a rejection names it, and a request
+    kept out by it waits for it to pass."""
 
     id: str
     batch_size: int

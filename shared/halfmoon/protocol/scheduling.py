@@ -134,7 +134,8 @@ class Readiness(Message, frozen=True, kw_only=True, tag="readiness_reply"):
 class ScheduleRejected(Message, frozen=True, kw_only=True, tag="rejected"):
     """Early rejection: nothing was started; try again after ``retry_after_s``. ``clears_in_s``: the
     conductor expects this request itself to be placeable after about this long, as the prompt work queued
-    ahead of it drains (None: waiting would not let it in; a later request may still be placed)."""
+    ahead of it drains and the pace of prompts lately passes (None: waiting would not let it in; a later
+    request may still be placed)."""
 
     request_id: str
     reason: RejectReason
