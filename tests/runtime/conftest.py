@@ -47,7 +47,9 @@ async def running(nats_server, namespace: str, model_dir: Path, layerwise: bool,
                                   cluster_secret=SECRET)
     worker = dict(common, model_dir=str(model_dir), kv_cache_bytes=8 << 20, layerwise_handoff=layerwise,
                   dtype="float32", data_paths=worker_paths, **worker_options)  # compared with the float32 engine
-    cm = CacheManagerService(CacheManagerConfig(**common))
+    # one process, one event loop: an engine holding it must not cost the pool its only cache-manager (these
+    # tests are not about standbys; tests/runtime/test_cache_manager_standby.py is)
+    cm = CacheManagerService(CacheManagerConfig(**common, leadership_ttl_s=30.0))
     nodes = tuple(TransferService(TransferConfig(**common, dram_bytes=16 << 20, data_paths=node_paths))
                   for _ in range(num_nodes))
     prefill, decode = PrefillService(WorkerConfig(**worker)), DecodeService(WorkerConfig(**worker))
@@ -55,8 +57,7 @@ async def running(nats_server, namespace: str, model_dir: Path, layerwise: bool,
         for service in (cm, *nodes, prefill, decode):
             await stack.enter_async_context(ServiceHost(service))
         deadline = time.monotonic() + 30
-        # active last: loading two engines in this one event loop can outlast the cache-manager's lease, and
-        # a cache-manager taking its lease back starts an empty index that the nodes join again
+        # active last: the nodes join the active cache-manager's index once it serves
         while any(node.instance_id not in cm.nodes for node in nodes) or not cm.active or \
                 len(prefill.transfer_nodes.ordered()) < num_nodes:
             assert time.monotonic() < deadline, "the transfer nodes never joined an active cache-manager"
@@ -102,9 +103,12 @@ def count_streamed(cluster: Cluster) -> list[int]:
     return counts
 
 
-def expected_tokens(model_dir: Path) -> list[int]:
-    """What the engine alone generates for PROMPT (its exactness against transformers is tests/engine's)."""
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32")).generate([PROMPT], GREEDY)[0]
+@pytest.fixture(scope="session")
+def expected(tiny_model_dir: Path) -> list[int]:
+    """What the engine alone generates for PROMPT (its exactness against transformers is tests/engine's).
+    Computed before any cluster starts: an engine loaded and run in a cluster's event loop stalled it past
+    the cache-manager's lease beside a busy loop, and the index it started again missed the blocks put."""
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32")).generate([PROMPT], GREEDY)[0]
 
 
 async def until(condition, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]

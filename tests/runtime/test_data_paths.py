@@ -10,7 +10,7 @@ import pytest
 
 from halfmoon.runtime.data_plane import DataPlaneConfig
 from halfmoon.transfer.failover import PathFailover
-from tests.runtime.conftest import expected_tokens, running, serve
+from tests.runtime.conftest import running, serve
 
 
 @pytest.fixture
@@ -37,12 +37,12 @@ class TestConfiguredPaths:
 class TestMooncakeHandOff:
     @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole-block"])
     async def test_kv_moves_through_the_mooncake_engine_not_the_sockets(self, nats_server, nc, namespace: str,  # type: ignore[no-untyped-def]
-                                                                      tiny_model_dir: Path, layerwise: bool) -> None:
+                                                                      tiny_model_dir: Path, layerwise: bool, expected: list[int]) -> None:
         async with running(nats_server, namespace, tiny_model_dir, layerwise, node_paths="mooncake,tcp",
                            worker_paths="mooncake,tcp") as cluster:
             server = cluster.node.server
             assert server is not None and server.offers.mooncake is not None  # offered in HELLO
-            assert await serve(nc, namespace, cluster, "r-mooncake") == expected_tokens(tiny_model_dir)
+            assert await serve(nc, namespace, cluster, "r-mooncake") == expected
             for worker in (cluster.prefill, cluster.decode):
                 node = await worker.transfer.transport(cluster.node.address)
                 assert isinstance(node, PathFailover) and [p.kind for p in node.paths] == ["mooncake", "tcp"]
@@ -51,11 +51,11 @@ class TestMooncakeHandOff:
             assert server.payload_bytes_in == server.payload_bytes_out == 0
 
     async def test_a_node_without_the_offer_is_reached_over_tcp(self, nats_server, nc, namespace: str,  # type: ignore[no-untyped-def]
-                                                               tiny_model_dir: Path) -> None:
+                                                               tiny_model_dir: Path, expected: list[int]) -> None:
         # workers that may use Mooncake, a node without it
         async with running(nats_server, namespace, tiny_model_dir, layerwise=False, node_paths="tcp",
                            worker_paths="mooncake,tcp") as cluster:
-            assert await serve(nc, namespace, cluster, "r-tcp") == expected_tokens(tiny_model_dir)
+            assert await serve(nc, namespace, cluster, "r-tcp") == expected
             node = await cluster.decode.transfer.transport(cluster.node.address)
             assert not isinstance(node, PathFailover)  # its HELLO offered nothing: TCP alone
             assert cluster.node.server is not None and cluster.node.server.payload_bytes_in > 0

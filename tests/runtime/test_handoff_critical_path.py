@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from halfmoon.core.keys import handoff_key
-from tests.runtime.conftest import PROMPT, Cluster, expected_tokens, serve, until
+from tests.runtime.conftest import PROMPT, Cluster, serve, until
 
 HOLD_S = 20.0  # a held step gives up after this and goes on, so a wrong order fails instead of hanging
 
@@ -46,14 +45,14 @@ def note(owner: Any, attr: str, events: list[str], name: str, done: asyncio.Even
 
 
 async def held_until_decode_received(  # type: ignore[no-untyped-def]
-        cluster: Cluster, nc, namespace: str, model_dir: Path, rid: str, owner: Any, attr: str, name: str) -> None:
+        cluster: Cluster, nc, namespace: str, expected: list[int], rid: str, owner: Any, attr: str, name: str) -> None:
     """Serve one request with prefill's ``owner.attr`` held until decode's ``receive`` returned: the
     output is the engine's and decode received first (it did not need that step)."""
     events: list[str] = []
     received = asyncio.Event()
     note(cluster.decode.handoff, "receive", events, "decode received the KV", received)
     hold(owner, attr, received, events, name)
-    assert await serve(nc, namespace, cluster, rid) == expected_tokens(model_dir)
+    assert await serve(nc, namespace, cluster, rid) == expected
     assert events == ["decode received the KV", name]
 
 
@@ -64,8 +63,8 @@ def full_keys(cluster: Cluster) -> list[bytes]:
 
 class TestCommitFollowsTheHandOff:
     async def test_decode_holds_the_kv_before_prefill_commits_it(  # type: ignore[no-untyped-def]
-            self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
-        await held_until_decode_received(cluster, nc, namespace, tiny_model_dir, "r-commit",
+            self, cluster: Cluster, nc, namespace: str, expected: list[int]) -> None:
+        await held_until_decode_received(cluster, nc, namespace, expected, "r-commit",
                                          cluster.prefill.handoff, "commit", "prefill commits")
         keys = full_keys(cluster)
         assert len(keys) == 2
@@ -75,13 +74,13 @@ class TestCommitFollowsTheHandOff:
 
 class TestOneOffBlockDroppedOffThePath:
     async def test_decode_generates_before_it_drops_the_one_off_block(  # type: ignore[no-untyped-def]
-            self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
+            self, cluster: Cluster, nc, namespace: str, expected: list[int]) -> None:
         events: list[str] = []
         streaming = asyncio.Event()
         note(cluster.decode, "publish_event", events, "decode streams a token", streaming)
         hold(cluster.decode.pool, "remove", streaming, events, "decode drops the one-off block")
         tokens = await serve(nc, namespace, cluster, "r-drop")
-        assert tokens == expected_tokens(tiny_model_dir)
+        assert tokens == expected
         assert events == ["decode streams a token", "decode drops the one-off block"]
         one_off = handoff_key("r-drop", len(PROMPT) // cluster.prefill.config.block_size)
         store = cluster.node.store
@@ -94,6 +93,6 @@ class TestOneOffBlockDroppedOffThePath:
 
 class TestCacheEventsFollowTheHandOff:
     async def test_decode_has_the_request_before_prefill_publishes_cache_events(  # type: ignore[no-untyped-def]
-            self, cluster: Cluster, nc, namespace: str, tiny_model_dir: Path) -> None:
-        await held_until_decode_received(cluster, nc, namespace, tiny_model_dir, "r-events",
+            self, cluster: Cluster, nc, namespace: str, expected: list[int]) -> None:
+        await held_until_decode_received(cluster, nc, namespace, expected, "r-events",
                                          cluster.prefill.prefix, "publish_cache_events", "prefill publishes its cache events")

@@ -11,7 +11,7 @@ from typing import Any
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.protocol.work import KVProgress
 from halfmoon.transfer.transport import TransferError
-from tests.runtime.conftest import Cluster, count_streamed, expected_tokens, running, serve
+from tests.runtime.conftest import Cluster, count_streamed, running, serve
 
 
 class _Gate(LayerHook):
@@ -33,7 +33,7 @@ class _Gate(LayerHook):
 
 class TestLayerwiseHandOff:
     async def test_decode_has_layer_zero_before_prefill_computes_its_last(self, cluster: Cluster, nc,  # type: ignore[no-untyped-def]
-                                                                          namespace: str, tiny_model_dir: Path) -> None:
+                                                                          namespace: str, expected: list[int]) -> None:
         layerwise = cluster.prefill.config.layerwise_handoff
         events: list[str] = []
         released = threading.Event()
@@ -54,7 +54,7 @@ class TestLayerwiseHandOff:
         await cluster.prefill.engine.call(lambda e: setattr(e.runner, "layer_hook", _Gate(
             e.layer_export, last, released, wait_s, events)))
         tokens = await serve(nc, namespace, cluster, "r-layers")
-        assert tokens == expected_tokens(tiny_model_dir)
+        assert tokens == expected
         assert streamed_counts == [3]  # every block arrived before the hand-off: none read again
         if layerwise:
             # layers between the first and the last may land before or after the gate opens
@@ -84,7 +84,7 @@ class _FailsAfterFirstLayer:
 
 class TestBlockLeftOutMidStream:
     async def test_decode_reads_whole_the_blocks_prefill_stopped_streaming(  # type: ignore[no-untyped-def]
-            self, nats_server, namespace: str, tiny_model_dir: Path, nc) -> None:
+            self, nats_server, namespace: str, tiny_model_dir: Path, nc, expected: list[int]) -> None:
         async with running(nats_server, namespace, tiny_model_dir, layerwise=True, num_nodes=2) as cluster:
             client, failing = cluster.prefill.transfer, cluster.nodes[1].address
             proxy = _FailsAfterFirstLayer(await client.transport(failing))
@@ -99,4 +99,4 @@ class TestBlockLeftOutMidStream:
             assert proxy.failed, "no block was placed on the second node"
             # the second node's blocks carry layer 0 only: decode read them whole once prefill wrote them so
             assert len(streamed_counts) == 1 and 0 < streamed_counts[0] < 3
-            assert tokens == expected_tokens(tiny_model_dir)
+            assert tokens == expected

@@ -9,7 +9,7 @@ from typing import Any
 
 from halfmoon.runtime.pool_client import Fetched
 from halfmoon.telemetry.metrics import METRICS
-from tests.runtime.conftest import Cluster, expected_tokens, running, serve
+from tests.runtime.conftest import Cluster, running, serve
 
 
 def capture_fetches(cluster: Cluster) -> list[Fetched]:
@@ -26,10 +26,9 @@ def capture_fetches(cluster: Cluster) -> list[Fetched]:
 
 class TestPrefixFromThePool:
     async def test_a_pooled_prefix_loads_layer_by_layer_and_the_output_is_unchanged(  # type: ignore[no-untyped-def]
-            self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:
+            self, nats_server, nc, namespace: str, tiny_model_dir: Path, expected: list[int]) -> None:
         # no local prefix cache: the second request's prefix can only come from the pool
         async with running(nats_server, namespace, tiny_model_dir, True, local_prefix_cache=False) as cluster:
-            expected = expected_tokens(tiny_model_dir)
             assert await serve(nc, namespace, cluster, "r-first") == expected  # its blocks go to the pool
             fetched = capture_fetches(cluster)
             assert await serve(nc, namespace, cluster, "r-again") == expected
@@ -38,9 +37,8 @@ class TestPrefixFromThePool:
             assert await again.layers.wait()  # every layer arrived and passed its MAC
 
     async def test_a_corrupt_layer_in_the_pool_is_recomputed_not_used(  # type: ignore[no-untyped-def]
-            self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:
+            self, nats_server, nc, namespace: str, tiny_model_dir: Path, expected: list[int]) -> None:
         async with running(nats_server, namespace, tiny_model_dir, True, local_prefix_cache=False) as cluster:
-            expected = expected_tokens(tiny_model_dir)
             assert await serve(nc, namespace, cluster, "r-first") == expected
             dram = cluster.node.store.dram  # type: ignore[union-attr]
             for key, extent in dram.inventory():  # flip the last byte of every block: its last layer
@@ -58,12 +56,11 @@ class TestPrefixFromThePool:
             assert len(third.locations) == 2 and third.layers is not None and await third.layers.wait()
 
     async def test_a_whole_read_goes_where_the_lookup_said_without_asking_the_node(  # type: ignore[no-untyped-def]
-            self, nats_server, nc, namespace: str, tiny_model_dir: Path) -> None:
+            self, nats_server, nc, namespace: str, tiny_model_dir: Path, expected: list[int]) -> None:
         from halfmoon.transfer.framing import Op
 
         async with running(nats_server, namespace, tiny_model_dir, True, local_prefix_cache=False,
                            layerwise_prefix=False) as cluster:
-            expected = expected_tokens(tiny_model_dir)
             assert await serve(nc, namespace, cluster, "r-first") == expected
             server = cluster.node.server
             assert server is not None
