@@ -51,7 +51,7 @@ async def cluster(nats_server: Any, namespace: str, tiny_model_dir: Path) -> Asy
                                   cluster_secret=SECRET)
     worker = dict(common, model_dir=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 << 20,
                   prefill_chunk_size=CHUNK)
-    cm = CacheManagerService(CacheManagerConfig(**common))
+    cm = CacheManagerService(CacheManagerConfig(**common, leadership_ttl_s=30.0))  # as conftest.running: one event loop
     node = TransferService(TransferConfig(**common, dram_bytes=16 << 20))
     head, tail, mid = (PrefillService(WorkerConfig(**worker)) for _ in range(3))
     decode = DecodeService(WorkerConfig(**worker))
