@@ -197,7 +197,6 @@ class TestSloAwareDecode:
         verdict = PredictiveEarlyRejection(decode).admit([burst], 100, now=0.0, prefill_done_at=1.0, decode_tokens=32)
         assert verdict.clears_in_s == pytest.approx((0.05 + 6.0 / 32 - 0.2) * 32)
 
-
     def test_a_request_kept_out_by_the_pace_of_prompts_lately_waits_for_it_to_pass(self):
         """As measured beside a busy loop: steps lately 0.189 s at batch 7.8, 0.085 s of it a wave's prompts,
         and a 512-token prompt's 1.28 s over 64 tokens put the decoding sequences at 0.209 s; the same load
@@ -217,6 +216,7 @@ class TestSloAwareDecode:
         # nothing of the level came from prompts: as before, no wait
         assert decode.clears_in([after_wave._replace(prompt_excess_s=0.0)], 512, decode_tokens=64,
                                 prompt_s=1.28) is None
+
 
 class TestAdmission:
     def test_early_rejection_rejects_before_prefill_on_current_overload(self, cost):

@@ -209,9 +209,9 @@ class SloAwareDecode:
         passing, each about a second of work a second: where the instance's steps, and its steps with this
         request's prompt (``prompt_s``) in them, are within the SLO once those two are gone. None where no
         instance is kept out by them alone: waiting would not let this request in. The pace passes as the
-        steps that carried it leave the window: turned away on it instead, beside a busy loop, a wave's
-        prompts kept the next 20 requests of a steady load out at a predicted 0.209 s, requests the same
-        load served at 125-180 ms without admission."""
+        steps that carried it leave the window: turned away on it instead, beside a busy loop, 22 requests of
+        a steady load were kept out at a predicted 0.209 s after a wave's prompts, requests the same load
+        served at 125-180 ms without admission."""
         limit = self.headroom * self.slo.tbt_s
         peers = self._peer_corrections(instances)
         drains = []

@@ -27,8 +27,8 @@ class ScheduleDecision(NamedTuple):
     the pipeline's predicted times and its first stage. ``prefill.ttft_s`` is calibrated to the TTFTs
     delivered lately (policy/calibration.py); ``model_ttft_s`` is the cost model's own prediction.
     ``clears_in_s``: a decode rejection's wait until the prompt work queued ahead, and the pace of prompts
-    lately, let the request in
-    (None: waiting would not; a TTFT rejection's wait counts against its SLO as fast as the queue drains)."""
+    lately, let the request in (None: waiting would not; a TTFT rejection's wait counts against its SLO as
+    fast as the queue drains)."""
 
     accepted: bool
     reason: str

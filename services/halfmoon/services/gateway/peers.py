@@ -42,8 +42,8 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
     takes over) until ``deadline``. A rejection because no instance of a role is live is asked again
     for up to ``instance_wait_s`` (within the deadline): a supervisor brings the instance back in
     seconds. One as ``overloaded`` that the conductor expects to clear (``clears_in_s``: the prompt work
-    queued ahead drains, the pace of prompts lately passes) within ``overload_wait_s`` is asked again until then, the request's ``waited_s``
-    telling the conductor how much of its TTFT is spent: an overload that passes within seconds (a wave of
+    queued ahead drains, the pace of prompts lately passes) within ``overload_wait_s`` is asked again until
+    then, the request's ``waited_s`` telling the conductor how much of its TTFT is spent: an overload that passes within seconds (a wave of
     prompts being computed) delays a request rather than turning it away, and a client that sends the next
     request the moment a 429 comes back does not burn through its requests. Overloads that waiting would not
     clear are answered at once: a request let in late takes what later ones would have had.
