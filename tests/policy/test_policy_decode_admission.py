@@ -1,6 +1,13 @@
 import pytest
 
-from halfmoon.policy.admission import EarlyRejection, NoAdmission, PredictiveEarlyRejection, make_admission
+from halfmoon.policy.admission import (
+    OVERLOAD_POLL_S,
+    EarlyRejection,
+    NoAdmission,
+    PredictiveEarlyRejection,
+    make_admission,
+    overload_pause,
+)
 from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import LocalCacheAwarePrefill
@@ -245,6 +252,16 @@ class TestAdmission:
         assert verdict.decode is not None and verdict.decode.instance_id == "a"
         assert verdict.decode.predicted_tbt_s == pytest.approx(decode.predicted_tbt(pool[0], 1_000, at=20.0))
         assert verdict.decode.predicted_tbt_s > SLO_50MS.tbt_s
+
+    def test_an_overload_expected_to_clear_within_the_wait_is_asked_again_at_most_a_second_apart(self):
+        assert overload_pause(None, 0.0, 30.0) is None  # waiting would not let it in
+        assert overload_pause(0.02, 0.0, 30.0) == pytest.approx(OVERLOAD_POLL_S[0])
+        assert overload_pause(0.4, 0.0, 30.0) == pytest.approx(0.4)
+        assert overload_pause(12.0, 0.0, 30.0) == pytest.approx(OVERLOAD_POLL_S[1])
+        assert overload_pause(12.0, 17.0, 30.0) == pytest.approx(OVERLOAD_POLL_S[1])
+        assert overload_pause(12.0, 18.5, 30.0) is None  # it would clear past the limit
+        assert overload_pause(0.02, 29.95, 30.0) is None  # the next ask would be past it
+        assert overload_pause(0.4, 0.0, 0.0) is None  # no wait: answered at once
 
     def test_factory(self, cost):
         decode = SloAwareDecode(cost.decode)

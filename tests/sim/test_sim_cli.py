@@ -38,6 +38,20 @@ class TestSimCommand:
         assert (config.prefill_nodes, config.decode_nodes, config.coupled_router) == (4, 0, "local-cache-aware")
         assert config.pool_blocks == 4 * (3_000_000 // 512)
 
+    def test_the_overload_wait_is_the_gateway_s_unless_set(self):
+        from halfmoon.policy.admission import OVERLOAD_WAIT_S
+
+        assert sim_cli.build_config(parse([]), 3_000_000).overload_wait_s == OVERLOAD_WAIT_S
+        assert sim_cli.build_config(parse(["--overload-wait", "0"]), 3_000_000).overload_wait_s == 0.0
+
+    def test_aggregated_nodes_under_admission_report_the_requests_that_waited(self, tmp_path):
+        out = tmp_path / "summary.json"
+        args = parse(["--trace", str(TRACE), "--limit", "1500", "--mode", "coupled", "--coupled-variant", "chunked",
+                      "--nodes", "4", "--admission", "predictive", "--json", str(out)])
+        assert args.func(args) == 0
+        summary = json.loads(out.read_text())
+        assert summary["waited"] > 0 and summary["config"]["overload_wait_s"] == 30.0
+
     def test_bad_trace_is_a_clean_error(self, tmp_path, capsys):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"timestamp": 0}\n')

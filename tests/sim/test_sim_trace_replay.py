@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from halfmoon.policy.state import SLO
 from halfmoon.sim.config import SimConfig
 from halfmoon.sim.metrics import OK, REJECTED_EARLY, REJECTED_LATE
 from halfmoon.sim.run import max_sustainable_scale, simulate
@@ -77,6 +78,26 @@ class TestOverload:
         assert early.wasted_prefill_s < none.wasted_prefill_s
         assert predictive.wasted_prefill_s < none.wasted_prefill_s
         assert (early.outcomes.status == REJECTED_LATE).sum() < (none.outcomes.status == REJECTED_LATE).sum()
+
+    def test_aggregated_nodes_under_admission_wait_out_an_overload_as_the_gateway_does(self, conversation, profile):
+        """The live default layout: aggregated instances only, the Conductor admitting. A request the
+        conductor expects to let in soon asks again (the gateway's rule), its wait part of its TTFT and never
+        past the TTFT SLO; answered at once instead, more are turned away."""
+        base = SimConfig(mode="coupled", coupled_variant="chunked", prefill_nodes=6, decode_nodes=0,
+                         admission="predictive", slo=SLO(30.0, 0.1))
+        runs = {wait: simulate(dataclasses.replace(base, overload_wait_s=wait), profile, conversation[:2000])
+                for wait in (0.0, base.overload_wait_s)}
+        at_once, waiting = runs[0.0], runs[base.overload_wait_s]
+        for run in runs.values():
+            accounted(run)
+        assert at_once.summary.waited == 0 and at_once.summary.rejected_early > 0
+        assert waiting.summary.waited > 0
+        assert waiting.summary.rejected_early < at_once.summary.rejected_early
+        out = waiting.outcomes
+        waited = out.waited > 0
+        assert (out.waited <= base.slo.ttft_s).all()
+        served = waited & (out.status == OK)
+        assert served.any() and (out.ttft[served] >= out.waited[served]).all()
 
     def test_sustainable_scale_search_brackets_the_target(self, conversation, profile):
         seen: list[tuple[float, float]] = []

@@ -24,7 +24,7 @@ def _pool(value: str) -> str | int | None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from halfmoon.policy.admission import ADMISSION_POLICIES
+    from halfmoon.policy.admission import ADMISSION_POLICIES, OVERLOAD_WAIT_S
     from halfmoon.policy.eviction import EVICTION_POLICIES
     from halfmoon.policy.prefill import PREFILL_POLICIES
     from halfmoon.sim.config import COUPLED_VARIANTS, MODES
@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-policy", choices=sorted(PREFILL_POLICIES), default="global-cache-aware")
     p.add_argument("--admission", choices=sorted(ADMISSION_POLICIES), default="none")
     p.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru")
+    p.add_argument("--overload-wait", type=float, default=OVERLOAD_WAIT_S, metavar="SECONDS",
+                   help="a request turned away as overloaded that the conductor expects to let in within this long "
+                        "asks again, as the gateway's does (0: rejected at once, as in the paper)")
     p.add_argument("--pool-blocks", type=_pool, default="default",
                    help="KVCache pool capacity in blocks; 'default' = the profile's DRAM per prefill node")
     p.add_argument("--block-size", type=int, default=512)
@@ -92,6 +95,7 @@ def build_config(args: argparse.Namespace, dram_tokens_per_node: int):
         cpp_stages=args.cpp, cpp_chunk_tokens=args.cpp_chunk_tokens, cpp_min_tokens=args.cpp_min_tokens,
         cpp_hop_bytes_per_token=args.cpp_hop_bytes, cpp_min_single_ttft_s=args.cpp_when_slower_than,
         aggregated_nodes=args.aggregated_nodes if args.mode == "mixed" else 0, handoff_overhead_s=args.handoff_overhead,
+        overload_wait_s=args.overload_wait,
     )
 
 
@@ -120,6 +124,7 @@ def _table(result, scale: float | None):
     table.add_column("value", justify="right")
     rows = [
         ("completed / rejected early / rejected late", f"{s.completed} / {s.rejected_early} / {s.rejected_late}"),
+        ("waited out an overload (requests)", str(s.waited)),
         ("TTFT mean / p50 / p90 / p99 (s)", f"{s.ttft_mean:.2f} / {s.ttft_p50:.2f} / {s.ttft_p90:.2f} / {s.ttft_p99:.2f}"),
         ("TBT mean / p50 / p90 / p99 (ms)", f"{s.tbt_mean*ms:.0f} / {s.tbt_p50*ms:.0f} / {s.tbt_p90*ms:.0f} / {s.tbt_p99*ms:.0f}"),
         ("cache hit rate (blocks)", f"{s.hit_rate:.1%}"),

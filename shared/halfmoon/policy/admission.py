@@ -17,6 +17,12 @@ from halfmoon.policy.decode import DecodeChoice, SloAwareDecode
 from halfmoon.policy.state import DecodeInstanceState
 
 MIN_RETRY_AFTER_S = 1.0
+# the gateway's default wait for an overload the conductor expects to clear: the default TTFT SLO, past which
+# the conductor stops expecting it to
+OVERLOAD_WAIT_S = 30.0
+# a request waiting out an overload asks again after the expected wait, within these bounds: the conductor's
+# view changes with every heartbeat and finished request, a second at most apart
+OVERLOAD_POLL_S = (0.1, 1.0)
 
 
 class AdmissionDecision(NamedTuple):
@@ -31,6 +37,19 @@ class AdmissionDecision(NamedTuple):
     retry_after_s: float
     decode: DecodeChoice | None
     clears_in_s: float | None = None
+
+
+def overload_pause(clears_in_s: float | None, waited_s: float, wait_limit_s: float) -> float | None:
+    """Seconds until a request turned away as overloaded asks again, or None: answer it with a 429 now.
+
+    ``clears_in_s`` is the conductor's expected wait (``AdmissionDecision``; None: waiting would not help),
+    ``waited_s`` how long the request has waited so far, ``wait_limit_s`` the most it may wait in all (the
+    gateway's ``overload_wait_s``, cut to its deadline). It asks again while the overload is expected to clear
+    within that limit. The gateway and the simulator both wait by this rule."""
+    if clears_in_s is None:
+        return None
+    pause = min(max(clears_in_s, OVERLOAD_POLL_S[0]), OVERLOAD_POLL_S[1])
+    return pause if waited_s + max(clears_in_s, pause) < wait_limit_s else None
 
 
 def retry_after(instances: Sequence[DecodeInstanceState], after: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from halfmoon.policy.admission import ADMISSION_POLICIES
+from halfmoon.policy.admission import ADMISSION_POLICIES, OVERLOAD_WAIT_S
 from halfmoon.policy.cpp import CppSettings
 from halfmoon.policy.eviction import EVICTION_POLICIES
 from halfmoon.policy.prefill import PREFILL_POLICIES
@@ -31,7 +31,9 @@ class SimConfig:
     replays the trace faster. ``coupled_router`` is the prefill policy coupled nodes are chosen by.
     ``cpp_stages`` >= 2 lets the Conductor prefill prompts of at least ``cpp_min_tokens`` on a
     pipeline of that many prefill nodes (chunked pipeline parallelism; disaggregated mode only);
-    0 turns it off.
+    0 turns it off. ``overload_wait_s``: a request turned away as overloaded that the conductor expects to let
+    in within this long asks again, as the gateway's does (``overload_pause``); 0 answers it at once, as the
+    paper's system does.
     """
 
     mode: str = "disaggregated"
@@ -58,6 +60,7 @@ class SimConfig:
     cpp_min_single_ttft_s: float = 0.0
     aggregated_nodes: int = 0
     handoff_overhead_s: float = 0.02
+    overload_wait_s: float = OVERLOAD_WAIT_S
 
     def __post_init__(self) -> None:
         checks = [
@@ -67,6 +70,7 @@ class SimConfig:
             ((self.aggregated_nodes >= 1) == (self.mode == "mixed"), "aggregated_nodes must be >= 1 in mixed mode "
              "and 0 otherwise"),
             (self.handoff_overhead_s >= 0, "handoff_overhead_s must be >= 0"),
+            (self.overload_wait_s >= 0, "overload_wait_s must be >= 0"),
             (self.prefill_policy in PREFILL_POLICIES, f"unknown prefill policy {self.prefill_policy!r}"),
             (self.coupled_router in PREFILL_POLICIES, f"unknown coupled router {self.coupled_router!r}"),
             (self.admission in ADMISSION_POLICIES, f"unknown admission policy {self.admission!r}"),

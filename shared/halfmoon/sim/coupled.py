@@ -4,6 +4,9 @@ Variants: ``plain`` (a waiting prompt batch runs as one prefill iteration that s
 decodes, as vLLM does without chunking), ``prefix`` (the same plus a prefix cache in the
 node's HBM KV pool), ``chunked`` (each iteration decodes every running request and prefills
 at most ``chunk_tokens`` of the oldest waiting prompt).
+
+With an ``admission`` policy the nodes are Halfmoon's aggregated instances with no prefill/decode pair beside
+them: the Conductor's scheduler places each request on one, which decodes it too, or turns it away.
 """
 
 from __future__ import annotations
@@ -11,16 +14,25 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from halfmoon.policy.admission import make_admission
+from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.prefill import make_prefill_policy
-from halfmoon.policy.state import BlockIndex, PrefillInstanceState, RecentSamples, RouteRequest
+from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.state import (
+    BlockIndex,
+    DecodeInstanceState,
+    PrefillInstanceState,
+    RecentSamples,
+    RouteRequest,
+)
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
-from halfmoon.sim.engine import SimBase
+from halfmoon.sim.engine import ARRIVE, SimBase
 from halfmoon.sim.profile import Profile
 from halfmoon.sim.trace import TraceRequest
 
-ARRIVE, EPOCH = 0, 1
+EPOCH = 1
 IDLE, DECODING, PREFILLING = 0, 1, 2
 
 
@@ -53,6 +65,8 @@ class CoupledSim(SimBase):
             )
         kwargs = {"seed": config.seed} if config.coupled_router == "random" else {}
         self.router = make_prefill_policy(config.coupled_router, self.cost, config.slo, **kwargs)
+        self.scheduler = None if config.admission == "none" else KVCentricScheduler(
+            self.router, make_admission(config.admission, SloAwareDecode(self.cost.decode, config.slo)), config.slo)
         self._predicted: dict[int, float] = {}
         self._empty_index: dict = {}
 
@@ -69,15 +83,32 @@ class CoupledSim(SimBase):
             for n in self.nodes
         ]
 
+    def decode_states(self) -> list[DecodeInstanceState]:
+        """Each node as a decode instance that interleaves prefill: its batch and the prompts queued on it."""
+        return [DecodeInstanceState(n.id, len(n.batch.members) + len(n.waiting) + (n.chunk is not None),
+                                    n.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
+                                    queued_prefill_s=n.pending_s)
+                for n in self.nodes]
+
     @property
     def index(self) -> BlockIndex:
         return self.cache.index if self.cache is not None else self._empty_index
 
     def _arrive(self, rid: int) -> None:
         req = self.trace[rid]
-        route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
-        choice = self.router.choose(route, self.prefill_states(), self.index)
-        self.enqueue(choice.instance_id, rid, choice.prefill_s)
+        if self.scheduler is None:
+            route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
+            choice = self.router.choose(route, self.prefill_states(), self.index)
+            self.enqueue(choice.instance_id, rid, choice.prefill_s)
+            return
+        route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size, req.output_length,
+                             waited_s=self.waited_s(rid))
+        decision = self.scheduler.schedule(route, self.prefill_states(), self.decode_states(), self.index, self.now)
+        if not decision.accepted:
+            self.turn_away(rid, decision.clears_in_s)
+            return
+        assert decision.prefill is not None, "an accepted decision carries its prefill choice"
+        self.enqueue(decision.prefill.instance_id, rid, decision.prefill.prefill_s)
 
     def enqueue(self, node_id: str, rid: int, predicted_prefill_s: float) -> None:
         """Queue request ``rid`` on node ``node_id`` to prefill (predicted to take ``predicted_prefill_s``), then decode."""

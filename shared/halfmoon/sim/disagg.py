@@ -22,11 +22,11 @@ from halfmoon.policy.state import (
 from halfmoon.sim.batch import DecodeBatch
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
-from halfmoon.sim.engine import SimBase
+from halfmoon.sim.engine import ARRIVE, SimBase
 from halfmoon.sim.profile import Profile
 from halfmoon.sim.trace import TraceRequest
 
-ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_EPOCH = 0, 1, 2, 3
+PREFILL_DONE, DECODE_JOIN, DECODE_EPOCH = 1, 2, 3
 
 
 class _PrefillNode:
@@ -102,7 +102,8 @@ class DisaggregatedSim(SimBase):
 
     def _route(self, rid: int) -> RouteRequest:
         req = self.trace[rid]
-        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size, req.output_length)
+        return RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size, req.output_length,
+                            waited_s=self.waited_s(rid))
 
     def _schedule(self, sched_req: RouteRequest) -> ScheduleDecision:
         """The Conductor's decision for a hand-off over the prefill and decode pools."""
@@ -119,7 +120,7 @@ class DisaggregatedSim(SimBase):
         sched_req = self._route(rid)
         decision = self._schedule(sched_req)
         if not decision.accepted:
-            self.reject(rid, late=False)
+            self.turn_away(rid, decision.clears_in_s)
             return
         self._hand_off(rid, sched_req, decision)
 

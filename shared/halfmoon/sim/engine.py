@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from halfmoon.policy.admission import overload_pause
 from halfmoon.sim.batch import DecodeBatch, Member
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
@@ -18,6 +19,7 @@ from halfmoon.sim.profile import Profile
 from halfmoon.sim.trace import TraceRequest
 
 Progress = Callable[[int, int], None]
+ARRIVE = 0  # every cluster shape's event kind 0: a request asks to be placed (again, after an overload)
 REPLICA_RANKS = (10, 100, 1000, 10000)
 
 
@@ -70,7 +72,7 @@ class SimBase:
         for i, req in enumerate(self.trace):
             self.out.arrival[i] = req.arrival_s / scale
             self.out.blocks[i] = len(req.hash_ids)
-            self.push(req.arrival_s / scale, 0, i)
+            self.push(req.arrival_s / scale, ARRIVE, i)
         total = len(self.trace)
         every = max(1, total // 200)
         heap = self._heap
@@ -87,6 +89,20 @@ class SimBase:
 
     def _dispatch(self, kind: int, a: int, b: int) -> None:
         raise NotImplementedError
+
+    def waited_s(self, rid: int) -> float:
+        """How long request ``rid`` has waited for a placement (it asks again after an overload)."""
+        return self.now - float(self.out.arrival[rid])
+
+    def turn_away(self, rid: int, clears_in_s: float | None) -> None:
+        """An early rejection: asked again later where the gateway would wait it out, else rejected."""
+        waited = self.waited_s(rid)
+        pause = overload_pause(clears_in_s, waited, self.cfg.overload_wait_s)
+        if pause is None:
+            self.reject(rid, late=False)
+            return
+        self.out.waited[rid] = waited + pause
+        self.push(self.now + pause, ARRIVE, rid)
 
     def reject(self, rid: int, late: bool) -> None:
         self.out.status[rid] = REJECTED_LATE if late else REJECTED_EARLY

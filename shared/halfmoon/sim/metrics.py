@@ -50,6 +50,7 @@ class Outcomes:
         self.prefill_s = np.zeros(n)
         self.hit_blocks = np.zeros(n, dtype=np.int64)
         self.blocks = np.zeros(n, dtype=np.int64)
+        self.waited = np.zeros(n)  # seconds turned away as overloaded before placed or rejected
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -79,6 +80,7 @@ class Summary(NamedTuple):
     hit_rate: float
     prefill_s_mean: float
     capacity: dict[str, float]
+    waited: int = 0  # requests that waited out an overload at least once
 
 
 def _pct(a: np.ndarray, q: float) -> float:
@@ -102,4 +104,5 @@ def summarize(out: Outcomes, ttft_slo_s: float = 30.0) -> Summary:
         hit_rate=float(out.hit_blocks[prefilled].sum() / blocks) if blocks else 0.0,
         prefill_s_mean=float(out.prefill_s[prefilled].mean()) if prefilled.any() else 0.0,
         capacity={name: out.capacity(ttft_slo_s, thr) for name, thr in THRESHOLDS_S.items()},
+        waited=int((out.waited > 0).sum()),
     )

@@ -20,7 +20,6 @@ from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.disaggregation import PerRequestDisaggregation, Serving
 from halfmoon.policy.prefill import make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
-from halfmoon.policy.state import DecodeInstanceState
 from halfmoon.sim.cache import ClusterCache
 from halfmoon.sim.config import SimConfig
 from halfmoon.sim.coupled import CoupledSim
@@ -46,19 +45,12 @@ class _AggregatedNodes(CoupledSim):
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
         self.owner.push(t, AGGREGATED_EVENTS + kind, a, b)
 
-    def decode_states(self) -> list[DecodeInstanceState]:
-        """Each node as a decode instance that interleaves prefill: its batch and the prompts queued on it."""
-        return [DecodeInstanceState(n.id, len(n.batch.members) + len(n.waiting) + (n.chunk is not None),
-                                    n.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
-                                    queued_prefill_s=n.pending_s)
-                for n in self.nodes]
-
 
 class MixedSim(DisaggregatedSim):
     def __init__(self, config: SimConfig, profile: Profile, trace: Sequence[TraceRequest]) -> None:
         super().__init__(config, profile, trace)
         nodes = dataclasses.replace(config, mode="coupled", prefill_nodes=config.aggregated_nodes, decode_nodes=0,
-                                    aggregated_nodes=0, coupled_variant="chunked", cpp_stages=0)
+                                    aggregated_nodes=0, coupled_variant="chunked", cpp_stages=0, admission="none")
         self.aggregated = _AggregatedNodes(self, nodes, profile, trace)
         self.whole_scheduler = KVCentricScheduler(
             make_prefill_policy("local-cache-aware", self.cost, config.slo),
@@ -83,7 +75,7 @@ class MixedSim(DisaggregatedSim):
         whole = self.whole_scheduler.schedule(route, nodes.prefill_states(), whole_states, nodes.index, self.now)
         policy = self.disaggregation
         chosen = policy.choose(policy.handoff(handoff, [self._decode_state(n) for n in self.decode], route),
-                               policy.whole(whole, whole_states, route))
+                               policy.whole(whole, whole_states, route), route.admitted, route.waited_s)
         if chosen.serving is Serving.HANDOFF:
             self._hand_off(rid, route, handoff)
         elif chosen.serving is Serving.WHOLE:
@@ -91,8 +83,8 @@ class MixedSim(DisaggregatedSim):
             self.whole[rid] = True
             # the node's queue counts the decoding steps the prompt's chunks ride on as well as its prefill
             nodes.enqueue(whole.prefill.instance_id, rid, chosen.whole.ttft_s - whole.prefill.queue_s)
-        else:
-            self.reject(rid, late=False)
+        else:  # the conductor's: the hand-off's own rejection where neither was admitted
+            self.turn_away(rid, None if handoff.accepted or whole.accepted else handoff.clears_in_s)
 
     def _result(self, wall: float) -> SimResult:
         return super()._result(wall)._replace(whole=self.whole)

@@ -10,6 +10,7 @@ from enum import Enum
 import msgspec
 import nats.errors
 
+from halfmoon.policy.admission import overload_pause
 from halfmoon.protocol import codecs
 from halfmoon.protocol.base import Ack, ErrorCode, ProtocolError, RemoteError
 from halfmoon.protocol.scheduling import (
@@ -29,9 +30,6 @@ from halfmoon.telemetry.metrics import METRICS
 RESUME_TIMEOUT_S = 1.0
 SCHEDULE_BACKOFF_S = 0.2
 INSTANCE_POLL_S = 0.5  # how often a request waiting for an instance of an absent role asks again
-# a request the conductor expects to let in soon asks again after that long, within these bounds: its view
-# changes with every heartbeat and finished request, a second at most apart
-OVERLOAD_POLL_S = (0.1, 1.0)
 READY_TIMEOUT_S = 2.0
 
 
@@ -74,10 +72,10 @@ async def schedule(svc: Service, request: ScheduleRequest, deadline: float, time
                     on_retry(f"{reply.reason.value}: waiting for an instance")
                     await asyncio.sleep(INSTANCE_POLL_S)
                     continue
-            clears = reply.clears_in_s
-            if reply.reason is RejectReason.OVERLOADED and clears is not None:
-                pause = min(max(clears, OVERLOAD_POLL_S[0]), OVERLOAD_POLL_S[1])
-                if time.time() + max(clears, pause) < min(deadline, started + overload_wait_s):
+            if reply.reason is RejectReason.OVERLOADED:
+                pause = overload_pause(reply.clears_in_s, time.time() - started,
+                                       min(deadline - started, overload_wait_s))
+                if pause is not None:
                     METRICS.schedule_retries.inc()
                     on_retry(f"overloaded: asking again in {pause:.1f}s")
                     await asyncio.sleep(pause)

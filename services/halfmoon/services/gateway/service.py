@@ -14,6 +14,7 @@ import uvicorn
 from opentelemetry.trace import TracerProvider
 
 from halfmoon.core.tenants import KeyRing, TenantSalts, is_loopback
+from halfmoon.policy.admission import OVERLOAD_WAIT_S
 from halfmoon.protocol.permissions import gateway_of_user, gateway_user
 from halfmoon.protocol.registry import Load, Role
 from halfmoon.runtime import Service, ServiceConfig
@@ -50,7 +51,7 @@ class GatewayConfig(ServiceConfig):
     instance_wait_s: float = field(default=30.0, metadata={
         "help": "a request finding no live instance of a role waits this long for one (a supervised restart) "
                 "before its 429, within ttft_timeout_s (0: at once)"})
-    overload_wait_s: float = field(default=30.0, metadata={
+    overload_wait_s: float = field(default=OVERLOAD_WAIT_S, metadata={
         "help": "a request the conductor turns away as overloaded, expecting the prompt work queued ahead to "
                 "drain within this long, asks again until then (at most a second apart) before its 429; the "
                 "conductor counts the wait against the TTFT SLO and stops expecting it to clear once the SLO "
