@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 from collections import Counter
 from dataclasses import dataclass
@@ -142,6 +143,16 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
+def spread(values: list[float]) -> float | None:
+    """The p50 of ``|v - median| / v``: the relative error of predicting the run's median for every request,
+    the error a prediction made request by request has to beat to tell them apart (None: no values)."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return None
+    middle = statistics.median(positive)
+    return statistics.median(abs(v - middle) / v for v in positive)
+
+
 def summarise(records: list[dict[str, Any]], slo: RequestSLO) -> dict[str, Any]:
     """The profiling phase's figures (warm-up records are left out), requests in the order aiperf issued them."""
     measured = sorted((r for r in records if r.get("metadata", {}).get("benchmark_phase") == "profiling"),
@@ -154,6 +165,8 @@ def summarise(records: list[dict[str, Any]], slo: RequestSLO) -> dict[str, Any]:
     prompt = sum(_value(r, "usage_prompt_tokens") or 0 for r in ok)
     cached = sum(_value(r, "usage_prompt_cache_read_tokens") or 0 for r in ok)
     outcomes = [outcome(r, slo) for r in measured]
+    ttfts = [v for r in ok if (v := _value(r, "time_to_first_token")) is not None]
+    itls = [v for r in ok if (v := _value(r, "inter_token_latency")) is not None]
     return {
         "tool": "aiperf",
         "requests": len(measured),
@@ -163,8 +176,10 @@ def summarise(records: list[dict[str, Any]], slo: RequestSLO) -> dict[str, Any]:
         "duration_s": duration_s,
         "output_throughput": out_tokens / duration_s if duration_s else 0.0,
         "request_throughput": len(ok) / duration_s if duration_s else 0.0,
-        "ttft_ms": percentiles([v for r in ok if (v := _value(r, "time_to_first_token")) is not None]),
-        "itl_ms": percentiles([v for r in ok if (v := _value(r, "inter_token_latency")) is not None]),
+        "ttft_ms": percentiles(ttfts),
+        "itl_ms": percentiles(itls),
+        "ttft_spread": spread(ttfts),
+        "itl_spread": spread(itls),
         "goodput": {"met": outcomes.count("met"), "share": outcomes.count("met") / len(measured) if measured else 0.0},
         "cached_prompt_share": cached / prompt if prompt else 0.0,
         "outcomes": outcomes,

@@ -119,6 +119,11 @@ FIGURES = (
     ("TBT prediction |error| p90", "fixed", ("tbt_prediction_error", "p90"), False),
     ("TBT prediction |error| p50", "trace", ("tbt_prediction_error", "p50"), False),
     ("TBT prediction |error| p90", "trace", ("tbt_prediction_error", "p90"), False),
+    # what a prediction has to beat: the |error| of the run's median TTFT (ITL) said for every request
+    ("TTFT spread about its median, p50", "fixed", ("ttft_spread",), False),
+    ("ITL spread about its median, p50", "fixed", ("itl_spread",), False),
+    ("TTFT spread about its median, p50", "trace", ("ttft_spread",), False),
+    ("ITL spread about its median, p50", "trace", ("itl_spread",), False),
 )
 
 
@@ -227,7 +232,7 @@ def ratio_rows(results: dict[str, dict[str, Any]], names: list[str], baseline: s
     rows = []
     for label, load, path, _higher in FIGURES:
         values = {name: figure(results.get(name, {}).get(load, {}), path) for name in names}
-        percent = path in (("goodput", "share"), ("cached_prompt_share",)) or path[0].endswith("prediction_error")
+        percent = path in (("goodput", "share"), ("cached_prompt_share",)) or path[0].endswith(("prediction_error", "_spread"))
         show = (lambda v: "-" if v is None else f"{100 * v:.0f}%") if percent else (
             lambda v: "-" if v is None else f"{v:,.1f}")
         base = values.get(baseline)

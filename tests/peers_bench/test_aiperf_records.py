@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.aiperf_driver import AiperfLoad, RequestSLO, command, offline_tokenizer, summarise, trace_slice
+from benchmarks.aiperf_driver import (
+    AiperfLoad,
+    RequestSLO,
+    command,
+    offline_tokenizer,
+    spread,
+    summarise,
+    trace_slice,
+)
 from benchmarks.peers import pairing_rows, round_rows
 
 
@@ -34,6 +42,15 @@ class TestSummarise:
         assert summary["goodput"] == {"met": 1, "share": 0.25}
         assert summary["cached_prompt_share"] == 32 / 192
         assert summary["ttft_ms"]["p50"] == 100.0 and summary["ttft_ms"]["p99"] == 3000
+
+    def test_the_spread_is_what_saying_the_median_for_every_request_would_miss_by(self):
+        ttfts = (1000.0, 1000.0, 2000.0, 4000.0, 500.0)
+        records = [record(i, i, i + 1, ttft_ms=t, itl_ms=80.0) for i, t in enumerate(ttfts)]
+        summary = summarise(records, RequestSLO(ttft_ms=2000, itl_ms=100))
+        # median 1000 ms: |error| 0, 0, 0.5, 0.75 and 1.0 of each request's own TTFT
+        assert summary["ttft_spread"] == 0.5
+        assert summary["itl_spread"] == 0.0  # one ITL for all: the median predicts every request
+        assert spread([]) is None
 
 
 class TestTraceSlice:
