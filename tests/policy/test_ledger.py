@@ -134,6 +134,17 @@ class TestSameInstanceBothStages:
         assert ledger.done("a", "x", Cleared.COMPLETED, now=2.0) == 1
         assert len(ledger) == 0
 
+    def test_decoders_are_the_decode_stages_with_a_gap_between_tokens(self):
+        ledger = WorkLedger()
+        ledger.place("long", [Stage("x", 0, 100.0, 1.0, 100), Stage("x", 1, 150.0, 0.0, 100, 32)], now=0.0)
+        ledger.place("one", [Stage("x", 0, 100.0, 1.0, 100), Stage("x", 1, 150.0, 0.0, 100, 1)], now=0.0)
+        held = ledger.outstanding("x")
+        assert (held.decoders, held.decode_tokens, held.mean_decode_tokens) == (1, 32, 32.0)
+        ledger.end("long", now=1.0)
+        assert ledger.outstanding("x").decoders == 0 and ledger.outstanding("x").mean_decode_tokens == 0.0
+        ledger.end("one", now=1.0)
+        assert ledger.outstanding("x") == Outstanding()
+
     def test_a_failure_there_ends_both_parts(self):
         ledger = WorkLedger()
         ledger.place("a", placement("x", "x"), now=0.0)

@@ -10,6 +10,7 @@ from halfmoon.policy.admission import (
 )
 from halfmoon.policy.cost import DecodeCostModel
 from halfmoon.policy.decode import SloAwareDecode
+from halfmoon.policy.ledger import Stage, WorkLedger
 from halfmoon.policy.prefill import LocalCacheAwarePrefill
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import (
@@ -223,6 +224,28 @@ class TestSloAwareDecode:
         # nothing of the level came from prompts: as before, no wait
         assert decode.clears_in([after_wave._replace(prompt_excess_s=0.0)], 512, decode_tokens=64,
                                 prompt_s=1.28) is None
+
+    def test_a_request_for_one_token_gives_prompt_work_no_gap_to_lengthen(self):
+        """As measured beside a busy loop: as a trace's burst ended, the only decoder the ledger still named
+        was a request for one token, the queued prompts were spread over that one token (0.7-3.0 s between
+        tokens), and 16 requests waiting for the burst to pass were turned away."""
+        decode = SloAwareDecode(DecodeCostModel((0.05, 0.0, 0.0)), SLO(ttft_s=30.0, tbt_s=0.2))
+        ledger = WorkLedger()
+        ledger.place("one-token", [Stage("a0", 0, 100.0, 0.6, 275), Stage("a0", 1, 150.0, 0.0, 275, 1)], now=0.0)
+        assert ledger.outstanding("a0").mean_decode_tokens == 0.0  # no decoder with a gap: none named
+        window = MeasuredStep(batch=19.1, context_tokens=0.0, seconds=0.201)
+        after_burst = DecodeInstanceState("a0", 1, 0, 10**6, interleaves_prefill=True, measured=window,
+                                          queued_prefill_s=0.6, prompt_excess_s=0.089,
+                                          decoders_tokens=ledger.outstanding("a0").mean_decode_tokens)
+        # a request for 32 tokens: the prompt work spread over its own 32, not over one; it waits, not a 429
+        assert decode.decoders_tbt(after_burst, 212, 32, 0.3) == pytest.approx(0.201 + 0.9 / 32)
+        wait = decode.clears_in([after_burst], 212, decode_tokens=32, prompt_s=0.3)
+        assert wait is not None and wait == pytest.approx((0.201 + 0.9 / 32 - 0.2) * 32)
+        # a request for one token beside nothing else that decodes: its step alone decides
+        assert decode.decoders_tbt(after_burst, 212, 1, 0.3) == pytest.approx(decode.predicted_tbt(after_burst, 212))
+        assert decode.choose([after_burst._replace(measured=window._replace(seconds=0.15))], 212, decode_tokens=1,
+                             prompt_s=3.0) is not None
+        assert decode.clears_in([after_burst], 212, decode_tokens=1, prompt_s=0.3) is None
 
 
 class TestAdmission:

@@ -177,7 +177,7 @@ class SloAwareDecode:
         decoding there have seen that pace so far and will see the queue next. Taken apart there, the slower of
         the two, requests admitted into the trace's bursts got 300 ms between tokens where the sum kept them
         at 156 ms."""
-        if not inst.interleaves_prefill or decode_tokens <= 0:
+        if not inst.interleaves_prefill or decode_tokens <= 0 or self._spread(inst, decode_tokens) <= 1:
             return tbt
         return max(tbt, self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens,
                                            self._own_prompt_s(inst, prompt_s)))
@@ -199,7 +199,10 @@ class SloAwareDecode:
         """The tokens the sequences decoding on ``inst`` spread prompt work over: theirs where known, else
         as many as this request's. Taken from the request alone, a 3,300-token prompt asking for 8 tokens was
         turned away beside six sequences of 300 tokens, whose gaps its 5 s of prefill would have raised by
-        17 ms."""
+        17 ms. A spread of one token (a request for one token, nothing else known) has no gap for prompt work
+        to lengthen: prompt work is not spread over it. Spread over a lone one-token request, the prompts
+        queued as a trace's burst ended, beside a busy loop, were predicted at 0.7-3.0 s between tokens, and
+        16 requests that had waited for the burst to pass were turned away as it passed."""
         return inst.decoders_tokens if inst.decoders_tokens > 0 else float(decode_tokens)
 
     def clears_in(self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
@@ -216,9 +219,10 @@ class SloAwareDecode:
         peers = self._peer_corrections(instances)
         drains = []
         for inst in instances:
-            if not (self.fits(inst, context_tokens, at) and inst.interleaves_prefill and decode_tokens > 0):
-                continue
             spread = self._spread(inst, decode_tokens)
+            if not (self.fits(inst, context_tokens, at) and inst.interleaves_prefill and decode_tokens > 0
+                    and spread > 1):
+                continue
             with_queue = self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens, prompt_s)
             passing = inst.prompt_excess_s
             own_alone = with_queue - inst.queued_prefill_s / spread - passing

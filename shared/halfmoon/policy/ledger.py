@@ -51,7 +51,8 @@ class Stage(NamedTuple):
 class Outstanding:
     """What the ledger holds for one instance: ``count`` entries, of ``requests`` requests (an instance
     serving both stages of a request holds two entries of it until its prefill is done); ``decoders`` of
-    them decode stages that name their ``max_tokens``, ``decode_tokens`` in all."""
+    them decode stages whose ``max_tokens`` leaves a gap between tokens (2 or more), ``decode_tokens`` theirs
+    in all. A request for one token has no gap that prompt work could lengthen."""
 
     count: int = 0
     work_s: float = 0.0
@@ -176,6 +177,7 @@ class WorkLedger:
     def _count(self, stage: Stage, sign: int, request_too: bool) -> None:
         """``request_too``: the entry is its request's only one on the instance."""
         held = self._totals.get(stage.instance_id, Outstanding())
+        gaps = stage.decode_tokens > 1
         count = held.count + sign
         if count == 0:  # exactly nothing: no rounding residue of the work sums
             self._totals.pop(stage.instance_id, None)
@@ -183,8 +185,8 @@ class WorkLedger:
         self._totals[stage.instance_id] = Outstanding(count, held.work_s + sign * stage.work_s,
                                                       held.tokens + sign * stage.tokens,
                                                       held.requests + (sign if request_too else 0),
-                                                      held.decode_tokens + sign * stage.decode_tokens,
-                                                      held.decoders + sign * (stage.decode_tokens > 0))
+                                                      held.decode_tokens + sign * stage.decode_tokens * gaps,
+                                                      held.decoders + sign * gaps)
 
     def _advance(self, request_id: Hashable, now: float) -> None:
         """Mark the first outstanding stage of a request due (from ``now`` if it was not yet)."""
