@@ -12,23 +12,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["sim", *argv])
 
 
+def summary_of(tmp_path, argv: list[str]) -> dict:
+    """``halfmoon sim`` on the conversation trace with ``argv``: its JSON summary."""
+    out = tmp_path / "summary.json"
+    args = parse(["--trace", str(TRACE), *argv, "--json", str(out)])
+    assert args.func(args) == 0
+    return json.loads(out.read_text())
+
+
 class TestSimCommand:
     def test_runs_and_writes_summary(self, tmp_path):
-        out = tmp_path / "summary.json"
-        args = parse(["--trace", str(TRACE), "--limit", "300", "--prefill-nodes", "2", "--decode-nodes", "2",
-                      "--pool-blocks", "unbounded", "--json", str(out)])
-        assert args.func(args) == 0
-        summary = json.loads(out.read_text())
+        summary = summary_of(tmp_path, ["--limit", "300", "--prefill-nodes", "2", "--decode-nodes", "2",
+                                         "--pool-blocks", "unbounded"])
         assert summary["requests"] == 300
         assert summary["completed"] + summary["rejected_early"] + summary["rejected_late"] == 300
         assert summary["config"]["pool_blocks"] is None and summary["hit_rate"] > 0
 
     def test_the_mixed_layout_reports_the_requests_served_whole(self, tmp_path):
-        out = tmp_path / "summary.json"
-        args = parse(["--trace", str(TRACE), "--limit", "300", "--mode", "mixed", "--prefill-nodes", "2",
-                      "--decode-nodes", "1", "--aggregated-nodes", "1", "--json", str(out)])
-        assert args.func(args) == 0
-        summary = json.loads(out.read_text())
+        summary = summary_of(tmp_path, ["--limit", "300", "--mode", "mixed", "--prefill-nodes", "2",
+                                         "--decode-nodes", "1", "--aggregated-nodes", "1"])
         assert summary["config"]["aggregated_nodes"] == 1 and 0 < summary["served_whole"] < 300
         assert summary["completed"] + summary["rejected_early"] + summary["rejected_late"] == 300
 
@@ -45,11 +47,8 @@ class TestSimCommand:
         assert sim_cli.build_config(parse(["--overload-wait", "0"]), 3_000_000).overload_wait_s == 0.0
 
     def test_aggregated_nodes_under_admission_report_the_requests_that_waited(self, tmp_path):
-        out = tmp_path / "summary.json"
-        args = parse(["--trace", str(TRACE), "--limit", "1500", "--mode", "coupled", "--coupled-variant", "chunked",
-                      "--nodes", "4", "--admission", "predictive", "--json", str(out)])
-        assert args.func(args) == 0
-        summary = json.loads(out.read_text())
+        summary = summary_of(tmp_path, ["--limit", "1500", "--mode", "coupled", "--coupled-variant", "chunked",
+                                         "--nodes", "4", "--admission", "predictive"])
         assert summary["waited"] > 0 and summary["config"]["overload_wait_s"] == 30.0
 
     def test_bad_trace_is_a_clean_error(self, tmp_path, capsys):
