@@ -96,13 +96,12 @@ class CoupledSim(SimBase):
 
     def _arrive(self, rid: int) -> None:
         req = self.trace[rid]
+        route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size, req.output_length,
+                             waited_s=self.waited_s(rid))
         if self.scheduler is None:
-            route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size)
             choice = self.router.choose(route, self.prefill_states(), self.index)
             self.enqueue(choice.instance_id, rid, choice.prefill_s)
             return
-        route = RouteRequest(req.hash_ids, req.input_length, self.cfg.block_size, req.output_length,
-                             waited_s=self.waited_s(rid))
         decision = self.scheduler.schedule(route, self.prefill_states(), self.decode_states(), self.index, self.now)
         if not decision.accepted:
             self.turn_away(rid, decision.clears_in_s)
