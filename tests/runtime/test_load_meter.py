@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 
 from halfmoon.engine.interface import EngineStats, StepTiming
-from halfmoon.protocol.registry import StepSample
-from halfmoon.runtime.load_meter import PACE_GAPS, LoadMeter
+from halfmoon.policy.step_window import PACE_GAPS, StepPace
+from halfmoon.runtime.load_meter import LoadMeter
 
 
 def step(seconds: float, outputs: int, decoding: int, kv_blocks: int, tokens: int) -> StepTiming:
     return StepTiming(ended=0.0, seconds=seconds, num_outputs=outputs, num_decoding=decoding, kv_blocks=kv_blocks,
                       num_tokens=tokens)
-
-
-def window_of(meter: LoadMeter, now: float) -> StepSample | None:
-    window = meter.window(now)
-    return None if window is None else window.sample
 
 
 class TestStepSamples:
@@ -56,7 +51,7 @@ class TestWindowSteps:
         meter = LoadMeter(block_size=16, window_s=10.0)
         for i, seconds in enumerate([0.1, 0.12, 10.0, 0.11, 0.1]):  # the third waited out a NATS outage
             meter.on_step(self.at(100.0 + i, seconds))
-        window = window_of(meter, now=105.0)
+        window = meter.window(now=105.0)
         assert window is not None and window.steps == 5
         assert (window.batch, window.kv_tokens, window.seconds) == pytest.approx((4.0, 8 * 16, 0.11))
 
@@ -66,7 +61,7 @@ class TestWindowSteps:
         meter = LoadMeter(block_size=16, window_s=10.0)
         meter.on_step(self.at(100.0, 20.0, decoding=1, tokens=1))
         meter.on_step(self.at(100.1, 0.007, decoding=1, tokens=1))
-        window = window_of(meter, now=100.2)
+        window = meter.window(now=100.2)
         assert window is not None and window.seconds == pytest.approx(0.007)
 
     def test_steps_a_prompt_chunk_shared_add_their_excess_in_their_share(self):
@@ -75,7 +70,7 @@ class TestWindowSteps:
             meter.on_step(self.at(100.0 + i * 0.1, 0.15))
         meter.on_step(self.at(101.0, 6.0, tokens=2052))  # a 2,048-token chunk shared one step
         window = meter.window(now=101.0)
-        assert window is not None and window.sample.seconds == pytest.approx(0.15 + (6.0 - 0.15) / 10)
+        assert window is not None and window.seconds == pytest.approx(0.15 + (6.0 - 0.15) / 10)
         assert window.prompt_s == pytest.approx((6.0 - 0.15) / 10)  # what the chunk added, apart
 
     def test_a_window_of_a_waves_prompts_alone_reaches_back_to_the_steps_before_them(self):
@@ -91,13 +86,13 @@ class TestWindowSteps:
         window = meter.window(now=110.5)
         # just far enough back: 3 * 4 + 63 * 8 = 516 gaps, where 62 decoding steps would give 508
         assert 3 * 4 + 62 * 8 < PACE_GAPS <= 3 * 4 + 63 * 8
-        assert window is not None and window.sample.steps == 3 + 63
+        assert window is not None and window.steps == 3 + 63
         gaps = 3 * 4 + 63 * 8
         assert window.prompt_s == pytest.approx(3 * 4 * (3.3 - 0.15) / gaps)
-        assert window.sample.seconds == pytest.approx(0.15 + window.prompt_s)
+        assert window.seconds == pytest.approx(0.15 + window.prompt_s)
         # the history it reaches into is no longer than that: 60 s on, a window of prompt steps is theirs alone
         meter.on_step(self.at(171.0, 3.3, decoding=4, tokens=2048))
-        assert meter.window(now=171.0) == (StepSample(steps=1, batch=4.0, kv_tokens=8 * 16, seconds=3.3), 0.0)
+        assert meter.window(now=171.0) == StepPace(steps=1, batch=4.0, kv_tokens=8 * 16, seconds=3.3, prompt_s=0.0)
 
     def test_each_step_counts_once_per_sequence_it_advanced(self):
         """As measured live (8 streams of 512-token prompts): chunks came in as others finished, sharing steps
@@ -107,7 +102,7 @@ class TestWindowSteps:
         for i in range(9):
             meter.on_step(self.at(100.0 + i * 0.1, 0.15, decoding=8, tokens=8))
         meter.on_step(self.at(101.0, 6.0, decoding=2, tokens=2050))
-        window = window_of(meter, now=101.0)
+        window = meter.window(now=101.0)
         assert window is not None
         gaps = 9 * 8 + 2  # tokens the streams received in the window
         assert window.seconds == pytest.approx((9 * 8 * 0.15 + 2 * 6.0) / gaps)  # their mean gap
@@ -119,7 +114,7 @@ class TestWindowSteps:
         for i in range(9):  # prompt chunks with 64 decoding: more than enough gaps, and no level among them
             meter.on_step(self.at(101.0 + i, 1.0, decoding=64, tokens=2048))
         window = meter.window(now=109.5)
-        assert window is not None and window.sample.steps == 10
+        assert window is not None and window.steps == 10
         assert window.prompt_s == pytest.approx(9 * 64 * (1.0 - 0.1) / (8 + 9 * 64))
 
     def test_it_does_not_reach_back_across_idleness(self):
@@ -129,14 +124,14 @@ class TestWindowSteps:
             meter.on_step(self.at(100.0 + i, 1.0, decoding=8, tokens=8))
         meter.on_step(self.at(140.05, 0.05, decoding=8, tokens=8))
         window = meter.window(now=140.1)
-        assert window is not None and (window.sample.steps, window.sample.seconds) == (1, pytest.approx(0.05))
+        assert window is not None and (window.steps, window.seconds) == (1, pytest.approx(0.05))
 
     def test_it_forgets(self):
         meter = LoadMeter(block_size=16, window_s=10.0)
         meter.on_step(self.at(100.0, 0.5))
         meter.on_step(self.at(100.0, 0.3, decoding=0, tokens=512))  # no decoding sequence: no gap anyone saw
-        assert window_of(meter, now=105.0) is not None
-        assert window_of(meter, now=111.0) is None
+        assert meter.window(now=105.0) is not None
+        assert meter.window(now=111.0) is None
         load = meter.load(EngineStats(running=0, waiting=0, free_blocks=1, total_blocks=1), 0, 0, now=111.0)
         assert load.window_steps is None
 

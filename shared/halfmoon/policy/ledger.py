@@ -47,6 +47,12 @@ class Stage(NamedTuple):
     decode_tokens: int = 0  # a decode stage's: the request's max_tokens
 
 
+def is_decoder(max_tokens: int) -> bool:
+    """Whether a request for ``max_tokens`` has gaps between tokens for prompt work sharing its steps to
+    lengthen: a request for one token has none."""
+    return max_tokens > 1
+
+
 @dataclass(frozen=True, slots=True)
 class Outstanding:
     """What the ledger holds for one instance: ``count`` entries, of ``requests`` requests (an instance
@@ -177,7 +183,7 @@ class WorkLedger:
     def _count(self, stage: Stage, sign: int, request_too: bool) -> None:
         """``request_too``: the entry is its request's only one on the instance."""
         held = self._totals.get(stage.instance_id, Outstanding())
-        gaps = stage.decode_tokens > 1
+        gaps = is_decoder(stage.decode_tokens)
         count = held.count + sign
         if count == 0:  # exactly nothing: no rounding residue of the work sums
             self._totals.pop(stage.instance_id, None)

@@ -5,15 +5,26 @@ fixed, so step ``j`` of the epoch takes ``tau0 + inc * j``: the decode step grow
 ``b`` context tokens per step, and a chunked prefill riding along grows with the prefix it
 attends to. Epoch durations are closed-form sums; each closed epoch is logged once as
 (mean interval, steps), and a request's token intervals are exactly the epochs it lived
-through, which is all the TBT metric needs.
+through, which is all the TBT metric needs. The closed epochs that advanced decoding sequences are also kept
+as the steps an engine would have reported (``pace``), which the node's TBT predictions start from, as a live
+instance's do.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 
 from halfmoon.policy.cost import DecodeCostModel
+from halfmoon.policy.step_window import (
+    PACE_HISTORY_S,
+    WINDOW_S,
+    DecodingSteps,
+    StepPace,
+    pace_changes_after,
+    step_pace,
+)
 
 
 class Member:
@@ -40,8 +51,11 @@ class DecodeBatch:
         self.tau0 = 0.0
         self.inc = 0.0
         self.kmax = 0
+        self.shared = False
         self.means: list[float] = []
         self.counts: list[int] = []
+        self.steps: deque[DecodingSteps] = deque(maxlen=4096)
+        self._pace: tuple[int, float, StepPace | None] = (-1, -1.0, None)  # (steps closed, valid until, pace)
 
     def elapsed(self, k: int) -> float:
         return k * self.tau0 + self.inc * k * (k - 1) / 2
@@ -59,9 +73,23 @@ class DecodeBatch:
             self.kmax = 0
             return None
         self.kmax = k
+        self.shared = extra0 > 0
         self.tau0 = self.cost.predict(b, self.context) + extra0
         self.inc = self.cost.per_context_token * b + extra_inc
         return t + self.elapsed(k)
+
+    def pace(self, now: float) -> StepPace | None:
+        """The pace of the steps closed lately (``policy.step_window.step_pace``), computed again only once it
+        can have changed: a simulation asks for it at every arrival, on every node."""
+        closed, until, pace = self._pace
+        if closed == self.step and now <= until:
+            return pace
+        while self.steps and self.steps[0].ended < now - max(WINDOW_S, PACE_HISTORY_S):
+            self.steps.popleft()
+        history = tuple(self.steps)
+        pace = step_pace(history, now)
+        self._pace = (self.step, pace_changes_after(history, now), pace)
+        return pace
 
     def boundary_after(self, t: float) -> tuple[int, float]:
         """(steps done, time) of the first step boundary at or after ``t`` in the running epoch."""
@@ -85,11 +113,14 @@ class DecodeBatch:
     def close(self, k: int) -> list[Member]:
         """End the running epoch after ``k`` steps; returns the members that finished."""
         if k > 0:
-            self.means.append(self.tau0 + self.inc * (k - 1) / 2)
+            mean, b = self.tau0 + self.inc * (k - 1) / 2, len(self.members)
+            self.means.append(mean)
             self.counts.append(k)
             self.t0 += self.elapsed(k)
+            if b:
+                self.steps.append(DecodingSteps(self.t0, mean, b, self.context + b * (k - 1) / 2, self.shared, k))
             self.step += k
-            self.context += len(self.members) * k
+            self.context += b * k
         self.kmax = 0
         done = []
         while self._finish and self._finish[0][0] <= self.step:

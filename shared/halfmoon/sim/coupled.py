@@ -16,11 +16,13 @@ from collections.abc import Sequence
 
 from halfmoon.policy.admission import make_admission
 from halfmoon.policy.decode import SloAwareDecode
+from halfmoon.policy.ledger import is_decoder
 from halfmoon.policy.prefill import make_prefill_policy
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import (
     BlockIndex,
     DecodeInstanceState,
+    MeasuredStep,
     PrefillInstanceState,
     RecentSamples,
     RouteRequest,
@@ -84,11 +86,20 @@ class CoupledSim(SimBase):
         ]
 
     def decode_states(self) -> list[DecodeInstanceState]:
-        """Each node as a decode instance that interleaves prefill: its batch and the prompts queued on it."""
-        return [DecodeInstanceState(n.id, len(n.batch.members) + len(n.waiting) + (n.chunk is not None),
-                                    n.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
-                                    queued_prefill_s=n.pending_s)
-                for n in self.nodes]
+        """Each node as a decode instance that interleaves prefill, as the live conductor sees an aggregated
+        instance: its batch, the prompts queued on it, the pace of its steps lately and the tokens its
+        decoders spread prompt work over."""
+        return [self._decode_state(n) for n in self.nodes]
+
+    def _decode_state(self, node: _Node) -> DecodeInstanceState:
+        placed = [*node.batch.members, *node.waiting, *([node.chunk[0]] if node.chunk is not None else [])]
+        decoders = [tokens for rid in placed if is_decoder(tokens := self.trace[rid].output_length)]
+        pace = node.batch.pace(self.now)
+        return DecodeInstanceState(
+            node.id, len(placed), node.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
+            measured=None if pace is None else MeasuredStep(pace.batch, pace.kv_tokens, pace.seconds),
+            queued_prefill_s=node.pending_s, decoders_tokens=sum(decoders) / len(decoders) if decoders else 0.0,
+            prompt_excess_s=0.0 if pace is None else pace.prompt_s)
 
     @property
     def index(self) -> BlockIndex:
