@@ -101,10 +101,12 @@ class TestOverload:
         served = waited & (out.status == OK)
         assert served.any() and (out.ttft[served] >= out.waited[served]).all()
 
-    def test_aggregated_nodes_judge_by_the_pace_of_their_steps_as_live_instances_do(self, conversation, profile):
+    def test_aggregated_nodes_are_judged_as_a_live_conductor_judges_aggregated_instances(self, conversation, profile):
         """Each node's state carries the pace of the steps it closed lately (the live heartbeat's rule) and the
-        tokens its decoders spread prompt work over. Judged by the cost model alone instead, the prompt chunks
-        sharing its steps go unseen: more requests are let in, and fewer of them meet the SLOs."""
+        tokens its decoders spread prompt work over, and its prompts are priced by a prefill model learned from
+        each prompt's share of the steps it ran in, which also decoded the node's batch. Priced by the
+        profile's prefill model alone, admitted requests got 1.67x their predicted TTFT at the median, and more
+        than half of them passed the TTFT SLO they were admitted to."""
         seen: list[DecodeInstanceState] = []
 
         class Recorded(CoupledSim):
@@ -116,20 +118,16 @@ class TestOverload:
                 seen.append(state)
                 return state
 
-        class ModelOnly(CoupledSim):
-            def _decode_state(self, node):
-                return super()._decode_state(node)._replace(measured=None, prompt_excess_s=0.0)
-
         config = SimConfig(mode="coupled", coupled_variant="chunked", prefill_nodes=6, decode_nodes=0,
-                           admission="predictive", slo=SLO(30.0, 0.1))
-        trace = conversation[:2000]
-        paced, model_only = Recorded(config, profile, trace).run(), ModelOnly(config, profile, trace).run()
+                           admission="predictive", slo=SLO(30.0, 0.2))
+        sim = Recorded(config, profile, conversation[:2000])
+        out = sim.run().outcomes
         assert any(s.prompt_excess_s > 0 for s in seen) and any(s.decoders_tokens > 1 for s in seen)
-        assert paced.summary.rejected_early < model_only.summary.rejected_early
-        # the policy predicts a mean gap; a request's TBT here is its slowest 10%, so the SLO twice over
-        within = dataclasses.replace(config.slo, tbt_s=0.2)
-        assert (paced.outcomes.capacity(within.ttft_s, within.tbt_s)
-                > model_only.outcomes.capacity(within.ttft_s, within.tbt_s))
+        assert sim.prefill_fitter is not None
+        assert sim.prefill_fitter.predict(2000, 0) > 1.2 * profile.cost.prefill.predict(2000, 0)
+        served = out.status == OK
+        assert served.sum() > 0.9 * len(out)
+        assert (out.ttft[served] > config.slo.ttft_s).sum() <= 0.01 * served.sum()
 
     def test_sustainable_scale_search_brackets_the_target(self, conversation, profile):
         seen: list[tuple[float, float]] = []

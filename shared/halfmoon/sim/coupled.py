@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from halfmoon.policy.admission import make_admission
+from halfmoon.policy.cost import OnlineFitter, PrefillCostModel
 from halfmoon.policy.decode import SloAwareDecode
 from halfmoon.policy.ledger import is_decoder
 from halfmoon.policy.prefill import make_prefill_policy
@@ -66,10 +67,17 @@ class CoupledSim(SimBase):
                 [n.id for n in self.nodes], profile.hbm_cache_tokens_per_node // config.block_size, config.eviction
             )
         kwargs = {"seed": config.seed} if config.coupled_router == "random" else {}
-        self.router = make_prefill_policy(config.coupled_router, self.cost, config.slo, **kwargs)
+        # Halfmoon's aggregated instances (an admission policy) price prompts as a live conductor does: by a
+        # model learned from each prompt's share of the steps it ran in, which also decoded the node's batch
+        self.prefill_fitter = (None if config.admission == "none"
+                               else OnlineFitter(PrefillCostModel.fit, self.cost.prefill))
+        policy_cost = self.cost if self.prefill_fitter is None else self.cost._replace(
+            prefill=self.prefill_fitter)  # type: ignore[arg-type]  # duck-typed: predict(new, cached)
+        self.router = make_prefill_policy(config.coupled_router, policy_cost, config.slo, **kwargs)
         self.scheduler = None if config.admission == "none" else KVCentricScheduler(
             self.router, make_admission(config.admission, SloAwareDecode(self.cost.decode, config.slo)), config.slo)
         self._predicted: dict[int, float] = {}
+        self._computed: dict[int, float] = {}  # a prompt's share of the steps it ran in so far, by tokens
         self._empty_index: dict = {}
 
     def _dispatch(self, kind: int, a: int, b: int) -> None:
@@ -198,7 +206,7 @@ class CoupledSim(SimBase):
 
     def _epoch_end(self, node: _Node) -> None:
         batch = node.batch
-        started, k = batch.t0, batch.kmax
+        started, k, decoding = batch.t0, batch.kmax, len(batch.members)
         first, growth, size = node.extra
         self.decoded(batch, batch.close(k))
         if node.kind == PREFILLING and self.chunked:
@@ -206,20 +214,26 @@ class CoupledSim(SimBase):
             assert chunk is not None, "a chunked node prefilling holds its chunk"
             rid = chunk[0]
             self.out.prefill_s[rid] += k * first + growth * k * (k - 1) / 2
+            self._computed[rid] = self._computed.get(rid, 0.0) + (batch.t0 - started) * size / (size + decoding)
             chunk[1] += k * size
             if chunk[1] >= self.trace[rid].input_length:
                 node.chunk = None
-                self._prefilled(node, rid, batch.t0)
+                self._prefilled(node, rid, batch.t0, chunk[2])
         elif node.kind == PREFILLING:
-            for rid, _ in node.job:
-                self._prefilled(node, rid, started + first)
+            tokens = {rid: self.trace[rid].input_length - cached for rid, cached in node.job}
+            for rid, cached in node.job:
+                self._computed[rid] = (batch.t0 - started) * tokens[rid] / (sum(tokens.values()) + decoding)
+                self._prefilled(node, rid, started + first, cached)
             node.job = []
         node.extra = (0.0, 0.0, 0)
         self._next(node)
 
-    def _prefilled(self, node: _Node, rid: int, t: float) -> None:
+    def _prefilled(self, node: _Node, rid: int, t: float, cached: int) -> None:
         req = self.trace[rid]
         node.pending_s -= self._predicted.pop(rid)
+        computed = self._computed.pop(rid)
+        if self.prefill_fitter is not None:
+            self.prefill_fitter.record(req.input_length - cached, cached, computed)
         node.waiting_tokens -= req.input_length
         node.recent_ttft.add(t, t - self.out.arrival[rid])
         if self.cache is not None:
