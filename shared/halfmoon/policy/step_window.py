@@ -5,6 +5,7 @@ the simulator from the steps its nodes would have run (``sim.batch``). One rule 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import NamedTuple
@@ -51,7 +52,7 @@ class StepPace(NamedTuple):
 
 def step_pace(history: Sequence[DecodingSteps], now: float, window_s: float = WINDOW_S) -> StepPace | None:
     """The decoding steps of the last ``window_s`` (``history`` in the order they ran, each advancing at least
-    one decoding sequence; it stays the same until new steps come or ``now`` passes ``pace_changes_after``) as the time between tokens a decoding sequence saw: the median of those that
+    one decoding sequence) as the time between tokens a decoding sequence saw: the median of those that
     computed no prompt tokens, plus what those a prompt chunk shared took beyond it in the share of tokens
     they gave (None: none in the window). Each step counts once per sequence it advanced, as a stream's gaps
     do: a prompt chunk often shares a step with few decoders (it comes in when others have just finished),
@@ -67,7 +68,8 @@ def step_pace(history: Sequence[DecodingSteps], now: float, window_s: float = WI
     wave of requests, not the pace of their prompts, and without a decode-only step there is no level to
     tell the prompts' share from. Beside a busy loop, 8 streams' 512-token prompts took 10 s to compute;
     the 10-s window then held only the steps they shared (3.3 s each), and requests were turned away for
-    a 3.3 s TBT while the streams decoded on at 0.15 s."""
+    a 3.3 s TBT while the streams decoded on at 0.15 s. It stays the same until new steps come or ``now``
+    passes ``pace_changes_after``."""
     oldest = bisect_left(history, now - max(window_s, PACE_HISTORY_S), key=ENDED)
     start = bisect_left(history, now - window_s, oldest, key=ENDED)
     if start == len(history):
@@ -91,6 +93,12 @@ def step_pace(history: Sequence[DecodingSteps], now: float, window_s: float = WI
                     batch=sum(s.decoding ** 2 * s.steps for s in window) / gaps,
                     kv_tokens=sum(s.decoding * s.steps * s.kv_tokens for s in window) / gaps,
                     seconds=typical + excess, prompt_s=excess)
+
+
+def forget_unreachable(history: deque[DecodingSteps], now: float, window_s: float = WINDOW_S) -> None:
+    """Drop the steps no window at ``now`` or later can reach back to."""
+    while history and history[0].ended < now - max(window_s, PACE_HISTORY_S):
+        history.popleft()
 
 
 def pace_changes_after(history: Sequence[DecodingSteps], now: float, window_s: float = WINDOW_S) -> float:

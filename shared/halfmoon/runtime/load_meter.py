@@ -8,7 +8,7 @@ import time
 
 from halfmoon.engine.interface import EngineStats, StepTiming
 from halfmoon.policy.state import RecentSamples
-from halfmoon.policy.step_window import PACE_HISTORY_S, WINDOW_S, DecodingSteps, StepPace, step_pace
+from halfmoon.policy.step_window import WINDOW_S, DecodingSteps, StepPace, forget_unreachable, step_pace
 from halfmoon.protocol.registry import Load, StepSample
 
 LOAD_WINDOW_S = WINDOW_S  # heartbeats report the TTFT and TBT of this many seconds back
@@ -58,10 +58,8 @@ class LoadMeter:
 
     def window(self, now: float) -> StepPace | None:
         """The pace of the decoding steps lately (``policy.step_window.step_pace``)."""
-        steps = self._decoding
-        while steps and steps[0].ended < now - max(self._window_s, PACE_HISTORY_S):
-            steps.popleft()
-        return step_pace(tuple(steps), now, self._window_s)
+        forget_unreachable(self._decoding, now, self._window_s)
+        return step_pace(tuple(self._decoding), now, self._window_s)
 
     def on_first_token(self, seconds: float, now: float | None = None) -> None:
         self._ttft_s.add(time.time() if now is None else now, seconds)

@@ -17,14 +17,7 @@ import math
 from collections import deque
 
 from halfmoon.policy.cost import DecodeCostModel
-from halfmoon.policy.step_window import (
-    PACE_HISTORY_S,
-    WINDOW_S,
-    DecodingSteps,
-    StepPace,
-    pace_changes_after,
-    step_pace,
-)
+from halfmoon.policy.step_window import DecodingSteps, StepPace, forget_unreachable, pace_changes_after, step_pace
 
 
 class Member:
@@ -84,8 +77,7 @@ class DecodeBatch:
         closed, until, pace = self._pace
         if closed == self.step and now <= until:
             return pace
-        while self.steps and self.steps[0].ended < now - max(WINDOW_S, PACE_HISTORY_S):
-            self.steps.popleft()
+        forget_unreachable(self.steps, now)
         history = tuple(self.steps)
         pace = step_pace(history, now)
         self._pace = (self.step, pace_changes_after(history, now), pace)
