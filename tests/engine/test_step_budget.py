@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from halfmoon.core.errors import InvalidRequestError
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.step_budget import StepBudget
@@ -106,3 +107,76 @@ class TestSchedulerUnderBudget:
         assert budgeted.generate(prompts, GREEDY) == free.generate(prompts, GREEDY)
         assert budgeted.scheduler.num_preemptions > 0
         assert budgeted.num_free_blocks == 14
+
+
+DECODE_S, PER_TOKEN_S = 2 ** -4, 2 ** -8
+TARGET_S = DECODE_S + 20 * PER_TOKEN_S  # leaves 20 prompt tokens a step
+
+
+class TestPacedPrompt:
+    """A prompt the conductor admitted paced keeps the steps it shares within its own target, whatever the
+    engine's (here none); the others are computed as before."""
+
+    def engine(self, tiny_llama: Path) -> LLMEngine:
+        engine = make_engine(tiny_llama, max_num_batched_tokens=512, prefill_chunk_size=64)
+        budget = engine.scheduler.step_budget
+        budget.decode_s, budget.per_prompt_token_s = DECODE_S, PER_TOKEN_S
+        budget.record = lambda *_: None  # type: ignore[method-assign]  # hold the figures this test set
+        return engine
+
+    def test_its_chunks_fill_what_the_decodes_leave_of_its_target(self, tiny_llama: Path) -> None:
+        engine = self.engine(tiny_llama)
+        *short, paced, free = random_prompts(engine.vocab_size, [8, 8, 8, 300, 300], seed=5)
+        for i, prompt in enumerate(short):
+            engine.add_request(f"s{i}", prompt, GREEDY)
+        engine.step()  # the three prompts, whole
+        engine.add_request("paced", paced, GREEDY, step_target_s=TARGET_S)
+        engine.step()
+        (seq,) = [s for s in engine.scheduler.running if s.request_id == "paced"]
+        assert seq.num_computed_tokens == 20
+        assert engine.last_step_tokens == 3 + 20
+        engine.add_request("free", free, GREEDY)
+        engine.step()  # the paced prompt first, then a whole chunk of the other, unpaced
+        assert seq.num_computed_tokens == 40
+        assert engine.last_step_tokens == 3 + 20 + 64
+
+    def test_it_waits_its_turn_where_prompts_ahead_of_it_took_its_target(self, tiny_llama: Path) -> None:
+        engine = self.engine(tiny_llama)
+        *short, free, paced = random_prompts(engine.vocab_size, [8, 8, 8, 300, 300], seed=5)
+        for i, prompt in enumerate(short):
+            engine.add_request(f"s{i}", prompt, GREEDY)
+        engine.step()
+        engine.add_request("free", free, GREEDY)
+        engine.add_request("paced", paced, GREEDY, step_target_s=TARGET_S)
+        for _ in range(3):
+            engine.step()
+            assert engine.last_step_tokens == 3 + 64
+            assert [seq.request_id for seq in engine.scheduler.waiting] == ["paced"]
+
+    def test_with_nothing_decoding_it_takes_whole_chunks(self, tiny_llama: Path) -> None:
+        engine = self.engine(tiny_llama)
+        (prompt,) = random_prompts(engine.vocab_size, [300], seed=6)
+        engine.add_request("alone", prompt, GREEDY, step_target_s=TARGET_S)
+        engine.step()
+        (seq,) = engine.scheduler.running
+        assert seq.num_computed_tokens == 64
+
+    def test_its_output_is_the_unpaced_one(self, tiny_llama: Path) -> None:
+        engine = self.engine(tiny_llama)
+        *short, long = random_prompts(engine.vocab_size, [8, 8, 8, 300], seed=7)
+        outputs: dict[str, list[int]] = {"s0": [], "s1": [], "s2": [], "paced": []}
+        for i, prompt in enumerate(short):
+            engine.add_request(f"s{i}", prompt, GREEDY)
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        engine.add_request("paced", long, GREEDY, step_target_s=TARGET_S)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.request_id] += out.new_token_ids
+        assert list(outputs.values()) == make_engine(tiny_llama).generate([*short, long], GREEDY)
+
+    def test_a_bad_target_is_refused(self, tiny_llama: Path) -> None:
+        engine = self.engine(tiny_llama)
+        for bad in (-0.1, float("nan"), float("inf")):
+            with pytest.raises(InvalidRequestError, match="step_target_s"):
+                engine.add_request("bad", [1, 2, 3], GREEDY, step_target_s=bad)

@@ -99,6 +99,13 @@ CASES = [
     (codecs.READINESS_REPLY, Readiness(conductor="conductor-0", ready=True, prefill=1, decode=2)),
     (codecs.SCHEDULE_REPLY, ScheduleAccepted(request_id="r-1", prefill_instance="p0", decode_instance="d0",
                                              prefill_incarnation="a1b2", decode_incarnation="c3d4")),
+    (codecs.SCHEDULE_REPLY, ScheduleAccepted(request_id="r-1", prefill_instance="a0", decode_instance="a0",
+                                             step_target_s=0.15)),
+    (
+        codecs.PREFILL_REQUEST,
+        PrefillRequest(request_id="r-2", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, decode_instance="a0",
+                       deadline=1e9, step_target_s=0.15),
+    ),
     (
         codecs.PREFILL_REQUEST,
         PrefillRequest(
@@ -282,6 +289,17 @@ class TestTypedDecodeErrors:
             codecs.STREAM.decode(msgspec.msgpack.encode(raw))
         assert info.value.code is ErrorCode.MALFORMED
         assert "logprobs" in info.value.message
+
+    def test_a_step_target_that_is_no_duration_is_malformed(self):
+        for codec, message in CASES:
+            if not getattr(message, "step_target_s", 0.0):
+                continue
+            raw = msgspec.msgpack.decode(codec.encode(message))
+            for bad in (-0.1, float("nan"), float("inf")):
+                raw["step_target_s"] = bad
+                with pytest.raises(ProtocolError) as info:
+                    codec.decode(msgspec.msgpack.encode(raw))
+                assert info.value.code is ErrorCode.MALFORMED and "step_target_s" in info.value.message
 
     def test_a_heartbeat_with_an_impossible_step_sample_is_malformed(self):
         beat = next(m for _, m in CASES if isinstance(m, Heartbeat) and m.load.steps is not None)

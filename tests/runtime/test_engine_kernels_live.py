@@ -1,5 +1,6 @@
 """An engine instance reports the CPU kernels it runs: in its heartbeats on real NATS and in its Prometheus
-metrics, the same report the engine's own kernels give (native and its ISA level here, or the fallback)."""
+metrics, the same report the engine's own kernels give (native and its ISA level here, or the fallback); and
+that its engine paces prompts to a step target of their own, which the conductor reads to admit one paced."""
 
 from __future__ import annotations
 
@@ -34,5 +35,6 @@ async def test_heartbeat_and_metrics_carry_the_kernel_report(nats_server: Any, n
         beat = await asyncio.wait_for(beats.get(), 30)  # the first, sent as it registers
     expected = native.report("cpu")
     assert beat.kernels == expected and beat.kernels.kind in ("native", "fallback")
+    assert beat.paces_prompts
     labels = f'instance="{decode.instance_id}",isa="{expected.isa}",kind="{expected.kind}",reason="{expected.reason}"'
     assert f"halfmoon_engine_kernels{{{labels}}} 1.0" in METRICS.render().decode()

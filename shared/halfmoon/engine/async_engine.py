@@ -43,6 +43,8 @@ class AsyncEngine(Engine):
     into the engine, and no part of ``Engine``.
     """
 
+    paces_prompts = True
+
     def __init__(self, make_engine: Callable[[], LLMEngine],
                  on_step: Callable[[StepTiming], None] | None = None) -> None:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -166,7 +168,8 @@ class AsyncEngine(Engine):
 
     async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                        output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), tenant_salt: str | None = None,
-                       prefill_only: bool = False, kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, kv: RequestKV = NO_KV,
+                       step_target_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -174,7 +177,8 @@ class AsyncEngine(Engine):
             self._streams[request_id] = (loop, stream)
             try:
                 self._engine.add_request(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
-                                         block_keys=block_keys, prefill_only=prefill_only, kv=kv)
+                                         block_keys=block_keys, prefill_only=prefill_only, kv=kv,
+                                         step_target_s=step_target_s)
             except EngineError as exc:
                 self._streams.pop(request_id, None)
                 loop.call_soon_threadsafe(stream.put_nowait, exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -135,7 +136,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), prefill_only: bool = False,
-                    kv: RequestKV = NO_KV) -> None:
+                    kv: RequestKV = NO_KV, step_target_s: float = 0.0) -> None:
         """Queue a request (the parameters are ``Engine.generate``'s, engine/interface.py).
 
         ``kv.source`` payloads are the blocks ``export_kv`` makes; they, or a ``LayerSource``, are
@@ -146,6 +147,8 @@ class LLMEngine:
         tokens = [int(t) for t in prompt_token_ids]
         outputs = [int(t) for t in output_token_ids]
         self._validate(request_id, tokens, outputs, params)
+        if not (math.isfinite(step_target_s) and step_target_s >= 0):
+            raise InvalidRequestError(f"step_target_s must be a finite number >= 0, got {step_target_s}")
         size = self.config.block_size
         if len(block_keys) > len(tokens) // size:
             raise InvalidRequestError("more block keys than full prompt blocks")
@@ -159,6 +162,7 @@ class LLMEngine:
             seq.kv_import, seq.kv_import_start = source, kv.start_block
         self._arrivals += 1
         seq.hold_kv = prefill_only
+        seq.step_target_s = step_target_s
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, outputs)
         self._requests[request_id] = _Request(seq, detok, prefill_only, kv.export_prompt_from)
         if kv.sink is not None:

@@ -214,6 +214,10 @@ class Engine(ABC):
     nothing for it, and hand a prefill over to decode through the pool alone; ``release``, ``export_kv`` and
     the pipeline stages are refused with EngineError."""
 
+    paces_prompts: bool = False
+    """True for an engine that honours ``generate``'s ``step_target_s`` (it sizes its own steps' prompt
+    chunks); the conductor paces prompts only on instances that say so in their heartbeats."""
+
     @property
     @abstractmethod
     def kv_spec(self) -> KVSpec:
@@ -235,7 +239,8 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                  output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), tenant_salt: str | None = None,
-                 prefill_only: bool = False, kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+                 prefill_only: bool = False, kv: RequestKV = NO_KV,
+                 step_target_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Add a request and stream its outputs.
 
         ``output_token_ids`` continues a request whose first tokens were produced elsewhere (a prefill
@@ -245,7 +250,9 @@ class Engine(ABC):
         (``kv_spec.hasher(tenant_salt)``): an engine that stores in the pool itself (``pool_kv``) keys the blocks
         it generates past them with it; the others' services store those. ``prefill_only`` stops after the first sampled token
         (``PREFILL_DONE`` unless the output ends there) and keeps the KV until ``release``. ``kv`` is the
-        KV the request loads and stores (``RequestKV``)."""
+        KV the request loads and stores (``RequestKV``). ``step_target_s`` (0: none) paces the prompt: while
+        other sequences decode, its chunks keep the steps they share within that many seconds, where the
+        engine ``paces_prompts``; one that does not computes the prompt as it would any other."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> bool:

@@ -23,7 +23,9 @@ class Scheduler:
     Every step spends at most ``max_num_batched_tokens`` tokens; a single prefill takes at
     most ``chunk_size`` of them, so long prompts interleave with decodes. Prompt tokens get what
     ``step_budget`` leaves them beside the step's decodes (all the rest, unless it keeps steps to
-    a TBT target). When a sequence cannot get a block, the most recently admitted running
+    a TBT target). A prompt paced to a target of its own (``Sequence.step_target_s``) takes, while
+    sequences decode, only what keeps the step within that target with the prompt tokens scheduled
+    before it; it waits its turn in line where nothing is left. When a sequence cannot get a block, the most recently admitted running
     sequence is preempted, unless it is already in this step: its blocks are freed and it goes
     back to the head of the queue to be recomputed.
     """
@@ -64,7 +66,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = min(seq.num_uncomputed, budget, self.chunk_size)
+            n = self._chunk(seq, budget, chunks, num_decoding)
+            if n <= 0:
+                continue
             if not self._make_room(seq, seq.num_computed_tokens + n, chunks):
                 break
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
@@ -74,7 +78,9 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table:
                 self._reuse(seq)
-            n = min(seq.num_uncomputed, budget, self.chunk_size)
+            n = self._chunk(seq, budget, chunks, num_decoding)
+            if n <= 0:
+                break
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 self.blocks.free(seq)  # give the shared prefix back until there is room
                 seq.num_computed_tokens, seq.kv_load_from = 0, None
@@ -87,6 +93,15 @@ class Scheduler:
             budget -= n
         self.last_step = StepShape(num_decoding, sum(c.num_tokens for c in chunks) - num_decoding)
         return chunks
+
+    def _chunk(self, seq: Sequence, budget: int, scheduled: list[ScheduledChunk], num_decoding: int) -> int:
+        """The prompt tokens ``seq`` computes in this step, given ``budget`` left of it and the chunks
+        ``scheduled`` so far (the first ``num_decoding`` of them decodes)."""
+        n = min(seq.num_uncomputed, budget, self.chunk_size)
+        if seq.step_target_s and num_decoding:
+            taken = sum(chunk.num_tokens for chunk in scheduled[num_decoding:])
+            n = min(n, self.step_budget.prefill_tokens(num_decoding, seq.step_target_s) - taken)
+        return n
 
     def record_step_time(self, seconds: float) -> None:
         """How long the step last scheduled took, for the budget of the next ones."""

@@ -45,6 +45,7 @@ class Sequence:
         self.arrival = arrival
         self.finish_reason: str | None = None
         self.hold_kv = False
+        self.step_target_s = 0.0  # while others decode, its prompt chunks keep their steps within this (0: no pace)
         self.output_logprobs: list[float] = []
         # Sampling draws from a stream keyed on (seed, position), so the same request resumed
         # at any position elsewhere samples what it would have sampled here.

@@ -17,7 +17,10 @@ class StepBudget:
     one is taken when none was measured yet or ``probe_every`` steps have passed since, so the
     figure follows the batch even while prompts arrive all the time; until a step with prompt tokens
     was measured too, a step gets ``min_prefill_tokens`` of them. With nothing decoding, or no
-    target, a step gets all of ``max_tokens``. ``target_s`` 0 turns it off.
+    target, a step gets all of ``max_tokens``. ``target_s`` 0 turns it off for the engine's steps; the
+    figures are learned all the same, for prompts paced to a target of their own
+    (``prefill_tokens(..., target_s)``: a prompt the conductor admitted beside decoding sequences only on
+    condition that its chunks keep their steps within that target).
     """
 
     def __init__(self, target_s: float, max_tokens: int, min_prefill_tokens: int, *, smoothing: float = 0.3,
@@ -35,21 +38,23 @@ class StepBudget:
         self.decode_s: float | None = None  # a step of decodes alone
         self.per_prompt_token_s: float | None = None
 
-    def prefill_tokens(self, num_decoding: int) -> int:
-        """Prompt tokens the next step may compute beside ``num_decoding`` decodes."""
+    def prefill_tokens(self, num_decoding: int, target_s: float | None = None) -> int:
+        """Prompt tokens the next step may compute beside ``num_decoding`` decodes, to keep it within
+        ``target_s`` (None: the engine's target)."""
         room = self.max_tokens - num_decoding
-        if not self.target_s or not num_decoding:
+        target = self.target_s if target_s is None else target_s
+        if not target or not num_decoding:
             return room
         if self.decode_s is None or self._since_probe >= self._probe_every:
             return 0
         if not self.per_prompt_token_s:
             return min(room, self.min_prefill_tokens)
-        fits = int((self.target_s - self.decode_s) / self.per_prompt_token_s)
+        fits = int((target - self.decode_s) / self.per_prompt_token_s)
         return max(0, min(room, max(self.min_prefill_tokens, fits)))
 
     def record(self, num_decoding: int, num_prompt_tokens: int, seconds: float) -> None:
         """Learn from a step just taken: ``num_decoding`` decodes and ``num_prompt_tokens`` prompt tokens."""
-        if not self.target_s or not num_decoding or not (math.isfinite(seconds) and seconds >= 0):
+        if not num_decoding or not (math.isfinite(seconds) and seconds >= 0):
             return
         if not num_prompt_tokens:
             self.decode_s = self._smooth(self.decode_s, seconds)

@@ -282,10 +282,12 @@ class VllmEngine(Engine):
 
     async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                        output_token_ids: Seq[int] = (), block_keys: Seq[bytes] = (), tenant_salt: str | None = None,
-                       prefill_only: bool = False, kv: RequestKV = NO_KV) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, kv: RequestKV = NO_KV,
+                       step_target_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """``block_keys`` are the keys of the whole context's full blocks (prompt and ``output_token_ids``):
         the connector loads and stores the pool's blocks under them, and vLLM's own prefix cache is salted
-        with the first, so it shares blocks only where the pool would (same tenant, same first block)."""
+        with the first, so it shares blocks only where the pool would (same tenant, same first block). vLLM
+        schedules its own steps: ``step_target_s`` is not honoured (``paces_prompts`` is False)."""
         if kv.has_source or kv.sink is not None or kv.export_prompt_from is not None:
             raise InvalidRequestError(NOT_HERE.format(what="a RequestKV"))
         if not prompt_token_ids:

@@ -63,7 +63,8 @@ class AdmissionPolicy(ABC):
 
     Contract: pure; ``now`` is the current time, ``prefill_done_at`` the predicted end of
     this request's prefill (>= now), ``decode_tokens`` its ``max_tokens`` (0: not known) and ``prompt_s`` its
-    predicted prefill, which shares the steps of an instance that interleaves prefill (``SloAwareDecode``). An
+    predicted prefill, which shares the steps of an instance that interleaves prefill (``SloAwareDecode``), and
+    ``paced_budget_s`` the most that prefill may take paced (``SloAwareDecode.choose``; 0: no pacing). An
     accepted decision carries the decode instance judged best (None means: choose at hand-off). A
     rejection names its reason and a retry-after.
     """
@@ -76,7 +77,7 @@ class AdmissionPolicy(ABC):
     @abstractmethod
     def admit(
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, now: float, prefill_done_at: float,
-        decode_tokens: int = 0, prompt_s: float = 0.0,
+        decode_tokens: int = 0, prompt_s: float = 0.0, paced_budget_s: float = 0.0,
     ) -> AdmissionDecision: ...
 
 
@@ -85,7 +86,8 @@ class NoAdmission(AdmissionPolicy):
 
     name = "none"
 
-    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0, prompt_s=0.0):
+    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0, prompt_s=0.0,
+              paced_budget_s=0.0):
         return AdmissionDecision(True, "ok", 0.0, self.decode.choose(instances, context_tokens))
 
 
@@ -98,9 +100,10 @@ class EarlyRejection(AdmissionPolicy):
     def _judged_at(self, now: float, prefill_done_at: float) -> float | None:
         return None
 
-    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0, prompt_s=0.0):
+    def admit(self, instances, context_tokens, now, prefill_done_at, decode_tokens=0, prompt_s=0.0,
+              paced_budget_s=0.0):
         at = self._judged_at(now, prefill_done_at)
-        choice = self.decode.choose(instances, context_tokens, at, decode_tokens, prompt_s)
+        choice = self.decode.choose(instances, context_tokens, at, decode_tokens, prompt_s, paced_budget_s)
         if choice is not None:
             return AdmissionDecision(True, "ok", 0.0, choice)
         nearest = self.decode.nearest(instances, context_tokens, at, decode_tokens, prompt_s)

@@ -31,12 +31,23 @@ class TbtParts(NamedTuple):
         return f"step {self.step_s:.3f}s{work}{level}"
 
 
+# a paced prompt's chunks keep the steps they share to this share of the TBT SLO: the rest is for the prompts
+# placed there after it, which are not paced, and for the engine's per-token figure running behind a context
+# that grows with every chunk
+PACED_STEP_SHARE = 0.75
+
+
 class DecodeChoice(NamedTuple):
-    """``parts``: what the prediction is made of (a rejection's nearest miss carries them)."""
+    """``parts``: what the prediction is made of (a rejection's nearest miss carries them).
+    ``step_target_s`` (0: not paced): the request's prompt is admitted only paced, its chunks keeping the
+    steps they share with the sequences decoding there within that many seconds; ``paced_prompt_s`` is then
+    how long its prefill is predicted to take so (it replaces the prompt's own prefill in its TTFT)."""
 
     instance_id: str
     predicted_tbt_s: float
     parts: TbtParts | None = None
+    step_target_s: float = 0.0
+    paced_prompt_s: float = 0.0
 
 
 class StepCorrection(NamedTuple):
@@ -113,6 +124,15 @@ class SloAwareDecode:
     or, where it is slower, the pace of prompts its steps measured lately. The instance's recent steps say
     nothing of a burst just placed on it: judged by them alone, 26 prompts placed in 3 s were each predicted
     52-59 ms and got 140-1,226 ms between tokens. The prediction returned is the request's own.
+    Paced: where the request's own prompt alone would hold those sequences past the SLO, an instance whose
+    engine ``paces_prompts`` still qualifies with the prompt paced (``paced``): its chunks keep the steps
+    they share within ``PACED_STEP_SHARE`` of the SLO, so the sequences see at most that, and the prompt
+    takes longer, by the step over what the step leaves it. It must still start decoding within
+    ``paced_budget_s`` (the TTFT the SLO leaves for its prefill). An instance that qualifies unpaced wins over
+    any that needs pacing: the Sarathi-style trade of a prompt's TTFT for its neighbours' TBT is made only
+    where admission would turn the prompt away otherwise. Left unpaced and turned away, a 2,725-token
+    prompt beside eight decoding sequences of the Mooncake trace was rejected though the same load without
+    admission served it within both SLOs.
     """
 
     def __init__(self, cost: DecodeCostModel, slo: SLO = SLO(), headroom: float = 1.0,
@@ -236,11 +256,12 @@ class SloAwareDecode:
 
     def choose(
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,
-        decode_tokens: int = 0, prompt_s: float = 0.0,
+        decode_tokens: int = 0, prompt_s: float = 0.0, paced_budget_s: float = 0.0,
     ) -> DecodeChoice | None:
         limit = self.headroom * self.slo.tbt_s
         peers = self._peer_corrections(instances)
-        best: tuple[float, int, float, str] | None = None
+        best: tuple[bool, float, int, float, str] | None = None
+        pacing: dict[str, tuple[float, float]] = {}
         for inst in instances:
             if not self.fits(inst, context_tokens, at):
                 continue
@@ -248,16 +269,40 @@ class SloAwareDecode:
             batch = inst.batch_size if at is None else inst.load_at(at)[0]
             if (self._decoders_tbt(inst, context_tokens, at, peers, tbt, decode_tokens, prompt_s) > limit
                     and not (self.idle_qualifies and batch == 0)):
-                continue
+                paced = self.paced(inst, context_tokens, at, peers, tbt, decode_tokens, prompt_s)
+                if paced is None or paced[1] > paced_budget_s:
+                    continue
+                pacing[inst.id] = paced
             # the share is weighed by the model alone: an instance's correction (its latest steps) is noise
             # of a few tens of percent between instances on shared cores, and with a model flat in the batch,
             # weighing it gave the one measured fastest nearly every request
             shape = self._predicted(inst, context_tokens, at, (None, None), own_steps=False)
             load = 1.0 - slo_attainment(inst.recent_tbt, self.slo.tbt_s) + shape / self.slo.tbt_s
-            key = (round(load, 6), batch, tbt, inst.id)
+            key = (inst.id in pacing, round(load, 6), batch, tbt, inst.id)
             if best is None or key < best:
                 best = key
-        return None if best is None else DecodeChoice(best[3], best[2])
+        if best is None:
+            return None
+        target, paced_s = pacing.get(best[4], (0.0, 0.0))
+        return DecodeChoice(best[4], best[3], step_target_s=target, paced_prompt_s=paced_s)
+
+    def paced(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
+              peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
+              prompt_s: float) -> tuple[float, float] | None:
+        """(step target, paced prefill seconds) where ``inst`` takes the request with its prompt paced, or None:
+        it does not pace, the request's own prompt is not what keeps it out, or its decode-only step leaves
+        the target no room. The sequences there see the prompt work queued ahead of it as before, and at most
+        the target while its chunks share their steps; each of its steps computes what the target leaves of
+        the decode-only step, so the prefill stretches by target / room."""
+        own = self._own_prompt_s(inst, prompt_s)
+        if not (inst.paces_prompts and inst.interleaves_prefill and own > 0):
+            return None
+        target = PACED_STEP_SHARE * self.headroom * self.slo.tbt_s
+        without_own = self._decoders_tbt(inst, context_tokens, at, peers, tbt, decode_tokens, 0.0)
+        room = target - self._step(inst, context_tokens, at, peers[0])
+        if without_own > self.headroom * self.slo.tbt_s or room <= 0:
+            return None
+        return target, prompt_s * target / room
 
     def nearest(
         self, instances: Sequence[DecodeInstanceState], context_tokens: int, at: float | None = None,

@@ -80,9 +80,14 @@ class KVCentricScheduler:
         if request.waited_s + choice.ttft_s > self.slo.ttft_s and not request.admitted:
             wait = max(MIN_RETRY_AFTER_S, request.waited_s + choice.ttft_s - self.slo.ttft_s)
             return ScheduleDecision(False, "ttft_slo", wait, choice, None, pipeline, model_ttft)
+        paced_budget = self.slo.ttft_s - request.waited_s - (choice.ttft_s - choice.prefill_s)
         verdict = self.admission.admit(decode_states, request.prompt_tokens, now, now + choice.ttft_s,
-                                       request.max_tokens, choice.prefill_s)
+                                       request.max_tokens, choice.prefill_s, max(0.0, paced_budget))
         if not verdict.accepted and not request.admitted:
             return ScheduleDecision(False, verdict.reason, verdict.retry_after_s, choice, verdict.decode, pipeline,
                                     model_ttft, verdict.clears_in_s)
+        if verdict.decode is not None and verdict.decode.step_target_s:
+            # paced, the prompt's chunks span longer than its work (which the ledger keeps as prefill_s)
+            stretch = verdict.decode.paced_prompt_s - choice.prefill_s
+            choice, model_ttft = choice._replace(ttft_s=choice.ttft_s + stretch), model_ttft + stretch
         return ScheduleDecision(True, "ok", 0.0, choice, verdict.decode, pipeline, model_ttft)

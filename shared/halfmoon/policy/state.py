@@ -91,7 +91,8 @@ class DecodeInstanceState(NamedTuple):
     requests placed there (0: not known), the tokens its decoding sequences spread that work over.
     ``prompt_excess_s``: of ``measured.seconds``, what the prompt chunks sharing those steps added per gap (an
     aggregated instance measured as one window of both kinds of steps): a rejection names it, and a request
-    kept out by it waits for it to pass."""
+    kept out by it waits for it to pass. ``paces_prompts``: its engine paces a prompt's chunks to a step
+    target of the request's own (``SloAwareDecode.paced``)."""
 
     id: str
     batch_size: int
@@ -106,6 +107,7 @@ class DecodeInstanceState(NamedTuple):
     queued_prefill_s: float = 0.0
     decoders_tokens: float = 0.0
     prompt_excess_s: float = 0.0
+    paces_prompts: bool = False
 
 
     def load_at(self, t: float) -> tuple[int, int]:

@@ -130,6 +130,7 @@ class Heartbeat(Message, frozen=True, kw_only=True, tag="heartbeat"):
     kv_spec: KVSpec | None = None  # engine instances: the KV identity their blocks carry
     incarnation: str = ""
     kernels: KernelReport | None = None  # engine instances; absent from other roles and older peers
+    paces_prompts: bool = False  # its engine honours a PrefillRequest's step_target_s (Engine.paces_prompts)
 
     def __post_init__(self) -> None:
         check_token(self.instance_id, "instance_id")

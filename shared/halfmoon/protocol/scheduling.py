@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 from halfmoon.protocol.base import Message
@@ -52,7 +53,8 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
     the prefill instances that run the later layers with it, in stage order (the PrefillRequest's
     ``pipeline``); empty: ``prefill_instance`` prefills alone. The incarnations are the runs of the two
     instances the conductor last heard (empty: unknown), so the requester can tell an InstanceDown
-    about an earlier run from one about the run it was placed on."""
+    about an earlier run from one about the run it was placed on. ``step_target_s`` (0: none): the
+    PrefillRequest's, the step time the prompt's chunks are paced to on an aggregated instance."""
 
     request_id: str
     prefill_instance: str
@@ -62,6 +64,11 @@ class ScheduleAccepted(Message, frozen=True, kw_only=True, tag="accepted"):
     predicted_tbt_ms: float | None = None  # the chosen decode instance's predicted time between tokens
     prefill_incarnation: str = ""
     decode_incarnation: str = ""
+    step_target_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.step_target_s) and self.step_target_s >= 0):
+            raise ValueError(f"step_target_s must be a finite number >= 0, got {self.step_target_s}")
 
 
 class Placed(Message, frozen=True, kw_only=True, tag="placed"):

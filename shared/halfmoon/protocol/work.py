@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 import msgspec
@@ -28,6 +29,10 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
 
     ``pipeline`` (CPP): the other prefill instances, in stage order, that run the later layers of this
     prompt with this one (the head, stage 0); empty: this instance prefills alone.
+
+    ``step_target_s`` (an aggregated instance's; 0: none): while other sequences decode there, the prompt's
+    chunks keep the steps they share within this many seconds (``Engine.generate``). The conductor sets it
+    where the prompt, computed at full speed, would hold those sequences past the TBT SLO.
     """
 
     request_id: str
@@ -40,10 +45,13 @@ class PrefillRequest(Message, frozen=True, kw_only=True, tag="prefill"):
     output_token_ids: tuple[int, ...] = ()
     attempt: int = 0
     pipeline: tuple[str, ...] = ()
+    step_target_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")
         check_token(self.decode_instance, "decode_instance")
+        if not (math.isfinite(self.step_target_s) and self.step_target_s >= 0):
+            raise ValueError(f"step_target_s must be a finite number >= 0, got {self.step_target_s}")
         for stage in self.pipeline:
             check_token(stage, "pipeline stage")
         if not self.prompt_token_ids:

@@ -103,6 +103,11 @@ class Service(ABC, Generic[C]):
         """The CPU kernels an engine instance runs (reported in heartbeats); None for other roles."""
         return None
 
+    @property
+    def paces_prompts(self) -> bool:
+        """Whether its engine honours a PrefillRequest's ``step_target_s`` (reported in heartbeats)."""
+        return False
+
     def memory_report(self) -> MemoryReport:
         """What bounds this process's resident memory (its ready file carries it, for `halfmoon up`)."""
         return service_report(self.role.value)

@@ -154,6 +154,7 @@ class ServiceHost:
             incarnation=svc.incarnation,
             kv_spec=svc.kv_spec,
             kernels=svc.kernels,
+            paces_prompts=svc.paces_prompts,
         )
 
     async def beat(self) -> None:

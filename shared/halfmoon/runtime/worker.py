@@ -170,6 +170,10 @@ class EngineWorker(Service[WorkerConfig]):
         return self._kernels
 
     @property
+    def paces_prompts(self) -> bool:
+        return self.engine is not None and self.engine.paces_prompts
+
+    @property
     @abstractmethod
     def submit_subject(self) -> str: ...
 

@@ -78,6 +78,7 @@ class CoupledSim(SimBase):
             self.router, make_admission(config.admission, SloAwareDecode(self.cost.decode, config.slo)), config.slo)
         self._predicted: dict[int, float] = {}
         self._computed: dict[int, float] = {}  # a prompt's share of the steps it ran in so far, by tokens
+        self._step_target: dict[int, float] = {}  # prompts admitted paced: the step their chunks keep within
         self._empty_index: dict = {}
 
     def _dispatch(self, kind: int, a: int, b: int) -> None:
@@ -107,7 +108,7 @@ class CoupledSim(SimBase):
             node.id, len(placed), node.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
             measured=None if pace is None else MeasuredStep(pace.batch, pace.kv_tokens, pace.seconds),
             queued_prefill_s=node.pending_s, decoders_tokens=sum(decoders) / len(decoders) if decoders else 0.0,
-            prompt_excess_s=0.0 if pace is None else pace.prompt_s)
+            prompt_excess_s=0.0 if pace is None else pace.prompt_s, paces_prompts=self.chunked)
 
     @property
     def index(self) -> BlockIndex:
@@ -126,6 +127,8 @@ class CoupledSim(SimBase):
             self.turn_away(rid, decision.clears_in_s)
             return
         assert decision.prefill is not None, "an accepted decision carries its prefill choice"
+        if decision.decode is not None and decision.decode.step_target_s:
+            self._step_target[rid] = decision.decode.step_target_s
         self.enqueue(decision.prefill.instance_id, rid, decision.prefill.prefill_s)
 
     def enqueue(self, node_id: str, rid: int, predicted_prefill_s: float) -> None:
@@ -175,8 +178,8 @@ class CoupledSim(SimBase):
             if node.chunk is not None:
                 rid, done, _ = node.chunk
                 left = self.trace[rid].input_length - done
-                size = min(self.cfg.chunk_tokens, left)
-                steps = left // size if left >= self.cfg.chunk_tokens else 1
+                size = min(self._chunk_tokens(node, rid, done), left)
+                steps = left // size if left >= size else 1
                 growth = prefill.coef[3] * size * size if steps > 1 else 0.0
                 node.extra = (prefill.predict(size, done), growth, size)
                 end = batch.begin(batch.t0, node.extra[0], growth, steps)
@@ -203,6 +206,17 @@ class CoupledSim(SimBase):
             node.kind = PREFILLING
         if end is not None:
             self.push(end, EPOCH, node.idx, node.version)
+
+    def _chunk_tokens(self, node: _Node, rid: int, done: int) -> int:
+        """Tokens of ``rid``'s prompt a step computes from ``done`` on: the chunk size, or for a paced prompt
+        beside decoding sequences what its step target leaves of their step (as the engine's ``StepBudget``
+        sizes it, at least a block), at the chunk's cost per token where it starts."""
+        target = self._step_target.get(rid, 0.0)
+        if not target or not node.batch.members:
+            return self.cfg.chunk_tokens
+        room = target - self.cost.decode.predict(len(node.batch.members), node.batch.context)
+        per_token = self.cost.prefill.predict(self.cfg.chunk_tokens, done) / self.cfg.chunk_tokens
+        return max(self.cfg.block_size, min(self.cfg.chunk_tokens, int(room / per_token)))
 
     def _epoch_end(self, node: _Node) -> None:
         batch = node.batch
@@ -231,6 +245,7 @@ class CoupledSim(SimBase):
     def _prefilled(self, node: _Node, rid: int, t: float, cached: int) -> None:
         req = self.trace[rid]
         node.pending_s -= self._predicted.pop(rid)
+        self._step_target.pop(rid, None)
         computed = self._computed.pop(rid)
         if self.prefill_fitter is not None:
             self.prefill_fitter.record(req.input_length - cached, cached, computed)

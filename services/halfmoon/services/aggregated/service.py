@@ -76,6 +76,7 @@ class AggregatedService(EngineWorker):
                                                       output_token_ids=req.output_token_ids,
                                                       block_keys=self.prefix.prompt_keys(req, prefix.keys),
                                                       tenant_salt=req.tenant_salt,
+                                                      step_target_s=req.step_target_s,
                                                       # taken on the engine thread: a short answer may end, and
                                                       # its KV be freed, before a later export could run
                                                       kv=NO_KV if pooled else prefix.kv(export_prompt_from=prefix.reused)):

@@ -103,7 +103,8 @@ class KVCentricPlacement(PlacementPolicy):
                                    shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
                                    queued_prefill_s=self._queued(view)[0] if aggregated else 0.0,
                                    decoders_tokens=view.outstanding.mean_decode_tokens,
-                                   prompt_excess_s=prompt_excess if aggregated else 0.0)
+                                   prompt_excess_s=prompt_excess if aggregated else 0.0,
+                                   paces_prompts=aggregated and view.paces_prompts)
 
     def place(self, request: ScheduleRequest, prefill: Sequence[InstanceView], decode: Sequence[InstanceView],
               now: float = 0.0) -> Placement | Rejection:
@@ -169,7 +170,8 @@ class KVCentricPlacement(PlacementPolicy):
         pipeline = decision.pipeline.stages[1:] if decision.pipeline else ()
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
                          chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,
-                         decision.decode.predicted_tbt_s * 1000 if decision.decode else None)
+                         decision.decode.predicted_tbt_s * 1000 if decision.decode else None,
+                         step_target_s=decision.decode.step_target_s if decision.decode else 0.0)
 
 
 def _figures(option: ServingOption | None) -> str:

@@ -28,6 +28,7 @@ class Placement(NamedTuple):
     # both a pair and aggregated instances were live: the predicted cost of each option (policy/disaggregation.py)
     handoff_cost_s: float | None = None
     whole_cost_s: float | None = None
+    step_target_s: float = 0.0  # an aggregated instance paces the prompt's chunks to this step (0: unpaced)
 
     @property
     def whole(self) -> bool:

@@ -20,6 +20,7 @@ class InstanceView(NamedTuple):
     outstanding: Outstanding = Outstanding()  # the conductor's ledger of work placed here and not done
     incarnation: str = ""  # the run of the process its last heartbeat named
     left: int = 0  # requests it reported done since its last heartbeat
+    paces_prompts: bool = False  # its engine honours a prompt's step target (Heartbeat.paces_prompts)
 
     @property
     def running(self) -> int:
@@ -44,7 +45,7 @@ class _Entry:
     def view(self) -> InstanceView:
         hb = self.heartbeat
         return InstanceView(hb.instance_id, hb.role, hb.address, hb.load, hb.leaving, incarnation=hb.incarnation,
-                            left=self.left)
+                            left=self.left, paces_prompts=hb.paces_prompts)
 
 
 class InstanceTable:

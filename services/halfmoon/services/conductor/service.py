@@ -283,6 +283,7 @@ class ConductorService(Service[ConductorConfig]):
             predicted_tbt_ms=choice.predicted_tbt_ms,
             prefill_incarnation=self._incarnation(choice.prefill),
             decode_incarnation=self._incarnation(choice.decode),
+            step_target_s=choice.step_target_s,
         )
 
     def _record_serving(self, request: ScheduleRequest, choice: Placement) -> None:
@@ -310,6 +311,7 @@ class ConductorService(Service[ConductorConfig]):
         span.set_attributes({
             "halfmoon.decode.running": view.running, "halfmoon.decode.placed": view.outstanding.requests,
             **({} if choice.predicted_tbt_ms is None else {"halfmoon.tbt.predicted_ms": choice.predicted_tbt_ms}),
+            **({"halfmoon.prefill.step_target_ms": choice.step_target_s * 1000} if choice.step_target_s else {}),
             **({} if load.shared_step_fraction is None else {"halfmoon.decode.shared_step_fraction":
                                                             load.shared_step_fraction}),
             **({} if window is None else {"halfmoon.decode.window_step_ms": window.seconds * 1000,

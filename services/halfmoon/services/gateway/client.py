@@ -169,6 +169,7 @@ class Generation:
                 decode_instance=placement.decode_instance,
                 deadline=deadline, tenant_salt=self.tenant_salt, output_token_ids=tuple(self.order.tokens),
                 attempt=self.attempt, tenant=self.tenant, pipeline=placement.pipeline,
+                step_target_s=placement.step_target_s,
             )
             self._watch(placement.prefill_instance)
             self._watch(placement.decode_instance)

@@ -1,0 +1,71 @@
+"""A long prompt beside decoding sequences: admitted paced where its own work alone would hold them past the
+TBT SLO, its chunks kept to a share of the SLO and its TTFT stretched by what that leaves it."""
+
+import pytest
+
+from halfmoon.policy.admission import PredictiveEarlyRejection
+from halfmoon.policy.cost import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
+from halfmoon.policy.decode import PACED_STEP_SHARE, SloAwareDecode
+from halfmoon.policy.prefill import LocalCacheAwarePrefill
+from halfmoon.policy.scheduler import KVCentricScheduler
+from halfmoon.policy.state import SLO, DecodeInstanceState, PrefillInstanceState, RouteRequest
+
+SLO_200MS = SLO(ttft_s=30.0, tbt_s=0.2)
+STEP_S = 0.05
+TARGET_S = PACED_STEP_SHARE * SLO_200MS.tbt_s  # 0.15 s
+DECODE = SloAwareDecode(DecodeCostModel((STEP_S, 0.0, 0.0)), SLO_200MS)
+# the trace's case: ten sequences decoding with 32 tokens to go, 1 s of prompts queued ahead
+DECODING = DecodeInstanceState("a0", 10, 0, 10**6, interleaves_prefill=True, queued_prefill_s=1.0,
+                               paces_prompts=True)
+
+
+def test_a_prompt_that_would_hold_its_neighbours_past_the_slo_is_admitted_paced() -> None:
+    # unpaced, 0.05 + (1 + 8.5) / 32 = 0.347 s between their tokens; paced, at most the 0.15 s target, and
+    # each 0.15 s step leaves the prompt 0.10 s: 8.5 s of work over 12.75 s
+    choice = DECODE.choose([DECODING], 2_725, decode_tokens=32, prompt_s=8.5, paced_budget_s=29.0)
+    assert choice is not None and choice.instance_id == "a0"
+    assert choice.step_target_s == pytest.approx(TARGET_S)
+    assert choice.paced_prompt_s == pytest.approx(8.5 * TARGET_S / (TARGET_S - STEP_S))
+    assert choice.predicted_tbt_s == pytest.approx(STEP_S)  # the request's own gap once it decodes
+
+
+def test_no_pace_where_the_engine_cannot_or_the_prompt_would_start_too_late() -> None:
+    assert DECODE.choose([DECODING._replace(paces_prompts=False)], 2_725, decode_tokens=32, prompt_s=8.5,
+                         paced_budget_s=29.0) is None
+    assert DECODE.choose([DECODING], 2_725, decode_tokens=32, prompt_s=8.5, paced_budget_s=12.0) is None
+    assert DECODE.choose([DECODING], 2_725, decode_tokens=32, prompt_s=8.5) is None  # no budget given: none
+
+
+def test_no_pace_where_the_neighbours_are_past_the_slo_without_this_prompt_or_its_step_leaves_no_room() -> None:
+    # the queue alone: 0.05 + 6 / 32 = 0.2375 s; pacing this prompt would not bring them within the SLO
+    burst = DECODING._replace(queued_prefill_s=6.0)
+    assert DECODE.choose([burst], 2_725, decode_tokens=32, prompt_s=8.5, paced_budget_s=29.0) is None
+    # a decode step over the 0.15 s target: 0.16 + 2 / 32 = 0.2225 s unpaced, and paced no room for the prompt
+    slow = SloAwareDecode(DecodeCostModel((0.16, 0.0, 0.0)), SLO_200MS)
+    assert slow.choose([DECODING._replace(queued_prefill_s=0.0)], 2_725, decode_tokens=32, prompt_s=2.0,
+                       paced_budget_s=29.0) is None
+
+
+def test_an_instance_that_takes_the_prompt_unpaced_wins_over_one_that_would_pace_it() -> None:
+    # a1 is busier, but its decoders have 400 tokens to go: 0.05 + 9.5 / 400 = 0.074 s unpaced
+    roomy = DECODING._replace(id="a1", batch_size=14, decoders_tokens=400.0)
+    choice = DECODE.choose([DECODING, roomy], 2_725, decode_tokens=32, prompt_s=8.5, paced_budget_s=29.0)
+    assert choice is not None and choice.instance_id == "a1" and choice.step_target_s == 0.0
+
+
+def test_the_scheduler_predicts_the_paced_ttft_and_rejects_where_it_misses_the_ttft_slo() -> None:
+    cost = CostModels(prefill=PrefillCostModel((0.0, 8.5 / 2_725, 0.0, 0.0)), decode=DECODE.cost,
+                      transfer=TransferModel(bytes_per_token=1.0, bandwidth_bytes_per_s=1e9, latency_s=0.0))
+    scheduler = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_200MS), PredictiveEarlyRejection(DECODE),
+                                   SLO_200MS)
+    request = RouteRequest(tuple(f"k{i}" for i in range(170)), 2_725, 16, 32)
+    queued = PrefillInstanceState("a0", 1.0)
+    decision = scheduler.schedule(request, [queued], [DECODING], {}, 0.0)
+    assert decision.accepted and decision.decode is not None
+    assert decision.decode.step_target_s == pytest.approx(TARGET_S)
+    assert decision.prefill is not None
+    assert decision.prefill.prefill_s == pytest.approx(8.5)  # the work the ledger holds: the prompt's own
+    assert decision.prefill.ttft_s == pytest.approx(1.0 + decision.decode.paced_prompt_s)
+    # waited 17 s for a placement: 17 + 1 + 12.75 > 30 s, and unpaced its neighbours miss: turned away
+    late = scheduler.schedule(request._replace(waited_s=17.0), [queued], [DECODING], {}, 0.0)
+    assert not late.accepted and late.reason == "decode_overloaded_predicted"
