@@ -164,6 +164,9 @@ class TestLedgerAcrossConductors:
         prefill, decode = placement_stages(placed, now=10.0)
         assert (prefill.instance_id, prefill.order, prefill.expires_at) == ("p0", 0, 15.0)
         assert (decode.instance_id, decode.order, decode.expires_at) == ("d0", 1, 19.0)
+        assert not prefill.paced
+        paced, _ = placement_stages(msgspec.structs.replace(placed, paced=True), now=10.0)
+        assert paced.paced
 
 
 class TestCutOff:

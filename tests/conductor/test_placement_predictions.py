@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 from fake_instances import SPEC
@@ -190,3 +192,19 @@ class TestPacedPrompt:
         # each 0.15 s step leaves the prompt what the 0.067 s decoding step does not: 9.26 s over about 16.6 s
         assert placed.predicted_ttft_ms == pytest.approx(placed.model_ttft_ms)
         assert 16_000 < placed.predicted_ttft_ms < 17_000
+
+    def test_the_prompt_after_a_paced_one_is_neither_queued_behind_it_nor_kept_out_by_it(self):
+        """The trace's case: a paced prompt of 4.6 s placed 13 ms before the 2,725-token one, whole in the queue,
+        put its decoders at 0.072 + 4.6 / 32 = 0.216 s and that prompt was turned away."""
+        paced = Outstanding(count=10, work_s=4.6, tokens=1_350, requests=9, decode_tokens=9 * 32, decoders=9,
+                            paced_work_s=4.6)
+        view = self.view(True)._replace(outstanding=paced)
+        placed = place_pair(self.placement(), self.REQUEST, [], [], [view], now=0.0)
+        assert isinstance(placed, Placement) and placed.step_target_s > 0, placed
+        # no queue ahead of it: its TTFT is its own paced prefill, as it was with nothing placed before it
+        alone = place_pair(self.placement(), self.REQUEST, [], [], [self.view(True)], now=0.0)
+        assert isinstance(alone, Placement)
+        assert placed.predicted_ttft_ms == pytest.approx(alone.predicted_ttft_ms, rel=0.02)
+        # the same work placed unpaced is a queue, and spread whole it keeps the prompt out
+        unpaced = view._replace(outstanding=dataclasses.replace(paced, paced_work_s=0.0))
+        assert isinstance(place_pair(self.placement(), self.REQUEST, [], [], [unpaced], now=0.0), Rejection)

@@ -35,6 +35,14 @@ class TestPlacing:
         assert ledger.outstanding("p0") == Outstanding() and ledger.outstanding("p1").count == 1
         assert ledger.cleared[Cleared.REPLACED] == 2
 
+    def test_paced_prompt_work_is_counted_apart_and_leaves_with_its_stage(self):
+        ledger = ledger_with("a")
+        ledger.place("paced", [Stage("p0", 0, 100.0, 9.0, 2_725, paced=True), Stage("p0", 1, 150.0, 0.0, 2_725, 32)],
+                     now=0.0)
+        assert ledger.outstanding("p0") == Outstanding(3, 11.0, 100 + 2 * 2_725, 2, 32, 1, paced_work_s=9.0)
+        ledger.done("paced", "p0", Cleared.COMPLETED, now=1.0)  # its first token: the prefill stage is done
+        assert ledger.outstanding("p0").paced_work_s == 0.0 and ledger.outstanding("p0").work_s == 2.0
+
     def test_a_placement_needs_a_stage(self):
         with pytest.raises(ValueError):
             WorkLedger().place("a", [], now=0.0)

@@ -69,3 +69,24 @@ def test_the_scheduler_predicts_the_paced_ttft_and_rejects_where_it_misses_the_t
     # waited 17 s for a placement: 17 + 1 + 12.75 > 30 s, and unpaced its neighbours miss: turned away
     late = scheduler.schedule(request._replace(waited_s=17.0), [queued], [DECODING], {}, 0.0)
     assert not late.accepted and late.reason == "decode_overloaded_predicted"
+
+
+def test_requests_arriving_while_a_paced_prompt_runs_see_it_as_its_target_lets_them() -> None:
+    """As on the trace: a paced prompt's 4.6 s of work, spread whole over the decoders' 32 tokens (0.072 +
+    4.6 / 32 = 0.216 s), kept out the 2,725-token prompt that arrived 13 ms after it, which the same load
+    without admission served within both SLOs."""
+    pacing = DECODING._replace(queued_prefill_s=4.6, paced_prefill_s=4.6)
+    # a short prompt: the paced one adds at most 0.15 - 0.05 s a gap, its own 1 s over 32 tokens 0.031 s
+    assert DECODE.decoders_tbt(pacing, 300, 32, 1.0) == pytest.approx(TARGET_S + 1.0 / 32)
+    choice = DECODE.choose([pacing], 300, decode_tokens=32, prompt_s=1.0)
+    assert choice is not None and choice.step_target_s == 0.0
+    # little paced work left: its share spread as before
+    assert DECODE.decoders_tbt(pacing._replace(queued_prefill_s=1.0, paced_prefill_s=1.0), 300, 32, 1.0) == \
+        pytest.approx(STEP_S + 2.0 / 32)
+    # unpaced work queued beside it still counts whole
+    assert DECODE.decoders_tbt(pacing._replace(queued_prefill_s=5.6), 300, 32, 1.0) == \
+        pytest.approx(TARGET_S + 2.0 / 32)
+    # what a rejection names is what the decoders see of the queue
+    parts = DECODE.nearest([pacing._replace(queued_prefill_s=7.6)], 300, decode_tokens=32, prompt_s=1.0).parts
+    assert parts is not None and parts.step_s == pytest.approx(STEP_S)
+    assert parts.prompt_work_s == pytest.approx((TARGET_S - STEP_S) * 32 + 3.0 + 1.0)

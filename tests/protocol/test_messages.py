@@ -145,6 +145,8 @@ CASES = [
     (codecs.RESUME, ResumeRequest(request_id="r-1", attempt=1, from_index=17)),
     (codecs.PLACED, Placed(conductor="conductor-1", prefill_instance="p0", decode_instance="d1", request_id="r-1",
                            prefill_s=0.25, prompt_tokens=6, ttl_s=61.0, decode_ttl_s=90.0)),
+    (codecs.PLACED, Placed(conductor="conductor-1", prefill_instance="a0", decode_instance="a0", request_id="r-2",
+                           prefill_s=9.25, prompt_tokens=2_725, max_tokens=32, paced=True)),
     (codecs.REJECTED, Rejected(conductor="conductor-1", request_id="r-1", reason=RejectReason.OVERLOADED,
                                prompt_tokens=6, max_tokens=16)),
     (codecs.WORK_DONE, WorkDone(request_id="r-1", instance_id="p0", outcome=WorkOutcome.COMPLETED)),

@@ -209,10 +209,26 @@ class SloAwareDecode:
 
     def _with_prompts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                       peer: StepCorrection | None, decode_tokens: int, prompt_s: float) -> float:
-        """Its step (decode-only where measured apart) with the queued prompt work and ``prompt_s`` more spread
-        over its tokens."""
+        """Its step (decode-only where measured apart) with the queued prompt work (``_queue_gap``) and
+        ``prompt_s`` more spread over its tokens."""
         step = self._step(inst, context_tokens, at, peer)
-        return step + (inst.queued_prefill_s + prompt_s) / self._spread(inst, decode_tokens)
+        spread = self._spread(inst, decode_tokens)
+        return step + self._queue_gap(inst, step, spread) + prompt_s / spread
+
+    def _queue_gap(self, inst: DecodeInstanceState, step: float, spread: float) -> float:
+        """What the prompt work queued on ``inst`` adds to each gap of its decoders (``step`` their step,
+        ``spread`` their tokens): the unpaced work spread over their tokens, and the paced work as far as its
+        target leaves room beside their step. Spread whole, a prompt admitted paced counted as if it would be
+        computed at full speed, and the requests arriving while it ran were kept out until it had."""
+        paced = 0.0
+        if inst.paced_prefill_s > 0:
+            paced = min(inst.paced_prefill_s / spread, max(0.0, self.paced_step_s - step))
+        return (inst.queued_prefill_s - inst.paced_prefill_s) / spread + paced
+
+    @property
+    def paced_step_s(self) -> float:
+        """The step a paced prompt's chunks keep within."""
+        return PACED_STEP_SHARE * self.headroom * self.slo.tbt_s
 
     @staticmethod
     def _spread(inst: DecodeInstanceState, decode_tokens: int) -> float:
@@ -245,7 +261,7 @@ class SloAwareDecode:
                 continue
             with_queue = self._with_prompts(inst, context_tokens, at, peers[0], decode_tokens, prompt_s)
             passing = inst.prompt_excess_s
-            own_alone = with_queue - inst.queued_prefill_s / spread - passing
+            own_alone = with_queue - self._queue_gap(inst, self._step(inst, context_tokens, at, peers[0]), spread) - passing
             if self._predicted(inst, context_tokens, at, peers) - passing <= limit and own_alone <= limit:
                 drains.append(max(0.0, with_queue - limit) * spread)
         return min(drains, default=None)
@@ -297,7 +313,7 @@ class SloAwareDecode:
         own = self._own_prompt_s(inst, prompt_s)
         if not (inst.paces_prompts and inst.interleaves_prefill and own > 0):
             return None
-        target = PACED_STEP_SHARE * self.headroom * self.slo.tbt_s
+        target = self.paced_step_s
         without_own = self._decoders_tbt(inst, context_tokens, at, peers, tbt, decode_tokens, 0.0)
         room = target - self._step(inst, context_tokens, at, peers[0])
         if without_own > self.headroom * self.slo.tbt_s or room <= 0:
@@ -322,9 +338,12 @@ class SloAwareDecode:
     def _parts(self, inst: DecodeInstanceState, context_tokens: int, at: float | None,
                peers: tuple[StepCorrection | None, StepCorrection | None], tbt: float, decode_tokens: int,
                prompt_s: float) -> TbtParts:
-        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``."""
+        """The parts of ``tbt``, the prediction ``_decoders_tbt`` made for ``inst``: the prompt work is what its
+        decoders see of it, paced work as far as its target lets it."""
         work, spread, level = 0.0, self._spread(inst, decode_tokens), inst.measured
+        step = tbt
         if inst.interleaves_prefill and decode_tokens > 0 and tbt > self._predicted(inst, context_tokens, at, peers):
-            work = inst.queued_prefill_s + self._own_prompt_s(inst, prompt_s)
-        return TbtParts(tbt - work / spread if work else tbt, work, spread, None if level is None else level.seconds,
+            step = self._step(inst, context_tokens, at, peers[0])
+            work = (tbt - step) * spread
+        return TbtParts(step, work, spread, None if level is None else level.seconds,
                         inst.prompt_excess_s, 0.0 if level is None else level.batch)

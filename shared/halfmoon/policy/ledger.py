@@ -45,6 +45,7 @@ class Stage(NamedTuple):
     work_s: float = 0.0  # predicted seconds of work on that instance
     tokens: int = 0
     decode_tokens: int = 0  # a decode stage's: the request's max_tokens
+    paced: bool = False  # a prefill stage whose prompt was admitted paced (SloAwareDecode.paced)
 
 
 def is_decoder(max_tokens: int) -> bool:
@@ -58,7 +59,8 @@ class Outstanding:
     """What the ledger holds for one instance: ``count`` entries, of ``requests`` requests (an instance
     serving both stages of a request holds two entries of it until its prefill is done); ``decoders`` of
     them decode stages whose ``max_tokens`` leaves a gap between tokens (2 or more), ``decode_tokens`` theirs
-    in all. A request for one token has no gap that prompt work could lengthen."""
+    in all. A request for one token has no gap that prompt work could lengthen. ``paced_work_s``: of
+    ``work_s``, that of prompts admitted paced."""
 
     count: int = 0
     work_s: float = 0.0
@@ -66,6 +68,7 @@ class Outstanding:
     requests: int = 0
     decode_tokens: int = 0
     decoders: int = 0
+    paced_work_s: float = 0.0
 
     @property
     def mean_decode_tokens(self) -> float:
@@ -192,7 +195,8 @@ class WorkLedger:
                                                       held.tokens + sign * stage.tokens,
                                                       held.requests + (sign if request_too else 0),
                                                       held.decode_tokens + sign * stage.decode_tokens * gaps,
-                                                      held.decoders + sign * gaps)
+                                                      held.decoders + sign * gaps,
+                                                      held.paced_work_s + sign * stage.work_s * stage.paced)
 
     def _advance(self, request_id: Hashable, now: float) -> None:
         """Mark the first outstanding stage of a request due (from ``now`` if it was not yet)."""

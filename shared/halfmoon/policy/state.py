@@ -92,7 +92,8 @@ class DecodeInstanceState(NamedTuple):
     ``prompt_excess_s``: of ``measured.seconds``, what the prompt chunks sharing those steps added per gap (an
     aggregated instance measured as one window of both kinds of steps): a rejection names it, and a request
     kept out by it waits for it to pass. ``paces_prompts``: its engine paces a prompt's chunks to a step
-    target of the request's own (``SloAwareDecode.paced``)."""
+    target of the request's own (``SloAwareDecode.paced``); ``paced_prefill_s``: of ``queued_prefill_s``, the
+    work of prompts admitted so, which shares the decoding sequences' steps only as far as its target lets it."""
 
     id: str
     batch_size: int
@@ -108,6 +109,7 @@ class DecodeInstanceState(NamedTuple):
     decoders_tokens: float = 0.0
     prompt_excess_s: float = 0.0
     paces_prompts: bool = False
+    paced_prefill_s: float = 0.0
 
 
     def load_at(self, t: float) -> tuple[int, int]:

@@ -77,7 +77,9 @@ class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     without news before it expires (prefill), ``decode_ttl_s`` the same for the decode part. ``pipeline``:
     the later stages of a pipelined prefill (each busy about as long as the head). ``max_tokens`` and
     ``reused_tokens`` (prompt tokens the prefill instance is expected to reuse from the cache) are what
-    the planner forecasts output lengths and cache hits from."""
+    the planner forecasts output lengths and cache hits from. ``paced``: the prompt was admitted paced
+    (``ScheduleAccepted.step_target_s``): its work shares the steps of the sequences decoding there only as
+    far as its step target lets it."""
 
     conductor: str
     prefill_instance: str
@@ -90,6 +92,7 @@ class Placed(Message, frozen=True, kw_only=True, tag="placed"):
     ttl_s: float = 60.0
     decode_ttl_s: float = 600.0
     pipeline: tuple[str, ...] = ()
+    paced: bool = False
 
     def __post_init__(self) -> None:
         check_token(self.request_id, "request_id")

@@ -107,7 +107,8 @@ class CoupledSim(SimBase):
         return DecodeInstanceState(
             node.id, len(placed), node.batch.context, self.profile.decode_capacity_tokens, interleaves_prefill=True,
             measured=None if pace is None else MeasuredStep(pace.batch, pace.kv_tokens, pace.seconds),
-            queued_prefill_s=node.pending_s, decoders_tokens=sum(decoders) / len(decoders) if decoders else 0.0,
+            queued_prefill_s=node.pending_s, paced_prefill_s=sum(self._predicted[rid] for rid in placed if rid in self._step_target),
+            decoders_tokens=sum(decoders) / len(decoders) if decoders else 0.0,
             prompt_excess_s=0.0 if pace is None else pace.prompt_s, paces_prompts=self.chunked)
 
     @property

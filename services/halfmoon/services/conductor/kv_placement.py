@@ -67,19 +67,26 @@ class KVCentricPlacement(PlacementPolicy):
                             admitted=request.attempt > 0, waited_s=request.waited_s)
 
     @staticmethod
-    def _queued(view: InstanceView) -> tuple[float, int]:
-        """Prompt work placed on ``view`` and not yet computed: (seconds, tokens). The ledger's, scaled up
-        where the instance reports more requests waiting than the ledger holds (placed by a conductor this
-        one took over from), each at the ledger's mean. Waiting, not running: a heartbeat lags the ledger by
+    def _scale(view: InstanceView) -> float:
+        """How much the ledger's placed prompt work on ``view`` is scaled up by: more than 1 where the instance
+        reports more requests waiting than the ledger holds (placed by a conductor this one took over from),
+        each at the ledger's mean. Waiting, not running: a heartbeat lags the ledger by
         up to an interval, and when a wave of 8 streams ended together the last one still said 8 running
         while the ledger held the one request placed since; scaled by those, its prompt counted eight times
         (11.7 s of predicted TTFT) and the next 31 requests were turned away."""
         placed = view.outstanding
-        scale = max(1.0, view.load.queue_len / placed.requests) if placed.requests else 0.0
-        return placed.work_s * scale, round(placed.tokens * scale)
+        return max(1.0, view.load.queue_len / placed.requests) if placed.requests else 0.0
+
+    def _queued(self, view: InstanceView) -> tuple[float, int]:
+        """Prompt work placed on ``view`` and not yet computed: (seconds, tokens), scaled (``_scale``)."""
+        scale = self._scale(view)
+        return view.outstanding.work_s * scale, round(view.outstanding.tokens * scale)
 
     def _prefill_state(self, view: InstanceView) -> PrefillInstanceState:
+        """A prompt admitted paced is no queue to wait behind: the engine computes the prompts after it beside
+        its chunks, which take only what their step target leaves."""
         seconds, tokens = self._queued(view)
+        seconds -= view.outstanding.paced_work_s * self._scale(view)
         recent = (view.load.ttft_ms / 1000,) if view.load.ttft_ms is not None else ()
         return PrefillInstanceState(view.instance_id, seconds, tokens, recent)
 
@@ -102,6 +109,7 @@ class KVCentricPlacement(PlacementPolicy):
                                    measured_shared=measured_step(shared),
                                    shared_step_fraction=view.load.shared_step_fraction if aggregated else None,
                                    queued_prefill_s=self._queued(view)[0] if aggregated else 0.0,
+                                   paced_prefill_s=view.outstanding.paced_work_s * self._scale(view) if aggregated else 0.0,
                                    decoders_tokens=view.outstanding.mean_decode_tokens,
                                    prompt_excess_s=prompt_excess if aggregated else 0.0,
                                    paces_prompts=aggregated and view.paces_prompts)

@@ -266,7 +266,7 @@ class ConductorService(Service[ConductorConfig]):
         placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
                         request_id=request.request_id, prefill_s=choice.prefill_s, prompt_tokens=request.prompt_len,
                         max_tokens=request.sampling.max_tokens, reused_tokens=choice.reused_tokens,
-                        pipeline=choice.pipeline,
+                        pipeline=choice.pipeline, paced=choice.step_target_s > 0,
                         ttl_s=self.config.ledger_ttl_s + 2 * ttft_s,
                         decode_ttl_s=self.config.ledger_ttl_s + 2 * (ttft_s + request.sampling.max_tokens
                                                                      * self.config.tbt_slo_s))
@@ -387,7 +387,7 @@ def placement_stages(placed: Placed, now: float) -> tuple[Stage, ...]:
     (due once prefill is done). An aggregated instance doing both holds both entries and reports the end
     of each: its prefill work must leave the queue estimate at the first token, not when decoding ends."""
     pipeline = () if placed.prefill_instance == placed.decode_instance else placed.pipeline
-    prefill = (Stage(iid, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens)
+    prefill = (Stage(iid, 0, now + placed.ttl_s, placed.prefill_s, placed.prompt_tokens, paced=placed.paced)
                for iid in (placed.prefill_instance, *pipeline))
     return (*prefill, Stage(placed.decode_instance, 1, now + placed.decode_ttl_s, 0.0, placed.prompt_tokens,
                             placed.max_tokens))
