@@ -90,3 +90,17 @@ def test_requests_arriving_while_a_paced_prompt_runs_see_it_as_its_target_lets_t
     parts = DECODE.nearest([pacing._replace(queued_prefill_s=7.6)], 300, decode_tokens=32, prompt_s=1.0).parts
     assert parts is not None and parts.step_s == pytest.approx(STEP_S)
     assert parts.prompt_work_s == pytest.approx((TARGET_S - STEP_S) * 32 + 3.0 + 1.0)
+
+
+def test_a_prompt_kept_out_by_the_queue_waits_for_it_to_drain_where_it_can_join_paced() -> None:
+    """As on the trace: the 2,725-token prompt came 20 ms after nine others of its burst; their prompts
+    alone put the decoders past the SLO, and its own alone too, so no wait was expected and it got a 429."""
+    queued = DECODING._replace(queued_prefill_s=6.0)
+    assert DECODE.choose([queued], 2_725, decode_tokens=32, prompt_s=8.5, paced_budget_s=29.0) is None
+    # once 1.2 s of the queue has drained (0.05 + 4.8 / 32 = 0.2 s), it joins paced
+    assert DECODE.clears_in([queued], 2_725, decode_tokens=32, prompt_s=8.5) == pytest.approx((0.05 + 6 / 32 - 0.2) * 32)
+    drained = queued._replace(queued_prefill_s=6.0 - 1.2)
+    choice = DECODE.choose([drained], 2_725, decode_tokens=32, prompt_s=8.5, paced_budget_s=29.0)
+    assert choice is not None and choice.step_target_s > 0
+    # an engine that does not pace: waiting would not let it in
+    assert DECODE.clears_in([queued._replace(paces_prompts=False)], 2_725, decode_tokens=32, prompt_s=8.5) is None
