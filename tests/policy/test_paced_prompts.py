@@ -104,3 +104,16 @@ def test_a_prompt_kept_out_by_the_queue_waits_for_it_to_drain_where_it_can_join_
     assert choice is not None and choice.step_target_s > 0
     # an engine that does not pace: waiting would not let it in
     assert DECODE.clears_in([queued._replace(paces_prompts=False)], 2_725, decode_tokens=32, prompt_s=8.5) is None
+
+
+def test_the_pace_of_prompts_lately_passing_is_waited_for_too() -> None:
+    """As on the trace: steps lately 0.066 s, 0.018 s of it prompts, and the queue put the decoders at 0.21 s;
+    with the pace's share taken off they were within the SLO, so no wait was expected and the prompt got a
+    429."""
+    paced_share = TARGET_S - STEP_S
+    state = DECODING._replace(queued_prefill_s=4.0 + 1.0, paced_prefill_s=1.0, decoders_tokens=31.0,
+                              prompt_excess_s=0.018)
+    without_own = STEP_S + 4.0 / 31 + min(1.0 / 31, paced_share)
+    assert without_own > 0.2 > without_own - 0.018
+    wait = DECODE.clears_in([state], 2_725, decode_tokens=32, prompt_s=4.9)
+    assert wait == pytest.approx((without_own - 0.2) * 31)

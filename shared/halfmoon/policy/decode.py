@@ -269,7 +269,7 @@ class SloAwareDecode:
                 continue
             if with_queue - queue_gap - passing <= limit:
                 drains.append(max(0.0, with_queue - limit) * spread)
-            elif inst.paces_prompts and step < self.paced_step_s and step + queue_gap - passing > limit:
+            if inst.paces_prompts and step < self.paced_step_s and step + queue_gap > limit:
                 drains.append((step + queue_gap - limit) * spread)
         return min(drains, default=None)
 
