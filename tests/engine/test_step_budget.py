@@ -61,6 +61,16 @@ class TestStepBudget:
         assert budget.decode_s == pytest.approx(0.13)  # moving average, smoothing 0.3
         assert budget.prefill_tokens(8) > 0
 
+    def test_a_prompt_s_own_target_takes_no_probe_and_the_floor_until_decodes_are_measured(self) -> None:
+        off = StepBudget(0.0, max_tokens=512, min_prefill_tokens=16, probe_every=3)
+        assert off.prefill_tokens(4, target_s=0.25) == 16  # nothing measured yet: the floor, not a probe
+        off.record(4, 0, 0.125)
+        off.record(4, 100, 0.125 + 100 * 2 ** -9)
+        for _ in range(5):  # steps with prompt tokens go on past the probe interval
+            assert off.prefill_tokens(4, target_s=0.25) == 64
+            off.record(4, 64, 0.25)
+        assert off.prefill_tokens(4) == 508  # the engine's own steps: no target, everything
+
     @pytest.mark.parametrize("bad", [dict(target_s=-1.0), dict(target_s=float("nan")),
                                      dict(min_prefill_tokens=0), dict(min_prefill_tokens=600)])
     def test_bad_settings_are_refused(self, bad: dict[str, float]) -> None:

@@ -20,7 +20,10 @@ class StepBudget:
     target, a step gets all of ``max_tokens``. ``target_s`` 0 turns it off for the engine's steps; the
     figures are learned all the same, for prompts paced to a target of their own
     (``prefill_tokens(..., target_s)``: a prompt the conductor admitted beside decoding sequences only on
-    condition that its chunks keep their steps within that target).
+    condition that its chunks keep their steps within that target). Such a prompt takes no probe: the
+    other prompts of the step are not its to hold back, so with prompts arriving all the time the probe
+    would never come and the paced prompt would wait for it; it goes by the decodes last measured alone,
+    and by the floor until they are.
     """
 
     def __init__(self, target_s: float, max_tokens: int, min_prefill_tokens: int, *, smoothing: float = 0.3,
@@ -45,9 +48,9 @@ class StepBudget:
         target = self.target_s if target_s is None else target_s
         if not target or not num_decoding:
             return room
-        if self.decode_s is None or self._since_probe >= self._probe_every:
+        if target_s is None and (self.decode_s is None or self._since_probe >= self._probe_every):
             return 0
-        if not self.per_prompt_token_s:
+        if self.decode_s is None or not self.per_prompt_token_s:
             return min(room, self.min_prefill_tokens)
         fits = int((target - self.decode_s) / self.per_prompt_token_s)
         return max(0, min(room, max(self.min_prefill_tokens, fits)))
