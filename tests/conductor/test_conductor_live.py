@@ -8,8 +8,9 @@ import time
 
 import msgspec
 import pytest
-from fake_instances import reporter_host, wait_until
+from fake_instances import SPEC, LoadReporter, reporter_host, wait_until
 
+from halfmoon.core.kv_spec import KVSpec
 from halfmoon.protocol import (
     CancelRequest,
     ErrorCode,
@@ -28,8 +29,9 @@ from halfmoon.protocol import (
 from halfmoon.protocol.registry import Leaving, StepSample
 from halfmoon.protocol.scheduling import Readiness, ReadinessRequest, Rejected
 from halfmoon.protocol.work import WorkDone, WorkOutcome
-from halfmoon.runtime import ServiceHost, request
+from halfmoon.runtime import ServiceConfig, ServiceHost, request
 from halfmoon.services.conductor.service import ConductorConfig, ConductorService
+from halfmoon.telemetry.metrics import METRICS
 
 
 def schedule_request(rid: str = "r1", deadline_in: float = 30.0) -> ScheduleRequest:
@@ -336,3 +338,58 @@ class TestConductorProcess:
         assert await asyncio.to_thread(proc.wait, 30) == 0
         assert [(d.instance_id, d.reason) for d in downs.events] == [("cond-1", "shutdown")]
         assert any(b.leaving is Leaving.DRAINING for b in beats if b.instance_id == "cond-1")
+
+
+class TestPacesLongPrompts:
+    """An aggregated instance whose engine paces prompts takes a long prompt beside its decoding sequences
+    paced, over real NATS: the reply names the step target and the conductor counts it; one that does not
+    pace turns the same request away."""
+
+    # eight sequences decoding at 66 ms a step
+    LOAD = Load(running=8, total_kv_blocks=1000, free_kv_blocks=900,
+                window_steps=StepSample(steps=60, batch=8.0, kv_tokens=1600.0, seconds=0.066))
+
+    class Aggregated(LoadReporter):
+        def __init__(self, config: ServiceConfig, paces: bool) -> None:
+            super().__init__(config, Role.AGGREGATED)
+            self.paces = paces
+
+        @property
+        def address(self) -> str:
+            return self.subjects.prefill_submit_to(self.instance_id)
+
+        @property
+        def kv_spec(self) -> KVSpec | None:
+            return SPEC
+
+        @property
+        def paces_prompts(self) -> bool:
+            return self.paces
+
+    @pytest.mark.parametrize("paces", [True, False])
+    async def test_a_long_prompt_beside_decoding_sequences(self, nats_server, namespace, nc, paces):
+        config = ConductorConfig(nats_url=nats_server.url, namespace=namespace, instance_id="conductor-0",
+                                 heartbeat_interval_s=0.1, warmup_s=0.0)
+        aggregated = self.Aggregated(ServiceConfig(nats_url=nats_server.url, namespace=namespace,
+                                                   instance_id="a0", heartbeat_interval_s=0.05), paces)
+        aggregated.current_load = self.LOAD
+        # 2,725 tokens at the conductor's prior of 0.125 ms each: 0.34 s of prefill over the 2 tokens asked for
+        # puts the decoders at 0.066 + 0.17 s, past the 0.2 s SLO; paced, 0.34 x 0.15 / (0.15 - 0.066) s
+        prompt = tuple(range(3, 2_728))
+        req = ScheduleRequest(request_id="long", model="tiny", prompt_len=len(prompt), prompt_token_ids=prompt,
+                              sampling=SamplingParams(max_tokens=2), deadline=time.time() + 30)
+        paced_before = METRICS.paced_placements._value.get()
+        svc = ConductorService(config)
+        async with ServiceHost(svc), ServiceHost(aggregated):
+            await wait_until(lambda: getattr(svc.policy, "spec", None) is not None and bool(svc.table.candidates(Role.AGGREGATED)),
+                             what="the aggregated instance and its KV spec")
+            reply = await request(nc, Subjects(namespace).schedule, req, codecs.SCHEDULE_REPLY, timeout=5)
+        if paces:
+            assert isinstance(reply, ScheduleAccepted), reply
+            assert reply.prefill_instance == reply.decode_instance == "a0"
+            assert reply.step_target_s == pytest.approx(0.75 * 0.2)
+            assert reply.predicted_ttft_ms == pytest.approx(2_725 / 8_000 * 0.15 / (0.15 - 0.066) * 1000, rel=0.05)
+            assert METRICS.paced_placements._value.get() == paced_before + 1
+        else:
+            assert isinstance(reply, ScheduleRejected) and reply.reason is RejectReason.OVERLOADED, reply
+            assert METRICS.paced_placements._value.get() == paced_before

@@ -87,6 +87,10 @@ class Metrics:
             "halfmoon_instance_losses", "instances that went down holding this process's requests", ["role"],
             registry=r
         )
+        self.paced_placements = Counter(
+            "halfmoon_conductor_paced_placements", "requests placed with their prompt paced to a step target "
+            "(a long prompt beside decoding sequences, admitted paced instead of turned away)", registry=r
+        )
         self.schedule_retries = Counter(
             "halfmoon_schedule_retries", "schedule requests sent again (conductor timeout or absent, no instance of a role, an overload that clears)", registry=r
         )

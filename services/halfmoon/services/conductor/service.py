@@ -261,6 +261,8 @@ class ConductorService(Service[ConductorConfig]):
             return await self._reject(request, choice.reason, choice.message, choice.retry_after_s, choice.clears_in_s)
         if aggregated and prefill and decode:
             self._record_serving(request, choice)
+        if choice.step_target_s:
+            METRICS.paced_placements.inc()
         self._record_decode_load(choice, [*decode, *aggregated])
         ttft_s = (choice.predicted_ttft_ms or 0.0) / 1000
         placed = Placed(conductor=self.instance_id, prefill_instance=choice.prefill, decode_instance=choice.decode,
