@@ -193,6 +193,19 @@ class TestPacedPrompt:
         assert placed.predicted_ttft_ms == pytest.approx(placed.model_ttft_ms)
         assert 16_000 < placed.predicted_ttft_ms < 17_000
 
+    def test_beside_a_pair_that_cannot_take_it_the_aggregated_instance_serves_it_whole_paced(self):
+        policy = self.placement()
+        policy.adopt(SPEC, "p0")
+        prefill = [InstanceView("p0", Role.PREFILL, "p0", Load(), False)]
+        full = [InstanceView("d0", Role.DECODE, "d0", Load(running=8, total_kv_blocks=1000, free_kv_blocks=0), None)]
+        refused = place_pair(policy, self.REQUEST, prefill, full, [self.view(False)], now=0.0)
+        assert isinstance(refused, Rejection), refused
+        placed = place_pair(policy, self.REQUEST, prefill, full, [self.view(True)], now=0.0)
+        assert isinstance(placed, Placement), placed
+        assert placed.prefill == placed.decode == "agg-0" and placed.step_target_s == pytest.approx(0.75 * 0.2)
+        assert placed.predicted_tbt_ms == pytest.approx(0.75 * 0.2 * 1000)
+        assert 16_000 < placed.predicted_ttft_ms < 17_000  # its paced prefill, counted once
+
     def test_the_prompt_after_a_paced_one_is_neither_queued_behind_it_nor_kept_out_by_it(self):
         """The trace's case: a paced prompt of 4.6 s placed 13 ms before the 2,725-token one, whole in the queue,
         put its decoders at 0.072 + 4.6 / 32 = 0.216 s and that prompt was turned away."""

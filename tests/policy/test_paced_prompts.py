@@ -6,6 +6,7 @@ import pytest
 from halfmoon.policy.admission import PredictiveEarlyRejection
 from halfmoon.policy.cost import CostModels, DecodeCostModel, PrefillCostModel, TransferModel
 from halfmoon.policy.decode import PACED_STEP_SHARE, SloAwareDecode
+from halfmoon.policy.disaggregation import PerRequestDisaggregation, Serving
 from halfmoon.policy.prefill import LocalCacheAwarePrefill
 from halfmoon.policy.scheduler import KVCentricScheduler
 from halfmoon.policy.state import SLO, DecodeInstanceState, PrefillInstanceState, RouteRequest
@@ -117,3 +118,29 @@ def test_the_pace_of_prompts_lately_passing_is_waited_for_too() -> None:
     assert without_own > 0.2 > without_own - 0.018
     wait = DECODE.clears_in([state], 2_725, decode_tokens=32, prompt_s=4.9)
     assert wait == pytest.approx((without_own - 0.2) * 31)
+
+
+def test_with_pairs_beside_it_a_prompt_only_an_aggregated_instance_can_take_paced_is_served_whole_paced() -> None:
+    """Both layouts live: the pair's decode instance is full, so the hand-off is no option; serving whole,
+    judged unpaced, held the aggregated instance's decoders at 0.05 + (1 + 8.5) / 32 = 0.347 s and the prompt
+    was turned away."""
+    cost = CostModels(prefill=PrefillCostModel((0.0, 8.5 / 2_725, 0.0, 0.0)), decode=DECODE.cost,
+                      transfer=TransferModel(bytes_per_token=1.0, bandwidth_bytes_per_s=1e9, latency_s=0.0))
+    scheduler = KVCentricScheduler(LocalCacheAwarePrefill(cost, SLO_200MS), PredictiveEarlyRejection(DECODE),
+                                   SLO_200MS)
+    policy = PerRequestDisaggregation(DECODE, cost, SLO_200MS)
+    request = RouteRequest(tuple(f"k{i}" for i in range(170)), 2_725, 16, 32)
+    full = DecodeInstanceState("d0", 60, 10**6, 10**6)
+    handoff = scheduler.schedule(request, [PrefillInstanceState("p0", 0.0)], [full], {}, 0.0)
+    whole = scheduler.schedule(request, [PrefillInstanceState("a0", 1.0)], [DECODING], {}, 0.0)
+    assert not handoff.accepted and whole.accepted and whole.decode is not None and whole.prefill is not None
+    option = policy.whole(whole, [DECODING], request)
+    assert option is not None
+    assert option.ttft_s == pytest.approx(1.0 + 8.5 * TARGET_S / (TARGET_S - STEP_S))  # the scheduler's, once
+    assert option.tbt_s == pytest.approx(TARGET_S)  # the queue ahead: 0.05 + 1 / 32, under the target
+    decision = policy.choose(policy.handoff(handoff, [full], request), option)
+    assert decision.serving is Serving.WHOLE
+    # an aggregated instance that does not pace: neither option, a rejection
+    unpaced = DECODING._replace(paces_prompts=False)
+    whole = scheduler.schedule(request, [PrefillInstanceState("a0", 1.0)], [unpaced], {}, 0.0)
+    assert policy.choose(policy.handoff(handoff, [full], request), policy.whole(whole, [unpaced], request)).serving is None

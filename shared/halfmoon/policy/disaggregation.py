@@ -137,13 +137,22 @@ class PerRequestDisaggregation:
         """Serving whole on the aggregated instance the scheduler chose to prefill (None: rejected): the
         slower of its TBT with the request added (and the prompts queued there and its own, ``SloAwareDecode``) and its
         batch's step with the prompt's last chunk in it, and a TTFT that counts the decoding steps the
-        chunks ride on."""
+        chunks ride on. Where the scheduler admitted the prompt only paced (``DecodeChoice.step_target_s``), the
+        batch sees the prompts queued ahead of it and at most the target while its chunks run. Judged unpaced
+        instead, such a prompt was turned away wherever the hand-off could not take it in time either."""
         if not decision.accepted or decision.prefill is None:
             return None
         p = decision.prefill
         state = next(s for s in aggregated if s.id == p.instance_id)
+        cost = self.whole_cost(p.prefill_s, p.transfer_s, state.batch_size)
+        target = decision.decode.step_target_s if decision.decode is not None else 0.0
+        if target:
+            # admitted paced: its chunks keep the steps they share within the target, and the scheduler's TTFT
+            # already spans the steps they ride on
+            tbt = max(self.decode.decoders_tbt(state, request.prompt_tokens, request.max_tokens, 0.0, aggregated),
+                      target)
+            return ServingOption(p.ttft_s, tbt, cost, state.batch_size == 0)
         new_tokens = request.prompt_tokens - request.cached_tokens(p.prefix_blocks)
         tbt = max(self.decode.decoders_tbt(state, request.prompt_tokens, request.max_tokens, p.prefill_s, aggregated),
                   self.shared_tbt_s(state, request, new_tokens))
-        return ServingOption(p.ttft_s + self.interleaved_s(state, new_tokens), tbt,
-                             self.whole_cost(p.prefill_s, p.transfer_s, state.batch_size), state.batch_size == 0)
+        return ServingOption(p.ttft_s + self.interleaved_s(state, new_tokens), tbt, cost, state.batch_size == 0)

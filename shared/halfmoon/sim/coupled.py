@@ -128,13 +128,15 @@ class CoupledSim(SimBase):
             self.turn_away(rid, decision.clears_in_s)
             return
         assert decision.prefill is not None, "an accepted decision carries its prefill choice"
-        if decision.decode is not None and decision.decode.step_target_s:
-            self._step_target[rid] = decision.decode.step_target_s
-        self.enqueue(decision.prefill.instance_id, rid, decision.prefill.prefill_s)
+        self.enqueue(decision.prefill.instance_id, rid, decision.prefill.prefill_s,
+                     decision.decode.step_target_s if decision.decode is not None else 0.0)
 
-    def enqueue(self, node_id: str, rid: int, predicted_prefill_s: float) -> None:
-        """Queue request ``rid`` on node ``node_id`` to prefill (predicted to take ``predicted_prefill_s``), then decode."""
+    def enqueue(self, node_id: str, rid: int, predicted_prefill_s: float, step_target_s: float = 0.0) -> None:
+        """Queue request ``rid`` on node ``node_id`` to prefill (predicted to take ``predicted_prefill_s``), then
+        decode; ``step_target_s`` (0: not paced) paces its prompt."""
         req = self.trace[rid]
+        if step_target_s:
+            self._step_target[rid] = step_target_s
         node = self.nodes[int(node_id[1:])]
         node.pending_s += predicted_prefill_s
         self._predicted[rid] = predicted_prefill_s
