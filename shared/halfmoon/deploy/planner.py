@@ -35,6 +35,7 @@ from halfmoon.protocol import codecs
 from halfmoon.protocol.permissions import PLANNER
 from halfmoon.protocol.registry import Role
 from halfmoon.protocol.subjects import Subjects
+from halfmoon.runtime.rpc import subscriptions_live
 from halfmoon.sim.config import SimConfig
 from halfmoon.sim.forecast import IntervalLoad, LoadForecaster, Smoothing
 from halfmoon.sim.plan import AGGREGATED, DISAGGREGATED, Evaluate, Layout, PlanSettings, simulator
@@ -216,7 +217,7 @@ class Watch:
             await nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
             await nc.subscribe(self.subjects.placed, cb=self._on_placed)
             await nc.subscribe(self.subjects.rejected, cb=self._on_rejected)
-            await nc.flush()
+            await subscriptions_live(nc)
             self._ready.set()
             await self._stop.wait()
         finally:

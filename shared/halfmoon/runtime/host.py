@@ -23,6 +23,7 @@ from halfmoon.protocol.registry import Heartbeat, InstanceDown, Leaving
 from halfmoon.runtime.base import Service
 from halfmoon.runtime.config import ServiceConfig
 from halfmoon.runtime.liveness import NatsLiveness
+from halfmoon.runtime.rpc import subscriptions_live
 from halfmoon.telemetry.metrics import METRICS, Metrics, MetricsEndpoint
 
 log = logging.getLogger("halfmoon.runtime")
@@ -120,7 +121,7 @@ class ServiceHost:
                                            health=svc.liveness.status)
             await self.metrics.start()
             log.info(f"metrics on {self.metrics.url}", extra={"metrics_port": self.metrics.port})
-        await self._nc.flush()  # subscriptions are live on the server before start() returns
+        await subscriptions_live(self._nc)  # before start() returns
         if config.ready_file:
             write_ready_file(config.ready_file, {"instance_id": svc.instance_id, "pid": os.getpid(),
                                                  "metrics_port": self.metrics.port if self.metrics else None,

@@ -35,6 +35,17 @@ AddressedHandler = Callable[[Req, str], Awaitable[Message]]  # also given the su
 EventHandler = Callable[[Req, Mapping[str, str]], Awaitable[None]]
 
 
+async def subscriptions_live(nc: NATS) -> None:
+    """Return once the server holds every subscription made on ``nc`` so far: requests sent to them from
+    anywhere from then on find them."""
+    # NOTE: nats-py writes flush()'s PING to the socket at once, ahead of the SUBs still queued for its flusher
+    # task, so one flush could return before the server had them: a request sent to a service that had just
+    # started found no responders (1 in 5-7 starts beside three busy loops). The first round trip lets the
+    # flusher write what is queued; the second PING goes after it.
+    await nc.flush()
+    await nc.flush()
+
+
 async def publish(nc: NATS, subject: str, message: Message, headers: Mapping[str, str] | None = None) -> None:
     await nc.publish(subject, Codec.encode(message), headers=inject_headers(dict(headers or {})))
 
