@@ -69,32 +69,24 @@ def config(nats_server, namespace) -> ServiceConfig:
     )
 
 
-async def ask(nc, namespace, rid: str, timeout: float = 5.0, grace_s: float = 0.0):
-    return await request(nc, f"{namespace}.v1.test", CancelRequest(request_id=rid), codecs.SUBMIT_REPLY, timeout,
-                         responder_grace_s=grace_s)
-
-
-# NOTE: beside a busy loop the service's NATS connection was seen to drop as it started, and the first request
-# found no one listening; a caller of a service that may be reconnecting sends again for a while, as the gateway
-# does (``responder_grace_s``)
-RECONNECT_GRACE_S = 10.0
+async def ask(nc, namespace, rid: str, timeout: float = 5.0):
+    return await request(nc, f"{namespace}.v1.test", CancelRequest(request_id=rid), codecs.SUBMIT_REPLY, timeout)
 
 
 class TestRpcErrors:
     async def test_replies_and_typed_failures(self, config, nc, namespace):
         async with ServiceHost(Echo(config)):
-            assert await ask(nc, namespace, "ok-1", grace_s=RECONNECT_GRACE_S) == Ack(request_id="ok-1",
-                                                                                      instance_id="echo-1")
+            assert await ask(nc, namespace, "ok-1") == Ack(request_id="ok-1", instance_id="echo-1")
             with pytest.raises(RemoteError) as info:
-                await ask(nc, namespace, "boom-1", grace_s=RECONNECT_GRACE_S)
+                await ask(nc, namespace, "boom-1")
             assert info.value.code is ErrorCode.INTERNAL and "KeyError" in info.value.reply.message
             with pytest.raises(RemoteError) as info:
-                await ask(nc, namespace, "no-1", grace_s=RECONNECT_GRACE_S)
+                await ask(nc, namespace, "no-1")
             assert info.value.code is ErrorCode.BAD_REQUEST and info.value.reply.message == "refused"
             reply = codecs.SUBMIT_REPLY.decode((await nc.request(f"{namespace}.v1.test", b"junk", timeout=5)).data)
             assert reply.code is ErrorCode.MALFORMED
             with pytest.raises(RemoteError) as info:
-                await ask(nc, namespace, "slow-1", timeout=0.2, grace_s=RECONNECT_GRACE_S)
+                await ask(nc, namespace, "slow-1", timeout=0.2)
             assert info.value.code is ErrorCode.TIMEOUT and info.value.reply.retryable
 
     async def test_requests_carry_trace_context(self, config, nc, namespace):
