@@ -145,7 +145,7 @@ class PerRequestDisaggregation:
         p = decision.prefill
         state = next(s for s in aggregated if s.id == p.instance_id)
         cost = self.whole_cost(p.prefill_s, p.transfer_s, state.batch_size)
-        target = decision.decode.step_target_s if decision.decode is not None else 0.0
+        target = decision.step_target_s
         if target:
             # admitted paced: its chunks keep the steps they share within the target, and the scheduler's TTFT
             # already spans the steps they ride on

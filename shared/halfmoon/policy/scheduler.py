@@ -39,6 +39,11 @@ class ScheduleDecision(NamedTuple):
     model_ttft_s: float = 0.0
     clears_in_s: float | None = None
 
+    @property
+    def step_target_s(self) -> float:
+        """The step the prompt's chunks keep within where it was admitted paced (0: not paced)."""
+        return self.decode.step_target_s if self.decode is not None else 0.0
+
 
 class KVCentricScheduler:
     """Prefill choice, then the TTFT-SLO check (Algorithm 1 line 18), then decode admission; a request

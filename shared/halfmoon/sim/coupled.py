@@ -129,7 +129,7 @@ class CoupledSim(SimBase):
             return
         assert decision.prefill is not None, "an accepted decision carries its prefill choice"
         self.enqueue(decision.prefill.instance_id, rid, decision.prefill.prefill_s,
-                     decision.decode.step_target_s if decision.decode is not None else 0.0)
+                     decision.step_target_s)
 
     def enqueue(self, node_id: str, rid: int, predicted_prefill_s: float, step_target_s: float = 0.0) -> None:
         """Queue request ``rid`` on node ``node_id`` to prefill (predicted to take ``predicted_prefill_s``), then

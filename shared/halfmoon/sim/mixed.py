@@ -83,7 +83,7 @@ class MixedSim(DisaggregatedSim):
             self.whole[rid] = True
             # the node's queue counts the decoding steps the prompt's chunks ride on as well as its prefill
             nodes.enqueue(whole.prefill.instance_id, rid, chosen.whole.ttft_s - whole.prefill.queue_s,
-                          whole.decode.step_target_s if whole.decode is not None else 0.0)
+                          whole.step_target_s)
         else:  # the conductor's: the hand-off's own rejection where neither was admitted
             self.turn_away(rid, None if handoff.accepted or whole.accepted else handoff.clears_in_s)
 

@@ -179,7 +179,7 @@ class KVCentricPlacement(PlacementPolicy):
         return Placement(chosen.instance_id, decode_id, chosen.ttft_s * 1000, chosen.prefix_blocks * self.block_size,
                          chosen.transfer_s + chosen.prefill_s, pipeline, decision.model_ttft_s * 1000,
                          decision.decode.predicted_tbt_s * 1000 if decision.decode else None,
-                         step_target_s=decision.decode.step_target_s if decision.decode else 0.0)
+                         step_target_s=decision.step_target_s)
 
 
 def _figures(option: ServingOption | None) -> str:
