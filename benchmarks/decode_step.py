@@ -1,14 +1,16 @@
 """Time of one decode step of the engine alone, at a batch of long contexts.
 
     python -m benchmarks.decode_step --model DIR [--batch 8] [--prompt 512] [--tokens 64] [--rounds 3]
-        [--temperature 0] [--unpacked-baseline]
+        [--temperature 0] [--unpacked-baseline] [--pytorch-sampling-baseline]
 
 ``--batch`` requests of ``--prompt`` random tokens are prefilled, then only decode steps are timed,
 ``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
 compares thread layouts and wait policies (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ...``); with
 ``--profile`` the last round runs under the torch profiler and its operator table is printed.
 ``--unpacked-baseline`` builds a second engine whose projections are not packed for oneDNN (PyTorch's
-own matmul, as float32 ran before 2 December) and alternates rounds between the two, same run.
+own matmul, as float32 ran before 2 December) and alternates rounds between the two, same run;
+``--pytorch-sampling-baseline`` does the same with a second engine that samples with PyTorch's operators
+instead of the sampling kernel (give ``--temperature 1`` to time random sampling).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rich.table import Table
 
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
+from halfmoon.engine.sampler import Sampler, choose
 from halfmoon.protocol.sampling import SamplingParams
 
 
@@ -57,11 +60,16 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else random sampling")
     parser.add_argument("--unpacked-baseline", action="store_true",
                         help="alternate rounds with an engine whose projections are not packed")
+    parser.add_argument("--pytorch-sampling-baseline", action="store_true",
+                        help="alternate rounds with an engine that samples with PyTorch's operators")
     args = parser.parse_args()
     engines = {"packed": make_engine(args)}
     if args.unpacked_baseline:
         with mock.patch("halfmoon.engine.weights._can_pack", lambda _weight: False):
             engines["unpacked"] = make_engine(args)
+    if args.pytorch_sampling_baseline:
+        engines["pytorch sampling"] = make_engine(args)
+        engines["pytorch sampling"].sampler = Sampler(choose)
     rng = random.Random(0)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():
@@ -77,14 +85,14 @@ def main() -> None:
                         f"({engines['packed'].config.resolved_dtype}, {torch.get_num_threads()} threads, "
                         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, "
                         f"temperature {args.temperature})")
+    baselines = [name for name in engines if name != "packed"]
     for column in ("round", *(f"{name}: ms / step" for name in engines), "packed: tokens/s",
-                   *(["unpacked / packed"] if args.unpacked_baseline else [])):
+                   *(f"{name} / packed" for name in baselines)):
         table.add_column(column, justify="right")
     for i in range(args.rounds):
         row = [str(i + 1), *(f"{seconds[name][i] * 1000:.1f}" for name in engines),
-               f"{args.batch / seconds['packed'][i]:,.0f}"]
-        if args.unpacked_baseline:
-            row.append(f"{seconds['unpacked'][i] / seconds['packed'][i]:.2f}x")
+               f"{args.batch / seconds['packed'][i]:,.0f}",
+               *(f"{seconds[name][i] / seconds['packed'][i]:.2f}x" for name in baselines)]
         table.add_row(*row)
     Console().print(table)
 

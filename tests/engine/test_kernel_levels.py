@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from halfmoon.engine import kernel_build, native
+from halfmoon.engine import kernel_build, native, sampler
 from halfmoon.engine.attention import AttentionKernels, paged_attention
 from halfmoon.engine.decode_kernel import DecodeKernel
 from halfmoon.engine.kernel_build import X86_V3, X86_V4, Level, choose, levels_for
@@ -136,6 +136,18 @@ class TestEachLevelAgainstPyTorch:
         slow = paged_attention(q, k_cache, v_cache, batch._replace(decode=None, prefill=None), 0.125)
         torch.testing.assert_close(fast.float(), slow.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
+    def test_sampling(self, every_level, level) -> None:
+        kernel = sampler.NativeChoice(library_of(every_level, "sampling", runnable(level)))
+        gen = torch.Generator().manual_seed(11)
+        logits = torch.randn(6, 49152, generator=gen) * 4
+        temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 1e-40, 1.0], dtype=torch.float64)
+        uniform = torch.tensor([0.0, 0.25, 0.5, 0.75, 0.9, 0.999], dtype=torch.float64)
+        tokens, logprobs = kernel(logits, None, temperature, uniform)
+        expected_tokens, expected_logprobs = sampler.choose(logits, None, temperature, uniform)
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=1e-5)
+
+
 class TestPrebuilt:
     @pytest.fixture
     def installed(self, every_level, tmp_path, monkeypatch) -> Path:
@@ -189,10 +201,12 @@ class TestReport:
         monkeypatch.setenv("HALFMOON_DECODE_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_PREFILL_KERNEL", "0")
+        monkeypatch.setenv("HALFMOON_SAMPLING_KERNEL", "0")
         assert native.report("cpu") == KernelReport(kind="fallback", reason=(
             "decode_attention: switched off (HALFMOON_DECODE_KERNEL=0); "
             "layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0); "
-            "prefill_attention: switched off (HALFMOON_PREFILL_KERNEL=0)"))
+            "prefill_attention: switched off (HALFMOON_PREFILL_KERNEL=0); "
+            "sampling: switched off (HALFMOON_SAMPLING_KERNEL=0)"))
 
     def test_one_switched_off_leaves_the_other_native(self, monkeypatch) -> None:
         if native.library("layer_ops") is None:

@@ -138,3 +138,91 @@ class TestDistribution:
         assert counts[3] == 0
         # 4,000 draws: a share's standard error is at most 0.008; 4 of them is far outside chance
         assert torch.allclose(counts[:3], probs[:3].double(), atol=0.032)
+
+
+def _native_choice():
+    from halfmoon.engine import native
+    from halfmoon.engine.sampler import NativeChoice
+
+    library = native.library("sampling")
+    if library is None:
+        pytest.skip(f"no sampling kernel here ({native.loaded('sampling').reason}): the PyTorch form is tested")
+    return NativeChoice(library)
+
+
+@pytest.fixture(params=["pytorch", "kernel"])
+def choice(request):
+    """Each form of the token choice: PyTorch's, and the C kernel's."""
+    from halfmoon.engine.sampler import choose
+
+    return choose if request.param == "pytorch" else _native_choice()
+
+
+class TestTokenChoice:
+    """The contract of ``sampler.choose``, held by the PyTorch form and the kernel alike."""
+
+    PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
+
+    def test_a_uniform_takes_the_token_its_share_of_the_mass_falls_in(self, choice) -> None:
+        # cumulative 0.1, 0.3, 0.6, 1.0: each uniform lies inside one token's interval
+        uniform = torch.tensor([0.05, 0.2, 0.31, 0.59, 0.61, 0.999], dtype=torch.float64)
+        logits = (self.PROBS.log() + 3.0)[None].expand(len(uniform), -1).contiguous()
+        tokens, logprobs = choice(logits, None, torch.ones(len(uniform), dtype=torch.float64), uniform)
+        assert tokens.tolist() == [0, 1, 2, 2, 3, 3]
+        torch.testing.assert_close(logprobs, self.PROBS.log()[tokens], atol=1e-5, rtol=0)
+
+    def test_the_temperature_reshapes_the_mass(self, choice) -> None:
+        # at temperature 0.5 the weights are the squares: 0.01, 0.04, 0.09, 0.16 of 0.30
+        logits = self.PROBS.log()[None].expand(2, -1).contiguous()
+        uniform = torch.tensor([0.16, 0.17], dtype=torch.float64)  # 0.0498 and 0.051 of 0.30; the first ends 0.05
+        tokens, _ = choice(logits, None, torch.full((2,), 0.5, dtype=torch.float64), uniform)
+        assert tokens.tolist() == [1, 2]
+
+    def test_temperature_zero_takes_the_first_largest_logit(self, choice) -> None:
+        logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+        tokens, logprobs = choice(logits, None, torch.zeros(2, dtype=torch.float64),
+                                  torch.full((2,), 0.7, dtype=torch.float64))
+        assert tokens.tolist() == [1, 0]
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+    def test_masked_entries_are_never_drawn_and_logprobs_stay_unfiltered(self, choice) -> None:
+        logits = self.PROBS.log()[None].expand(3, -1).contiguous()
+        masked = logits.clone()
+        masked[:, 1] = masked[:, 3] = float("-inf")  # the filter kept tokens 0 and 2, a quarter and three quarters
+        uniform = torch.tensor([0.0, 0.26, 1.0 - 2 ** -53], dtype=torch.float64)
+        tokens, logprobs = choice(logits, masked, torch.ones(3, dtype=torch.float64), uniform)
+        assert tokens.tolist() == [0, 2, 2]
+        torch.testing.assert_close(logprobs, self.PROBS.log()[tokens], atol=1e-5, rtol=0)
+
+    def test_a_token_of_weight_zero_is_never_drawn_at_the_ends(self, choice) -> None:
+        logits = torch.tensor([[-200.0, 0.0, -300.0, 0.0, -200.0]]).expand(2, -1).contiguous()
+        uniform = torch.tensor([0.0, 1.0 - 2 ** -53], dtype=torch.float64)
+        tokens, _ = choice(logits, None, torch.ones(2, dtype=torch.float64), uniform)
+        assert tokens.tolist() == [1, 3]
+
+    @pytest.mark.parametrize("temperature", [1e-30, 1e-45, 5e-324])
+    def test_a_temperature_under_floats_range_is_greedy(self, choice, temperature: float) -> None:
+        logits = torch.tensor([[0.5, 2.0, 1.9999, -1.0]]).expand(3, -1).contiguous()
+        tokens, _ = choice(logits, None, torch.full((3,), temperature, dtype=torch.float64),
+                           torch.tensor([0.0, 0.5, 0.999], dtype=torch.float64))
+        assert tokens.tolist() == [1, 1, 1]
+
+    def test_the_kernel_and_pytorch_agree_over_a_vocabulary(self) -> None:
+        from halfmoon.engine.sampler import choose
+
+        kernel = _native_choice()
+        gen = torch.Generator().manual_seed(3)
+        logits = torch.randn(64, 49152, generator=gen) * 4
+        temperature = torch.rand(64, generator=gen, dtype=torch.float64) * 1.5
+        temperature[::8] = 0.0
+        uniform = torch.rand(64, generator=gen, dtype=torch.float64)
+        tokens, logprobs = kernel(logits, None, temperature, uniform)
+        expected_tokens, expected_logprobs = choose(logits, None, temperature, uniform)
+        # the two sum exp in different orders: a draw within a rounding of a boundary may fall either side
+        x = (logits - logits.max(-1, keepdim=True).values) / temperature.clamp(min=1e-30).float()[:, None]
+        cdf = x.exp().double().cumsum(-1)
+        target = uniform * cdf[:, -1]
+        near = (cdf - target[:, None]).abs().min(-1).values < 1e-9 * cdf[:, -1]
+        assert not near.all()
+        assert torch.equal(tokens[~near], expected_tokens[~near])
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=1e-5)
