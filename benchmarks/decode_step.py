@@ -1,7 +1,7 @@
 """Time of one decode step of the engine alone, at a batch of long contexts.
 
     python -m benchmarks.decode_step --model DIR [--batch 8] [--prompt 512] [--tokens 64] [--rounds 3]
-        [--temperature 0] [--unpacked-baseline] [--pytorch-sampling-baseline]
+        [--temperature 0] [--unpacked-baseline] [--onednn-baseline] [--pytorch-sampling-baseline]
 
 ``--batch`` requests of ``--prompt`` random tokens are prefilled, then only decode steps are timed,
 ``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
@@ -9,6 +9,7 @@ compares thread layouts and wait policies (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=P
 ``--profile`` the last round runs under the torch profiler and its operator table is printed.
 ``--unpacked-baseline`` builds a second engine whose projections are not packed for oneDNN (PyTorch's
 own matmul, as float32 ran before 2 December) and alternates rounds between the two, same run;
+``--onednn-baseline`` the same with oneDNN's packed projections where the engine takes the linear kernel;
 ``--pytorch-sampling-baseline`` does the same with a second engine that samples with PyTorch's operators
 instead of the sampling kernel (give ``--temperature 1`` to time random sampling).
 """
@@ -60,13 +61,19 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else random sampling")
     parser.add_argument("--unpacked-baseline", action="store_true",
                         help="alternate rounds with an engine whose projections are not packed")
+    parser.add_argument("--onednn-baseline", action="store_true",
+                        help="alternate rounds with an engine on oneDNN's projections instead of the linear kernel")
     parser.add_argument("--pytorch-sampling-baseline", action="store_true",
                         help="alternate rounds with an engine that samples with PyTorch's operators")
     args = parser.parse_args()
     engines = {"packed": make_engine(args)}
     if args.unpacked_baseline:
-        with mock.patch("halfmoon.engine.weights._can_pack", lambda _weight: False):
+        with (mock.patch("halfmoon.engine.weights._can_pack", lambda _weight: False),
+              mock.patch("halfmoon.engine.weights._kernel_for", lambda _weight: None)):
             engines["unpacked"] = make_engine(args)
+    if args.onednn_baseline:
+        with mock.patch("halfmoon.engine.weights._kernel_for", lambda _weight: None):
+            engines["oneDNN"] = make_engine(args)
     if args.pytorch_sampling_baseline:
         engines["pytorch sampling"] = make_engine(args)
         engines["pytorch sampling"].sampler = Sampler(choose)

@@ -19,10 +19,12 @@ from halfmoon.engine.decode_kernel import DecodeKernel
 from halfmoon.engine.kernel_build import X86_V3, X86_V4, Level, choose, levels_for
 from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps
 from halfmoon.engine.prefill_kernel import PrefillKernel
+from halfmoon.engine.weights import LinearKernel
 from halfmoon.protocol.registry import KernelReport
 from tests.engine.conftest import kernel_sources_alone
 from tests.engine.test_decode_kernel import batch_of
 from tests.engine.test_layer_ops import assert_within_an_ulp_rarely, rms_norm, rows_of
+from tests.engine.test_linear_kernel import assert_float32_sums_rounded_once, operands
 from tests.engine.test_prefill_kernel import TOLERANCE, caches, queries, step_of
 
 # /proc/cpuinfo flags of the CI machines (abridged to what the levels ask for, plus neighbours)
@@ -136,6 +138,15 @@ class TestEachLevelAgainstPyTorch:
         slow = paged_attention(q, k_cache, v_cache, batch._replace(decode=None, prefill=None), 0.125)
         torch.testing.assert_close(fast.float(), slow.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
+    def test_linear(self, every_level, level) -> None:
+        kernel = LinearKernel(library_of(every_level, "linear", runnable(level)))
+        for rows, (outputs, inputs) in ((1, (100, 576)), (9, (576, 1536)), (300, (96, 64))):
+            x, weight, bias = operands(rows, outputs, inputs, seed=rows)
+            packed = LinearKernel.pack(weight)
+            together = kernel(x, packed, outputs, bias)
+            assert_float32_sums_rounded_once(together, x, weight, bias)
+            assert torch.equal(together[-1:], kernel(x[-1:], packed, outputs, bias))
+
     def test_sampling(self, every_level, level) -> None:
         kernel = sampler.NativeChoice(library_of(every_level, "sampling", runnable(level)))
         gen = torch.Generator().manual_seed(11)
@@ -202,9 +213,11 @@ class TestReport:
         monkeypatch.setenv("HALFMOON_LAYER_OPS_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_PREFILL_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_SAMPLING_KERNEL", "0")
+        monkeypatch.setenv("HALFMOON_LINEAR_KERNEL", "0")
         assert native.report("cpu") == KernelReport(kind="fallback", reason=(
             "decode_attention: switched off (HALFMOON_DECODE_KERNEL=0); "
             "layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0); "
+            "linear: switched off (HALFMOON_LINEAR_KERNEL=0); "
             "prefill_attention: switched off (HALFMOON_PREFILL_KERNEL=0); "
             "sampling: switched off (HALFMOON_SAMPLING_KERNEL=0)"))
 

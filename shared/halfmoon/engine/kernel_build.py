@@ -6,8 +6,8 @@ level's flags (CI and containers move between AVX2-only EPYCs and AVX-512 Xeons)
 are ``avx512bf16`` (x86-64-v4 with AVX512-BF16: AMX Xeons, Zen 4 and later EPYCs), ``avx512`` (x86-64-v4),
 ``avx2`` (x86-64-v3, with FMA) and ``sse2`` (x86-64, every such CPU); other machines get one ``generic``
 build for their compiler's default target. ``avx512bf16`` differs from ``avx512`` only where a kernel asks
-for it (``__AVX512BF16__``: the prefill attention's bfloat16 dot products). AMX is not a level: no kernel
-here has matrix tiles to give it.
+for it (``__AVX512BF16__``: the prefill attention's and the projections' bfloat16 dot products). AMX is not
+a level: no kernel here has matrix tiles to give it.
 
 Standard library only: ``setup.py`` loads this file by path to prebuild the libraries at install time, and
 the image's build stage runs it as a script (``python kernel_build.py``) with nothing else installed.

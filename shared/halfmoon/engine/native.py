@@ -28,7 +28,8 @@ from halfmoon.protocol.registry import KernelReport
 
 # each kernel and the variable that switches it off
 SWITCHES = {"decode_attention": "HALFMOON_DECODE_KERNEL", "layer_ops": "HALFMOON_LAYER_OPS_KERNEL",
-            "prefill_attention": "HALFMOON_PREFILL_KERNEL", "sampling": "HALFMOON_SAMPLING_KERNEL"}
+            "linear": "HALFMOON_LINEAR_KERNEL", "prefill_attention": "HALFMOON_PREFILL_KERNEL",
+            "sampling": "HALFMOON_SAMPLING_KERNEL"}
 log = logging.getLogger(__name__)
 
 

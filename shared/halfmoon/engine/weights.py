@@ -9,17 +9,67 @@ with AVX2 only, PyTorch's float32 matmul (MKL) took 2.4 ms for the MLP's gate-up
 rows and 52 ms for the 49,152-row vocabulary head, oneDNN's packed kernel 0.8 and 11.6 ms; it sums
 in another order (results differ in the last bits, greedy tokens stayed the same in the tests that
 compare them with transformers).
+
+bfloat16 on a CPU with AVX512-BF16 and no AMX goes to the engine's own kernel (``kernels/linear.c``)
+instead: on a 2-core AVX-512 EPYC, at a decode step's 8 rows, oneDNN's inner product read SmolLM2's weights
+at 17-19 GB/s where the kernel, asking for them ahead, reads 25-27 (a decode step 1.16-1.22x faster, a
+prompt's steps level; ``benchmarks.decode_step --onednn-baseline``). Its rows each sum in one order
+whatever rows share the call. ``HALFMOON_LINEAR_KERNEL=0`` keeps oneDNN.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
+from halfmoon.engine import kernel_build, native
 from halfmoon.engine.config import cpu_has_bf16
+
+KERNEL_BLOCK = 16  # outputs per block of kernels/linear.c's packed weight
+
+
+class LinearKernel:
+    """``kernels/linear.c``: bfloat16 rows times a weight packed for it, each row summed in one fixed order."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._linear = library.linear
+        self._linear.restype = None
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[n, k]`` (``k`` even) as ``[blocks of 16 outputs][k / 2][16][2]``, zero padded to whole
+        blocks."""
+        n, k = weight.shape
+        padded = weight.new_zeros(-(-n // KERNEL_BLOCK) * KERNEL_BLOCK, k)
+        padded[:n] = weight
+        return padded.view(-1, KERNEL_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, outputs: int, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        rows, k = x.shape
+        y = x.new_empty(rows, outputs)
+        self._linear(_ptr(x), ctypes.c_long(rows), ctypes.c_long(k), _ptr(packed), ctypes.c_long(outputs),
+                     _ptr(bias), _ptr(y), torch.get_num_threads())
+        return y
+
+
+def _kernel_for(weight: torch.Tensor) -> LinearKernel | None:
+    """The kernel for bfloat16 on a CPU with AVX512-BF16 but no AMX. There, at a decode step's 8 rows,
+    oneDNN read SmolLM2's weights at 17-19 GB/s where the machine copies at 32-34. With AMX, oneDNN's
+    tiles multiply a prompt's rows several times faster than the kernel's vector products can."""
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 2
+            or not cpu_has_bf16() or "amx_bf16" in kernel_build.cpu_flags()):
+        return None
+    library = native.library("linear")
+    return LinearKernel(library) if library is not None else None
+
+
+def _ptr(x: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(x.data_ptr() if x is not None else None)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -34,9 +84,16 @@ class Projection:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = bias
-        self.packed = _can_pack(weight)
-        # NOTE: the packed tensor is in oneDNN's blocked layout: only _linear_pointwise may read it.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if self.packed else weight
+        self.out_features = weight.shape[0]
+        self.kernel = _kernel_for(weight)
+        self.packed = self.kernel is not None or _can_pack(weight)
+        # NOTE: a packed tensor is in the kernel's or oneDNN's layout: only that one may read it.
+        if self.kernel is not None:
+            self.weight = LinearKernel.pack(weight)
+        elif self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        else:
+            self.weight = weight
 
     @classmethod
     def fuse(cls, linears: Sequence[torch.nn.Linear]) -> Projection:
@@ -50,6 +107,8 @@ class Projection:
         return cls(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.out_features, self.bias)
         if self.packed:
             if x.shape[0] == 1:
                 # oneDNN takes another kernel for one row, which sums a long row (1,536 inputs: SmolLM2's MLP
