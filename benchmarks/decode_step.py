@@ -3,8 +3,8 @@
     python -m benchmarks.decode_step --model DIR [--batch 8] [--prompt 512] [--tokens 64] [--rounds 3]
         [--temperature 0] [--unpacked-baseline] [--onednn-baseline] [--pytorch-sampling-baseline]
 
-``--batch`` requests of ``--prompt`` random tokens are prefilled, then only decode steps are timed,
-``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
+``--batch`` requests of ``--prompt`` random tokens are prefilled (timed apart, in steps of up to 4,096
+tokens), then the decode steps are timed, ``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
 compares thread layouts and wait policies (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ...``); with
 ``--profile`` the last round runs under the torch profiler and its operator table is printed.
 ``--unpacked-baseline`` builds a second engine whose projections are not packed for oneDNN (PyTorch's
@@ -33,20 +33,22 @@ from halfmoon.protocol.sampling import SamplingParams
 
 
 def decode_round(engine: LLMEngine, rng: random.Random, batch: int, prompt: int, tokens: int,
-                 temperature: float = 0.0) -> float:
-    """Seconds per decode step over one round (prefill excluded)."""
+                 temperature: float = 0.0) -> tuple[float, float]:
+    """Seconds of the round's prefill, and seconds per decode step after it."""
     params = SamplingParams(max_tokens=tokens + 1, temperature=temperature, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"s{time.monotonic_ns()}-{i}", [rng.randrange(engine.vocab_size) for _ in range(prompt)],
                            params)
+    start = time.perf_counter()
     while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
         engine.step()
+    prefill = time.perf_counter() - start
     steps = 0
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    return (time.perf_counter() - start) / steps
+    return prefill, (time.perf_counter() - start) / steps
 
 
 def main() -> None:
@@ -79,11 +81,14 @@ def main() -> None:
         engines["pytorch sampling"].sampler = Sampler(choose)
     rng = random.Random(0)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
+    prefills: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():
         decode_round(engine, rng, args.batch, args.prompt, 8, args.temperature)  # warm-up
     for _ in range(args.rounds):
         for name, engine in engines.items():
-            seconds[name].append(decode_round(engine, rng, args.batch, args.prompt, args.tokens, args.temperature))
+            prefill, step = decode_round(engine, rng, args.batch, args.prompt, args.tokens, args.temperature)
+            prefills[name].append(prefill)
+            seconds[name].append(step)
     if args.profile:
         with torch.profiler.profile() as prof:
             decode_round(engines["packed"], rng, args.batch, args.prompt, args.tokens, args.temperature)
@@ -94,12 +99,15 @@ def main() -> None:
                         f"temperature {args.temperature})")
     baselines = [name for name in engines if name != "packed"]
     for column in ("round", *(f"{name}: ms / step" for name in engines), "packed: tokens/s",
-                   *(f"{name} / packed" for name in baselines)):
+                   *(f"{name} / packed" for name in baselines), *(f"{name}: prefill s" for name in engines),
+                   *(f"{name} / packed, prefill" for name in baselines)):
         table.add_column(column, justify="right")
     for i in range(args.rounds):
         row = [str(i + 1), *(f"{seconds[name][i] * 1000:.1f}" for name in engines),
                f"{args.batch / seconds['packed'][i]:,.0f}",
-               *(f"{seconds[name][i] / seconds['packed'][i]:.2f}x" for name in baselines)]
+               *(f"{seconds[name][i] / seconds['packed'][i]:.2f}x" for name in baselines),
+               *(f"{prefills[name][i]:.2f}" for name in engines),
+               *(f"{prefills[name][i] / prefills['packed'][i]:.2f}x" for name in baselines)]
         table.add_row(*row)
     Console().print(table)
 
