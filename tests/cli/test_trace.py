@@ -120,9 +120,12 @@ class TestWaterfallOfARealRequest:
         assert table[0].service == "gateway" and table[0].span == "gateway /v1/completions"
         assert table[0].start_ms == 0 and table[0].bar == "█" * len(table[0].bar)
         assert {r.service for r in table} >= set(REQUEST_PATH)
-        assert all(0 <= r.start_ms <= total for r in table)
+        assert all(r.start_ms >= 0 for r in table), [r for r in table if r.start_ms < 0]
+        # the request's own phases run within its total; the pool's stores of a finished request's blocks may
+        # start after the gateway's span ended (test_child_spans_start_inside_their_parent)
         phases = {r.span: r for r in table if r.span in PHASES}
         assert set(phases) == set(PHASES)
+        assert all(r.start_ms <= total for r in phases.values()), [r for r in table if r.start_ms > total]
         assert sum(r.duration_ms for r in phases.values()) <= total
         ordered = [phases[name] for name in PHASES]  # each phase starts after the previous one ended
         for before, after in itertools.pairwise(ordered):
