@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from halfmoon.engine import native
+from halfmoon.engine.native import pointer
 
 if TYPE_CHECKING:
     from halfmoon.engine.seq_attention import SeqAttention
@@ -63,10 +64,9 @@ class DecodeKernel:
         n, heads, dim = queries.shape
         kv_heads, slots, _ = k_cache.shape
         out = torch.empty_like(queries)
-        pointer = ctypes.c_void_p
-        failed = self._run(DTYPES[q.dtype], pointer(queries.data_ptr()), pointer(k_cache.data_ptr()),
-                           pointer(v_cache.data_ptr()), pointer(out.data_ptr()), n, heads, kv_heads, dim,
-                           ctypes.c_long(slots), pointer(batch.spans.data_ptr()), pointer(batch.offsets.data_ptr()),
+        failed = self._run(DTYPES[q.dtype], pointer(queries), pointer(k_cache),
+                           pointer(v_cache), pointer(out), n, heads, kv_heads, dim,
+                           ctypes.c_long(slots), pointer(batch.spans), pointer(batch.offsets),
                            ctypes.c_float(scale), torch.get_num_threads())
         return None if failed else out.view(n, heads * dim)
 

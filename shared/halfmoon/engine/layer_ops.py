@@ -20,6 +20,7 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from halfmoon.engine import native
+from halfmoon.engine.native import pointer
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 # Norms whose forward is LlamaRMSNorm's: float32 mean of squares, rsqrt, scale, weight times bfloat16.
@@ -78,7 +79,7 @@ class NativeLayerOps(LayerOps):
                    total: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(x)
         rows, dim = x.shape
-        self._rms_norm(_ptr(x), _ptr(residual), _ptr(total), _ptr(module.weight), _ptr(out), ctypes.c_long(rows),
+        self._rms_norm(pointer(x), pointer(residual), pointer(total), pointer(module.weight), pointer(out), ctypes.c_long(rows),
                        dim, ctypes.c_float(module.variance_epsilon), torch.get_num_threads())
         return out
 
@@ -99,7 +100,7 @@ class NativeLayerOps(LayerOps):
         if (qk.dtype != torch.bfloat16 or qk.device.type != "cpu" or qk.stride(2) != 1 or qk.stride(1) != dim
                 or dim % 2 or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != qk.dtype):
             return super().rotate(qk, cos, sin)
-        self._rotary(_ptr(qk), ctypes.c_long(qk.stride(0)), _ptr(cos), _ptr(sin), ctypes.c_long(tokens), heads,
+        self._rotary(pointer(qk), ctypes.c_long(qk.stride(0)), pointer(cos), pointer(sin), ctypes.c_long(tokens), heads,
                      dim, torch.get_num_threads())
         return qk
 
@@ -108,7 +109,7 @@ class NativeLayerOps(LayerOps):
             return super().act_mul(act, gate_up)
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self._silu_mul(_ptr(gate_up), _ptr(out), ctypes.c_long(rows), ctypes.c_long(width // 2),
+        self._silu_mul(pointer(gate_up), pointer(out), ctypes.c_long(rows), ctypes.c_long(width // 2),
                        torch.get_num_threads())
         return out
 
@@ -120,8 +121,8 @@ class NativeLayerOps(LayerOps):
                 and slots.dtype == torch.long and slots.is_contiguous() and k_cache.shape[0] == kv_heads
                 and k_cache.shape[2] == dim and v_cache.shape == k_cache.shape and v.shape == k.shape):
             return super().store_kv(k_cache, v_cache, slots, k, v)
-        self._store_kv(_ptr(k), ctypes.c_long(k.stride(0)), _ptr(v), ctypes.c_long(v.stride(0)), _ptr(k_cache),
-                       _ptr(v_cache), ctypes.c_long(k_cache.shape[1]), _ptr(slots), ctypes.c_long(tokens), kv_heads,
+        self._store_kv(pointer(k), ctypes.c_long(k.stride(0)), pointer(v), ctypes.c_long(v.stride(0)), pointer(k_cache),
+                       pointer(v_cache), ctypes.c_long(k_cache.shape[1]), pointer(slots), ctypes.c_long(tokens), kv_heads,
                        dim, k.element_size())
 
 
@@ -145,6 +146,3 @@ def _rows_of_heads(x: torch.Tensor) -> bool:
     """``[tokens, heads, dim]`` with each token's heads side by side (tokens any distance apart)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
-
-def _ptr(x: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(x.data_ptr() if x is not None else None)

@@ -20,11 +20,14 @@ import os
 import subprocess
 from functools import cache
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from halfmoon.engine import kernel_build
 from halfmoon.engine.kernel_build import KERNELS, Level
 from halfmoon.protocol.registry import KernelReport
+
+if TYPE_CHECKING:
+    import torch
 
 # each kernel and the variable that switches it off
 SWITCHES = {"decode_attention": "HALFMOON_DECODE_KERNEL", "layer_ops": "HALFMOON_LAYER_OPS_KERNEL",
@@ -40,6 +43,11 @@ class Loaded(NamedTuple):
     level: Level
     path: Path | None = None
     reason: str = ""
+
+
+def pointer(tensor: torch.Tensor | None) -> ctypes.c_void_p:
+    """A tensor's data as a kernel's pointer argument; NULL for None."""
+    return ctypes.c_void_p(tensor.data_ptr() if tensor is not None else None)
 
 
 def switched_off(variable: str) -> bool:
@@ -119,7 +127,7 @@ def report(device_type: str) -> KernelReport:
 
 
 if __name__ == "__main__":
-    import torch  # noqa: F401  (its libgomp.so.1 is the one the kernels link to)
+    import torch
 
     print(f"kernels: {report('cpu')}")
     for kernel_name in SWITCHES:

@@ -23,6 +23,7 @@ import torch
 
 from halfmoon.engine import kernel_build, native
 from halfmoon.engine.decode_kernel import DTYPES
+from halfmoon.engine.native import pointer
 
 if TYPE_CHECKING:
     from halfmoon.engine.seq_attention import SeqAttention
@@ -76,13 +77,12 @@ class PrefillKernel:
         # NOTE: per call: engines in one process (a test cluster) call one kernel from several threads
         scratch = torch.empty(threads * self._scratch(heads // max(kv_heads, 1), dim), dtype=torch.float32)
         out = torch.empty(tokens, heads, dim, dtype=q.dtype)
-        pointer = ctypes.c_void_p
-        failed = self._run(DTYPES[q.dtype], pointer(q.data_ptr()), ctypes.c_long(q.stride(0)),
-                           pointer(k_cache.data_ptr()), pointer(v_cache.data_ptr()), pointer(out.data_ptr()),
-                           len(batch.query_start), pointer(batch.query_start.data_ptr()),
-                           pointer(batch.query_len.data_ptr()), pointer(batch.slot_map.data_ptr()),
-                           pointer(batch.offsets.data_ptr()), heads, kv_heads, dim, ctypes.c_long(slots),
-                           ctypes.c_float(scale), pointer(scratch.data_ptr()), threads)
+        failed = self._run(DTYPES[q.dtype], pointer(q), ctypes.c_long(q.stride(0)),
+                           pointer(k_cache), pointer(v_cache), pointer(out),
+                           len(batch.query_start), pointer(batch.query_start),
+                           pointer(batch.query_len), pointer(batch.slot_map),
+                           pointer(batch.offsets), heads, kv_heads, dim, ctypes.c_long(slots),
+                           ctypes.c_float(scale), pointer(scratch), threads)
         return None if failed else out.view(tokens, heads * dim)
 
 

@@ -3,7 +3,7 @@
 The choice itself (a token and its logprob per row) is one formula, ``choose``, in PyTorch; on a CPU a C
 kernel (``kernels/sampling.c``) computes it in one pass a row. At a step of 8 rows of SmolLM2's 49,152
 logits at temperature 1, PyTorch's dozen operators over the vocabulary (log-softmax, softmax, a cumulative
-sum in double, the checks) took 3-4 ms of a 70 ms step; vLLM's CPU sampler is one fused operator too.
+sum in double, the checks) took 3-4 ms of a 30 ms decode step; vLLM's CPU sampler is one fused operator too.
 ``HALFMOON_SAMPLING_KERNEL=0``, or no kernel library and no compiler: the PyTorch form.
 """
 
@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from halfmoon.engine import native
+from halfmoon.engine.native import pointer
 from halfmoon.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -80,8 +81,8 @@ class NativeChoice:
         rows, vocab = logits.shape
         tokens = torch.empty(rows, dtype=torch.long)
         logprobs = torch.empty(rows, dtype=torch.float32)
-        status = self._sample(_ptr(logits), _ptr(masked), ctypes.c_long(rows), ctypes.c_long(vocab),
-                              _ptr(temperature), _ptr(uniform), _ptr(tokens), _ptr(logprobs),
+        status = self._sample(pointer(logits), pointer(masked), ctypes.c_long(rows), ctypes.c_long(vocab),
+                              pointer(temperature), pointer(uniform), pointer(tokens), pointer(logprobs),
                               torch.get_num_threads())
         if status:
             raise MemoryError(f"sampling kernel: no memory for {rows} x {vocab} weights")
@@ -99,9 +100,6 @@ def _float_temperature(temperature: torch.Tensor) -> torch.Tensor:
     same (only the largest logits keep any), where the division by one that rounds to 0 would give NaN."""
     return temperature.clamp(min=torch.finfo(torch.float32).tiny).float()
 
-
-def _ptr(x: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(x.data_ptr() if x is not None else None)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

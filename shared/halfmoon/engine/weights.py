@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from halfmoon.engine import kernel_build, native
 from halfmoon.engine.config import cpu_has_bf16
+from halfmoon.engine.native import pointer
 
 KERNEL_BLOCK = 16  # outputs per block of kernels/linear.c's packed weight
 
@@ -52,8 +53,8 @@ class LinearKernel:
         x = x.contiguous()
         rows, k = x.shape
         y = x.new_empty(rows, outputs)
-        self._linear(_ptr(x), ctypes.c_long(rows), ctypes.c_long(k), _ptr(packed), ctypes.c_long(outputs),
-                     _ptr(bias), _ptr(y), torch.get_num_threads())
+        self._linear(pointer(x), ctypes.c_long(rows), ctypes.c_long(k), pointer(packed), ctypes.c_long(outputs),
+                     pointer(bias), pointer(y), torch.get_num_threads())
         return y
 
 
@@ -67,9 +68,6 @@ def _kernel_for(weight: torch.Tensor) -> LinearKernel | None:
     library = native.library("linear")
     return LinearKernel(library) if library is not None else None
 
-
-def _ptr(x: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(x.data_ptr() if x is not None else None)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
