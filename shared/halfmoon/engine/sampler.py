@@ -101,7 +101,6 @@ def _float_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return temperature.clamp(min=torch.finfo(torch.float32).tiny).float()
 
 
-
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per-row top-k (0: off) and top-p (1.0: off) over ``[rows, vocab]`` logits."""
     ordered, order = torch.sort(logits, dim=-1, descending=True)

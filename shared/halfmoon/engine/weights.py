@@ -11,9 +11,10 @@ in another order (results differ in the last bits, greedy tokens stayed the same
 compare them with transformers).
 
 bfloat16 on a CPU with AVX512-BF16 and no AMX goes to the engine's own kernel (``kernels/linear.c``)
-instead: on a 2-core AVX-512 EPYC, at a decode step's 8 rows, oneDNN's inner product read SmolLM2's weights
-at 17-19 GB/s where the kernel, asking for them ahead, reads 25-27 (a decode step 1.16-1.22x faster, a
-prompt's steps level; ``benchmarks.decode_step --onednn-baseline``). Its rows each sum in one order
+instead: on a 2-core AVX-512 EPYC with the passive wait ``up`` sets, at a decode step's 8 rows, the
+kernel, asking for the weights ahead, ran SmolLM2's projections 1.22x faster than oneDNN's inner product
+(``benchmarks.projections``); a decode step 1.11-1.19x faster, a prompt's steps level
+(``benchmarks.decode_step --onednn-baseline``). Its rows each sum in one order
 whatever rows share the call. ``HALFMOON_LINEAR_KERNEL=0`` keeps oneDNN.
 """
 
@@ -60,7 +61,7 @@ class LinearKernel:
 
 def _kernel_for(weight: torch.Tensor) -> LinearKernel | None:
     """The kernel for bfloat16 on a CPU with AVX512-BF16 but no AMX. There, at a decode step's 8 rows,
-    oneDNN read SmolLM2's weights at 17-19 GB/s where the machine copies at 32-34. With AMX, oneDNN's
+    oneDNN read SmolLM2's weights at 13-19 GB/s where the machine copies at 32-34. With AMX, oneDNN's
     tiles multiply a prompt's rows several times faster than the kernel's vector products can."""
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 2
             or not cpu_has_bf16() or "amx_bf16" in kernel_build.cpu_flags()):
