@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode_step --model DIR [--batch 8] [--prompt 512] [--tokens 64] [--rounds 3]
         [--temperature 0] [--unpacked-baseline] [--onednn-baseline] [--pytorch-sampling-baseline]
+        [--layers-apart-baseline]
 
 ``--batch`` requests of ``--prompt`` random tokens are prefilled (timed apart, in steps of up to 4,096
 tokens), then the decode steps are timed, ``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
@@ -11,7 +12,9 @@ compares thread layouts and wait policies (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=P
 own matmul, as float32 ran before 2 December) and alternates rounds between the two, same run;
 ``--onednn-baseline`` the same with oneDNN's packed projections where the engine takes the linear kernel;
 ``--pytorch-sampling-baseline`` does the same with a second engine that samples with PyTorch's operators
-instead of the sampling kernel (give ``--temperature 1`` to time random sampling).
+instead of the sampling kernel (give ``--temperature 1`` to time random sampling);
+``--layers-apart-baseline`` with a second engine that runs a step's layers one kernel call at a time
+instead of ``kernels/decode_layers.c``'s one call.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def main() -> None:
                         help="alternate rounds with an engine on oneDNN's projections instead of the linear kernel")
     parser.add_argument("--pytorch-sampling-baseline", action="store_true",
                         help="alternate rounds with an engine that samples with PyTorch's operators")
+    parser.add_argument("--layers-apart-baseline", action="store_true",
+                        help="alternate rounds with an engine that runs the layers one kernel call at a time")
     args = parser.parse_args()
     engines = {"packed": make_engine(args)}
     if args.unpacked_baseline:
@@ -79,6 +84,9 @@ def main() -> None:
     if args.pytorch_sampling_baseline:
         engines["pytorch sampling"] = make_engine(args)
         engines["pytorch sampling"].sampler = Sampler(choose)
+    if args.layers_apart_baseline:
+        engines["layers apart"] = make_engine(args)
+        engines["layers apart"].runner.decode_layers = None
     rng = random.Random(0)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefills: dict[str, list[float]] = {name: [] for name in engines}

@@ -214,8 +214,10 @@ class TestReport:
         monkeypatch.setenv("HALFMOON_PREFILL_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_SAMPLING_KERNEL", "0")
         monkeypatch.setenv("HALFMOON_LINEAR_KERNEL", "0")
+        monkeypatch.setenv("HALFMOON_DECODE_LAYERS_KERNEL", "0")
         assert native.report("cpu") == KernelReport(kind="fallback", reason=(
             "decode_attention: switched off (HALFMOON_DECODE_KERNEL=0); "
+            "decode_layers: switched off (HALFMOON_DECODE_LAYERS_KERNEL=0); "
             "layer_ops: switched off (HALFMOON_LAYER_OPS_KERNEL=0); "
             "linear: switched off (HALFMOON_LINEAR_KERNEL=0); "
             "prefill_attention: switched off (HALFMOON_PREFILL_KERNEL=0); "

@@ -18,6 +18,10 @@ class LayerHook:
     default to doing nothing; a hook must not change block tables.
     """
 
+    def idle(self, chunks: Seq[ScheduledChunk]) -> bool:
+        """True when neither call would do anything for ``chunks``: the step's layers may run without them."""
+        return True
+
     def before_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
         return None
 
@@ -30,6 +34,9 @@ class LayerHooks(LayerHook):
 
     def __init__(self, *hooks: LayerHook) -> None:
         self.hooks = hooks
+
+    def idle(self, chunks: Seq[ScheduledChunk]) -> bool:
+        return all(hook.idle(chunks) for hook in self.hooks)
 
     def before_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
         for hook in self.hooks:

@@ -44,6 +44,9 @@ class LayerExport(LayerHook):
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def idle(self, chunks: Seq[ScheduledChunk]) -> bool:
+        return not any(chunk.samples and chunk.seq.request_id in self._streams for chunk in chunks)
+
     def after_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
         for chunk in chunks:
             stream = self._streams.get(chunk.seq.request_id)

@@ -52,6 +52,9 @@ class LayerImport(LayerHook):
     def expect(self, seq: Sequence, block_ids: list[int], offset: int) -> None:
         self._pending.append(_Pending(seq, block_ids, offset))
 
+    def idle(self, chunks: Seq[ScheduledChunk]) -> bool:
+        return not self._pending
+
     def before_layer(self, layer: int, chunks: Seq[ScheduledChunk], cache: PagedKVCache) -> None:
         for pending in list(self._pending):
             source = pending.seq.kv_import

@@ -84,13 +84,13 @@ class NativeLayerOps(LayerOps):
         return out
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not (_fits(x) and _known_norm(module)):
+        if not (_fits(x) and known_norm(module)):
             return super().norm(module, x)
         return self._norm_into(module, x, None, None)
 
     def add_norm(self, module: torch.nn.Module, residual: torch.Tensor,
                  delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (_fits(residual) and _fits(delta) and _known_norm(module)):
+        if not (_fits(residual) and _fits(delta) and known_norm(module)):
             return super().add_norm(module, residual, delta)
         total = torch.empty_like(residual)
         return total, self._norm_into(module, delta, residual, total)
@@ -132,7 +132,7 @@ def layer_ops(device: torch.device) -> LayerOps:
     return NativeLayerOps(library) if library is not None else LayerOps()
 
 
-def _known_norm(module: torch.nn.Module) -> TypeGuard[RMSNormWeights]:
+def known_norm(module: torch.nn.Module) -> TypeGuard[RMSNormWeights]:
     weight = module.weight
     return (type(module).__name__ in RMS_NORMS and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.is_contiguous())

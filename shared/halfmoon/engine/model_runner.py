@@ -14,6 +14,7 @@ import torch
 from halfmoon.engine.attention import AttentionBatch, AttentionKernels, PagedKVCache, paged_attention
 from halfmoon.engine.block_manager import BlockManager
 from halfmoon.engine.decode_kernel import DecodeBatch, decode_kernel
+from halfmoon.engine.decode_layers import decode_layers
 from halfmoon.engine.hooks import LayerHook
 from halfmoon.engine.layer_ops import layer_ops
 from halfmoon.engine.prefill_kernel import PrefillBatch, prefill_kernel, sdpa_is_faster
@@ -57,6 +58,8 @@ class ModelRunner:
         prefill = prefill_kernel() if cpu and not sdpa_is_faster(cache.data.dtype) else None
         self.kernels = AttentionKernels(decode_kernel() if cpu else None, prefill)
         self.layer_ops = layer_ops(self.device)
+        self.decode_layers = (decode_layers(self.layers, cache, self.num_heads, self.num_kv_heads, self.head_dim)
+                              if cpu else None)
 
     def serving_weights(self) -> list[torch.Tensor]:
         """The weights the serving layers and the head took over from the model (packed where they could be)."""
@@ -125,6 +128,10 @@ class ModelRunner:
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 chunks: Seq[ScheduledChunk], layers: range) -> torch.Tensor:
         cos, sin = self.decoder.rotary_emb(hidden[None], positions[None])
+        if self.decode_layers is not None and self.layer_hook.idle(chunks):
+            out = self.decode_layers(hidden, cos[0], sin[0], batch, layers)
+            if out is not None:
+                return out
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
         tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         ops = self.layer_ops

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     import torch
 
 # each kernel and the variable that switches it off
-SWITCHES = {"decode_attention": "HALFMOON_DECODE_KERNEL", "layer_ops": "HALFMOON_LAYER_OPS_KERNEL",
+SWITCHES = {"decode_attention": "HALFMOON_DECODE_KERNEL", "decode_layers": "HALFMOON_DECODE_LAYERS_KERNEL",
+            "layer_ops": "HALFMOON_LAYER_OPS_KERNEL",
             "linear": "HALFMOON_LINEAR_KERNEL", "prefill_attention": "HALFMOON_PREFILL_KERNEL",
             "sampling": "HALFMOON_SAMPLING_KERNEL"}
 log = logging.getLogger(__name__)

@@ -7,134 +7,24 @@
  * pair for 16 outputs, the operand vdpbf16ps takes (AVX512-BF16), with each row's pair broadcast beside
  * it. A tile of up to 8 rows by two blocks keeps 16 vectors of sums in registers, so a decode step reads
  * each weight once, in order, and a prompt's rows load one broadcast per two products. Outputs past the
- * weight's rows are padded with zeros in the packing and not stored. Work is spread over (pair of blocks,
- * tile of rows), 8 tiles of rows at a time so that their rows stay in cache while the weight streams past,
- * on the OpenMP runtime torch has loaded (libgomp.so.1). */
+ * weight's rows are padded with zeros in the packing and not stored. Each thread takes its own pairs of
+ * blocks over every row, on the OpenMP runtime torch has loaded (libgomp.so.1). The arithmetic is
+ * linear_tiles.h's. */
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
-#include "bf16.h"
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
-
-/* the sums' order is the contract: no reassociation, whatever the build's flags allow the other kernels */
-#pragma GCC optimize("no-associative-math")
-
-#define BLOCK 16
-#define TILE_ROWS 8
-#define TILE_BLOCKS 2
-/* how far ahead a tile of several rows asks for the weight: computing, it would not keep memory busy */
-#define PREFETCH_PAIRS 32
-#define CHUNK_TILES 8
-
-/* sums[r][j * 16 + o] = output o of block j (``blocks`` of them, ``stride`` bfloat16 apart in w) for ``rows``
- * rows of x (``k`` bfloat16 apart). Inlined into each (rows, blocks) below, so the sums live in registers. */
-static inline __attribute__((always_inline)) void tile(const int rows, const int blocks, const uint16_t *x, long k,
-                                                       long pairs, const uint16_t *w, long stride,
-                                                       float sums[][TILE_BLOCKS * BLOCK]) {
-#ifdef __AVX512BF16__
-    __m512 acc[TILE_ROWS][TILE_BLOCKS];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < blocks; j++)
-            acc[r][j] = _mm512_setzero_ps();
-    for (long p = 0; p < pairs; p++) {
-        __m512bh wv[TILE_BLOCKS];
-        for (int j = 0; j < blocks; j++) {
-            const uint16_t *at = w + j * stride + p * 2 * BLOCK;
-            if (rows > 1) /* one row streams the weight as fast as memory gives it: a prefetch only costs */
-                _mm_prefetch((const char *)(at + PREFETCH_PAIRS * 2 * BLOCK), _MM_HINT_T0);
-            wv[j] = (__m512bh)_mm512_loadu_si512(at);
-        }
-        for (int r = 0; r < rows; r++) {
-            uint32_t pair;
-            memcpy(&pair, x + r * k + 2 * p, sizeof pair);
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int j = 0; j < blocks; j++)
-                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < blocks; j++)
-            _mm512_storeu_ps(sums[r] + j * BLOCK, acc[r][j]);
-#else
-    /* the same sums without bfloat16 products: each pair's even input, then its odd one, as float32 FMAs */
-    typedef float floats __attribute__((vector_size(BLOCK * sizeof(float))));
-    typedef uint32_t words __attribute__((vector_size(BLOCK * sizeof(uint32_t))));
-    floats acc[TILE_ROWS][TILE_BLOCKS];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < blocks; j++)
-            acc[r][j] = (floats){0};
-    for (long p = 0; p < pairs; p++) {
-        floats even[TILE_BLOCKS], odd[TILE_BLOCKS];
-        for (int j = 0; j < blocks; j++) {
-            words wv, even_bits, odd_bits;
-            memcpy(&wv, w + j * stride + p * 2 * BLOCK, sizeof wv);
-            even_bits = wv << 16;
-            odd_bits = wv & 0xFFFF0000u;
-            memcpy(&even[j], &even_bits, sizeof even[j]);
-            memcpy(&odd[j], &odd_bits, sizeof odd[j]);
-        }
-        for (int r = 0; r < rows; r++) {
-            float x0 = bf16_to_float(x[r * k + 2 * p]), x1 = bf16_to_float(x[r * k + 2 * p + 1]);
-            for (int j = 0; j < blocks; j++) {
-                acc[r][j] += even[j] * x0;
-                acc[r][j] += odd[j] * x1;
-            }
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < blocks; j++)
-            memcpy(sums[r] + j * BLOCK, &acc[r][j], sizeof acc[r][j]);
-#endif
-}
-
-typedef void (*tile_fn)(const uint16_t *, long, long, const uint16_t *, long, float[][TILE_BLOCKS * BLOCK]);
-#define TILE_OF(R, B)                                                                                      \
-    static void tile_##R##_##B(const uint16_t *x, long k, long pairs, const uint16_t *w, long stride,      \
-                               float sums[][TILE_BLOCKS * BLOCK]) {                                        \
-        tile(R, B, x, k, pairs, w, stride, sums);                                                          \
-    }
-#define TILES_OF(B) TILE_OF(1, B) TILE_OF(2, B) TILE_OF(3, B) TILE_OF(4, B) TILE_OF(5, B) TILE_OF(6, B)    \
-    TILE_OF(7, B) TILE_OF(8, B)
-TILES_OF(1)
-TILES_OF(2)
-static const tile_fn TILES[TILE_BLOCKS + 1][TILE_ROWS + 1] = {
-    {0},
-    {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1, tile_7_1, tile_8_1},
-    {0, tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2},
-};
+#include "linear_tiles.h"
 
 /* y [rows, n] bfloat16 = x [rows, k] (contiguous, k even) times the packed weight of n outputs, plus bias
  * ([n] bfloat16, or NULL) in float32 before the rounding. */
 void linear(const uint16_t *x, long rows, long k, const uint16_t *packed, long n, const uint16_t *bias,
             uint16_t *y, int threads) {
-    long pairs = k / 2, stride = pairs * 2 * BLOCK, blocks = (n + BLOCK - 1) / BLOCK;
-    long groups = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    long groups = linear_group_count(n), tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     #pragma omp parallel num_threads(threads) if (groups * tiles > 1)
     {
         /* each thread its own pairs of blocks, no barrier between chunks: with a passive wait policy every
          * barrier is a wake-up, and 32 of them a call cost a 2,048-row call a tenth of its time */
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        long from = groups * me / team, to = groups * (me + 1) / team;
-        for (long chunk = 0; chunk < tiles; chunk += CHUNK_TILES) {
-            long end = chunk + CHUNK_TILES < tiles ? chunk + CHUNK_TILES : tiles;
-            for (long g = from; g < to; g++) {
-                for (long t = chunk; t < end; t++) {
-                    long first = t * TILE_ROWS, block = g * TILE_BLOCKS;
-                    int count = rows - first < TILE_ROWS ? (int)(rows - first) : TILE_ROWS;
-                    int width = blocks - block < TILE_BLOCKS ? (int)(blocks - block) : TILE_BLOCKS;
-                    float sums[TILE_ROWS][TILE_BLOCKS * BLOCK];
-                    TILES[width][count](x + first * k, k, pairs, packed + block * stride, stride, sums);
-                    long outputs = n - block * BLOCK < width * BLOCK ? n - block * BLOCK : width * BLOCK;
-                    for (int r = 0; r < count; r++) {
-                        uint16_t *out = y + (first + r) * n + block * BLOCK;
-                        for (long o = 0; o < outputs; o++)
-                            out[o] = float_to_bf16(sums[r][o] + (bias ? bf16_to_float(bias[block * BLOCK + o]) : 0.f));
-                    }
-                }
-            }
-        }
+        linear_groups(x, rows, k, packed, n, bias, y, groups * me / team, groups * (me + 1) / team);
     }
 }
