@@ -9,10 +9,9 @@ import torch
 
 from halfmoon.engine import native, weights
 from halfmoon.engine.decode_layers import DecodeLayers
-from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.layer_import import LayerImport
 from halfmoon.protocol.sampling import SamplingParams
-from tests.engine.conftest import make_engine, random_prompts
+from tests.engine.conftest import make_engine, random_prompts, tokens_and_logprobs
 
 
 @pytest.fixture
@@ -38,17 +37,6 @@ class CountingLayers:
         return out
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float]]]:
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"r{index}", prompt, params)
-    results: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            results[out.request_id][0].extend(out.new_token_ids)
-            results[out.request_id][1].extend(out.new_logprobs)
-    return list(results.values())
-
-
 @pytest.mark.usefixtures("linear_kernel_everywhere")
 class TestAgainstTheLayersOneByOne:
     @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -61,7 +49,7 @@ class TestAgainstTheLayersOneByOne:
         fused.runner.decode_layers = counting  # type: ignore[assignment]
         apart = make_engine(tiny_llama, dtype="bfloat16")
         apart.runner.decode_layers = None
-        got, want = run(fused, prompts, params), run(apart, prompts, params)
+        got, want = tokens_and_logprobs(fused, prompts, params), tokens_and_logprobs(apart, prompts, params)
         assert counting.steps >= 20  # the decode steps took it; the prompts' steps did not
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
             assert tokens == want_tokens
@@ -97,10 +85,10 @@ class TestWhenItIsTaken:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         streamed: list[int] = []
         engine.layer_export.watch("r0", 0, lambda layer, payloads: streamed.append(layer))
-        run(engine, random_prompts(1000, [20], seed=1), params)
+        tokens_and_logprobs(engine, random_prompts(1000, [20], seed=1), params)
         assert counting.steps == 0 and len(streamed) == 6 * len(engine.runner.layers)  # every step's every layer
         engine.layer_export.forget("r0")
-        run(engine, random_prompts(1000, [20], seed=1), params)
+        tokens_and_logprobs(engine, random_prompts(1000, [20], seed=1), params)
         assert counting.steps == 5  # the steps after the prompt's
 
     def test_an_import_pending_is_work(self) -> None:

@@ -15,7 +15,7 @@ from halfmoon.engine import layer_ops as ops_module
 from halfmoon.engine import native
 from halfmoon.engine.layer_ops import LayerOps, NativeLayerOps, layer_ops
 from halfmoon.protocol.sampling import SamplingParams
-from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts
+from tests.engine.conftest import kernel_sources_alone, make_engine, random_prompts, tokens_and_logprobs
 
 BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16 values
 ROWS = [1, 7, 300]
@@ -136,15 +136,8 @@ class TestFallback:
 
 
 def greedy_with_logprobs(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"r{index}", prompt, params)
-    results: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            results[out.request_id][0].extend(out.new_token_ids)
-            results[out.request_id][1].extend(out.new_logprobs)
-    return list(results.values())
+    return tokens_and_logprobs(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                               logprobs=True))
 
 
 class TestBuild:
