@@ -39,9 +39,14 @@ class CountingLayers:
 
 @pytest.mark.usefixtures("linear_kernel_everywhere")
 class TestAgainstTheLayersOneByOne:
-    @pytest.mark.parametrize("temperature", [0.0, 1.0])
-    def test_tokens_and_logprobs_are_bit_for_bit_the_same(self, tiny_llama: Path, temperature: float) -> None:
-        prompts = random_prompts(1000, [5, 40, 77, 16, 33], seed=7)
+    @pytest.mark.parametrize(("temperature", "lengths"), [
+        (0.0, [5, 40, 77, 16, 33]),
+        (1.0, [5, 40, 77, 16, 33]),
+        (1.0, [3 + 11 * i for i in range(19)]),  # rows in three tiles of the projections
+    ])
+    def test_tokens_and_logprobs_are_bit_for_bit_the_same(self, tiny_llama: Path, temperature: float,
+                                                          lengths: list[int]) -> None:
+        prompts = random_prompts(1000, lengths, seed=7)
         params = SamplingParams(max_tokens=24, temperature=temperature, seed=3, ignore_eos=True, logprobs=True)
         fused = make_engine(tiny_llama, dtype="bfloat16")
         assert fused.runner.decode_layers is not None
