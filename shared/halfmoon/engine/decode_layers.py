@@ -3,7 +3,7 @@
 Why: ``halfmoon up`` runs its engines with OpenMP's passive wait, so that a busy process beside them costs
 its share of the cores and no more (docs/BENCHMARKS.md). Then every parallel region wakes the other
 threads through the kernel, and a decode step made five a layer (the projections and the attention): on a
-2-core machine a quarter of the step went to waking up. The kernel runs all of a step's layers in one
+2-core machine a third of the step went to waking up. The kernel runs all of a step's layers in one
 region, its threads meeting at barriers that spin briefly before they sleep.
 
 It computes what the engine's separate kernels compute, with their code, bit for bit: it is taken only

@@ -3,7 +3,7 @@
  *
  * Why: under the passive wait that `halfmoon up` sets, every parallel region wakes the other threads
  * through the kernel, and a decode step made five a layer (the projections, the attention): about 150
- * wake-ups, a quarter of the step on a 2-core machine. Here the threads wake once a step and meet at
+ * wake-ups, a third of the step on a 2-core machine. Here the threads wake once a step and meet at
  * barriers that spin a few microseconds before they sleep: on a quiet machine the other thread arrives
  * within the spin, and beside a busy process a thread whose partner lost its core sleeps soon and gives
  * its own core up.
@@ -32,7 +32,9 @@
 #include "linear_tiles.h"
 
 /* How long a thread at a barrier spins before it sleeps. A quiet machine's partner arrives within a few
- * microseconds; one that lost its core to another process comes back after milliseconds. */
+ * microseconds; one that lost its core to another process comes back after milliseconds, and spinning for
+ * it keeps a core from it. Of 5, 20 and 100 us, 5 kept nearly all of the quiet gain and was fastest beside
+ * a busy loop (docs/BENCHMARKS.md, "A decode step in one parallel region"). */
 #define SPIN_NS 5000
 
 typedef struct {
