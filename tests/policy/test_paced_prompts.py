@@ -93,6 +93,23 @@ def test_requests_arriving_while_a_paced_prompt_runs_see_it_as_its_target_lets_t
     assert parts.prompt_work_s == pytest.approx((TARGET_S - STEP_S) * 32 + 3.0 + 1.0)
 
 
+def test_a_request_admitted_unpaced_beside_a_paced_prompt_is_predicted_the_steps_its_chunks_share() -> None:
+    """As on the trace: requests placed behind the paced 2,725-token prompt were predicted 45 ms, the step
+    alone, and got 144-223 ms between tokens while its chunks ran in their steps."""
+    pacing = DECODING._replace(queued_prefill_s=4.6, paced_prefill_s=4.6)
+    choice = DECODE.choose([pacing], 300, decode_tokens=32, prompt_s=1.0)
+    assert choice is not None and choice.step_target_s == 0.0
+    assert choice.predicted_tbt_s == pytest.approx(TARGET_S)  # 0.05 + min(4.6 / 32, 0.15 - 0.05)
+    # little paced work left: its share over the request's own tokens
+    little = DECODE.choose([pacing._replace(queued_prefill_s=1.0, paced_prefill_s=1.0)], 300, decode_tokens=64,
+                           prompt_s=1.0)
+    assert little is not None and little.predicted_tbt_s == pytest.approx(STEP_S + 1.0 / 64)
+    # no paced work: the unpaced prompts queued ahead are done by its first token
+    plain = DECODE.choose([pacing._replace(paced_prefill_s=0.0, queued_prefill_s=1.0)], 300, decode_tokens=32,
+                          prompt_s=1.0)
+    assert plain is not None and plain.predicted_tbt_s == pytest.approx(STEP_S)
+
+
 def test_a_prompt_kept_out_by_the_queue_waits_for_it_to_drain_where_it_can_join_paced() -> None:
     """As on the trace: the 2,725-token prompt came 20 ms after nine others of its burst; their prompts
     alone put the decoders past the SLO, and its own alone too, so no wait was expected and it got a 429."""
