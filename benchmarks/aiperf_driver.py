@@ -51,16 +51,19 @@ class RequestSLO:
     itl_ms: float
 
 
-def trace_slice(source: Path, target: Path, offset: int, limit: int, block_size: int, max_output: int) -> Path:
+def trace_slice(source: Path, target: Path, offset: int, limit: int, block_size: int, max_output: int,
+                speedup: float = 1.0) -> Path:
     """The trace's requests ``[offset, offset + limit)`` with their prompts scaled from 512-token blocks to
     ``block_size`` tokens (the hash ids, which aiperf expands, stay) and outputs capped at ``max_output``;
-    timestamps start at 0."""
+    timestamps start at 0 and are divided by ``speedup`` (below 1: the same requests spread out)."""
+    if speedup <= 0:
+        raise ValueError(f"speedup must be positive, got {speedup}")
     rows = [json.loads(line) for line in source.read_text().splitlines()[offset:offset + limit]]
     start = rows[0]["timestamp"] if rows else 0
     scale = block_size / TRACE_BLOCK_TOKENS
     with target.open("w") as out:
         for row in rows:
-            out.write(json.dumps({"timestamp": row["timestamp"] - start,
+            out.write(json.dumps({"timestamp": round((row["timestamp"] - start) / speedup),
                                   "input_length": max(1, math.ceil(row["input_length"] * scale)),
                                   "output_length": max(1, min(max_output, row["output_length"])),
                                   "hash_ids": row["hash_ids"]}) + "\n")

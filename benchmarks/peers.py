@@ -152,7 +152,8 @@ def model_dir(arg: str | None, console: Console) -> Path:
 
 def aiperf_workloads(args: argparse.Namespace, run_dir: Path) -> dict[str, aiperf_driver.AiperfLoad]:
     trace = aiperf_driver.trace_slice(Path(args.trace), run_dir / "trace-slice.jsonl", args.trace_offset,
-                                      args.trace_limit, args.isl_block_size, args.trace_max_output)
+                                      args.trace_limit, args.isl_block_size, args.trace_max_output,
+                                      args.trace_speedup)
     loads = {"fixed": aiperf_driver.AiperfLoad(args.requests, args.concurrency, args.isl, args.osl, args.warmup),
              "trace": aiperf_driver.AiperfLoad(args.trace_limit, trace_file=trace, isl_block_size=args.isl_block_size)}
     return {name: load for name, load in loads.items() if name in args.workloads.split(",")}
@@ -364,7 +365,8 @@ def main() -> None:
     parser.add_argument("--trace", default=DEFAULT_TRACE)
     parser.add_argument("--trace-offset", type=int, default=0)
     parser.add_argument("--trace-limit", type=int, default=48)
-    parser.add_argument("--trace-speedup", type=float, default=1.0)
+    parser.add_argument("--trace-speedup", type=float, default=1.0,
+                        help="divides the trace's arrival times (0.5: the same requests over twice the time)")
     parser.add_argument("--trace-max-output", type=int, default=32, help="cap on the trace's output lengths")
     parser.add_argument("--isl-block-size", type=int, default=16, help="tokens per 512-token trace block")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)

@@ -63,6 +63,8 @@ class TestTraceSlice:
         got = [json.loads(line) for line in sliced.read_text().splitlines()]
         assert [(r["timestamp"], r["input_length"], r["output_length"]) for r in got] == [(0, 212, 32), (1500, 32, 32)]
         assert got[0]["hash_ids"] == rows[1]["hash_ids"]
+        slower = trace_slice(source, tmp_path / "slower.jsonl", 0, 5, 16, 32, speedup=0.5)
+        assert [json.loads(line)["timestamp"] for line in slower.read_text().splitlines()] == [0, 2000, 5000]
 
     def test_the_trace_command_replays_the_schedule(self, tmp_path):
         load = AiperfLoad(8, trace_file=tmp_path / "slice.jsonl", isl_block_size=16)
