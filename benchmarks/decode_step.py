@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode_step --model DIR [--batch 8] [--prompt 512] [--tokens 64] [--rounds 3]
         [--temperature 0] [--unpacked-baseline] [--onednn-baseline] [--pytorch-sampling-baseline]
-        [--layers-apart-baseline]
+        [--layers-apart-baseline] [--linear-kernel-baseline]
 
 ``--batch`` requests of ``--prompt`` random tokens are prefilled (timed apart, in steps of up to 4,096
 tokens), then the decode steps are timed, ``--tokens`` of them per round. Threads and OpenMP come from the environment, so the same command
@@ -14,7 +14,11 @@ own matmul, as float32 ran before 2 December) and alternates rounds between the 
 ``--pytorch-sampling-baseline`` does the same with a second engine that samples with PyTorch's operators
 instead of the sampling kernel (give ``--temperature 1`` to time random sampling);
 ``--layers-apart-baseline`` with a second engine that runs a step's layers one kernel call at a time
-instead of ``kernels/decode_layers.c``'s one call.
+instead of ``kernels/decode_layers.c``'s one call;
+``--linear-kernel-baseline`` with a second engine whose bfloat16 projections are on ``kernels/linear.c`` whatever
+the CPU (its portable path without AVX512-BF16). The engine keeps oneDNN's AMX tiles where the CPU has them, so
+on an AMX CPU this times what the linear kernel, and with it the one-region decode step, would give decode and
+prompt steps there; elsewhere the two engines are the same.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from halfmoon.engine import native, weights
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import LLMEngine
 from halfmoon.engine.sampler import Sampler, choose
@@ -72,6 +77,9 @@ def main() -> None:
                         help="alternate rounds with an engine that samples with PyTorch's operators")
     parser.add_argument("--layers-apart-baseline", action="store_true",
                         help="alternate rounds with an engine that runs the layers one kernel call at a time")
+    parser.add_argument("--linear-kernel-baseline", action="store_true",
+                        help="alternate rounds with an engine whose bfloat16 projections are on the linear kernel "
+                             "whatever the CPU")
     args = parser.parse_args()
     engines = {"packed": make_engine(args)}
     if args.unpacked_baseline:
@@ -87,6 +95,13 @@ def main() -> None:
     if args.layers_apart_baseline:
         engines["layers apart"] = make_engine(args)
         engines["layers apart"].runner.decode_layers = None
+    if args.linear_kernel_baseline:
+        library = native.library("linear")
+        if library is None:
+            parser.error(f"the linear kernel is not built here: {native.loaded('linear').reason}")
+        with mock.patch("halfmoon.engine.weights._kernel_for", lambda weight: weights.LinearKernel(library)
+                        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 else None):
+            engines["linear kernel"] = make_engine(args)
     rng = random.Random(0)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     prefills: dict[str, list[float]] = {name: [] for name in engines}
