@@ -96,11 +96,9 @@ def main() -> None:
         engines["layers apart"] = make_engine(args)
         engines["layers apart"].runner.decode_layers = None
     if args.linear_kernel_baseline:
-        library = native.library("linear")
-        if library is None:
+        if native.library("linear") is None:
             parser.error(f"the linear kernel is not built here: {native.loaded('linear').reason}")
-        with mock.patch("halfmoon.engine.weights._kernel_for", lambda weight: weights.LinearKernel(library)
-                        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 else None):
+        with mock.patch("halfmoon.engine.weights._kernel_for", weights.linear_kernel):
             engines["linear kernel"] = make_engine(args)
     rng = random.Random(0)
     seconds: dict[str, list[float]] = {name: [] for name in engines}

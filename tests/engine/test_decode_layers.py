@@ -18,11 +18,9 @@ from tests.engine.conftest import make_engine, random_prompts, tokens_and_logpro
 def linear_kernel_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 projections on kernels/linear.c whatever the CPU (its portable path where there is no
     AVX512-BF16), so that the layers kernel is taken here too."""
-    library = native.library("linear")
-    if library is None or native.library("decode_layers") is None:
+    if native.library("linear") is None or native.library("decode_layers") is None:
         pytest.skip(f"no C kernels here: {native.loaded('decode_layers').reason or native.loaded('linear').reason}")
-    monkeypatch.setattr(weights, "_kernel_for", lambda weight: weights.LinearKernel(library)
-                        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 else None)
+    monkeypatch.setattr(weights, "_kernel_for", weights.linear_kernel)
 
 
 class CountingLayers:

@@ -63,12 +63,19 @@ def _kernel_for(weight: torch.Tensor) -> LinearKernel | None:
     """The kernel for bfloat16 on a CPU with AVX512-BF16 but no AMX. There, at a decode step's 8 rows,
     oneDNN read SmolLM2's weights at 13-19 GB/s where the machine copies at 32-34. With AMX, oneDNN's
     tiles multiply a prompt's rows several times faster than the kernel's vector products can."""
-    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 2
-            or not cpu_has_bf16() or "amx_bf16" in kernel_build.cpu_flags()):
+    if not cpu_has_bf16() or "amx_bf16" in kernel_build.cpu_flags():
+        return None
+    return linear_kernel(weight)
+
+
+def linear_kernel(weight: torch.Tensor) -> LinearKernel | None:
+    """``kernels/linear.c`` for a bfloat16 CPU weight whatever the CPU's instructions (its portable path
+    without AVX512-BF16; None: another weight, or the kernel not built). Tests and benchmarks put every
+    engine's projections on it by standing it in for ``_kernel_for``."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] % 2:
         return None
     library = native.library("linear")
     return LinearKernel(library) if library is not None else None
-
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
